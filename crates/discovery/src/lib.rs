@@ -1,0 +1,296 @@
+//! oar's coordination layer: leases, keys, prefix watches and fenced locks,
+//! as one [`Discovery`] trait with etcd-compatible semantics.
+//!
+//! Every process of a job (master, pservers, trainers) finds the others and
+//! survives crashes through this trait. [`MemDiscovery`] is the in-process
+//! backend (the embedded default and the reference for tests); an etcd
+//! backend implements the same trait and passes the same
+//! [`conformance`] suite (see [`discovery_conformance!`]).
+//!
+//! Semantics, shared by every backend (they are etcd's):
+//!
+//! - One global store **revision**, raised by every write. A key remembers the
+//!   revision that created it (`create_revision`, kept across updates) and the
+//!   one that last changed it (`mod_revision`). An empty store is at revision
+//!   1, so the first write gets revision 2.
+//! - A **lease** has a time to live; keys put with it are deleted (one
+//!   `Delete` event each) when it expires or is revoked. `keep_alive`
+//!   refreshes it. etcd rounds the ttl up to whole seconds and to its minimum
+//!   lease ttl (about 2 s with default settings); [`MemDiscovery`] keeps the
+//!   `Duration` exactly as given.
+//! - A **watch** on a prefix delivers every event whose revision is at least
+//!   the starting one, in revision order, so `get_prefix` followed by
+//!   `watch_prefix(prefix, listing.revision + 1)` sees every change without a
+//!   gap. History that is no longer kept gives [`Error::Compacted`].
+//! - A **lock** is a key created only if absent with the holder's lease; its
+//!   [`Fence`] is the key plus its `create_revision`. Fenced writes succeed only
+//!   while that same incarnation of the key exists, so a holder whose lease
+//!   expired cannot write even after someone else re-took the lock.
+//!
+//! [`Session`] keeps a lease alive in the background and reports when it is
+//! lost.
+//!
+//! # Example
+//!
+//! ```
+//! use std::time::Duration;
+//! use oar_discovery::{Discovery, MemDiscovery};
+//!
+//! # #[tokio::main(flavor = "current_thread")]
+//! # async fn main() -> oar_discovery::Result<()> {
+//! let d = MemDiscovery::new();
+//! let lease = d.grant_lease(Duration::from_secs(10)).await?;
+//! d.put("/oar/job/trainer/1", b"10.0.0.1:7000".to_vec(), Some(lease)).await?;
+//! d.put("/oar/job/trainer/2", b"10.0.0.2:7000".to_vec(), Some(lease)).await?;
+//!
+//! let trainers = d.get_prefix("/oar/job/trainer/").await?;
+//! assert_eq!(trainers.kvs.len(), 2);
+//! assert_eq!(trainers.kvs[0].key, "/oar/job/trainer/1");
+//!
+//! // Become master, then write the job state only while still master.
+//! let fence = d
+//!     .lock("/oar/job/master/lock", b"master-a".to_vec(), lease, Duration::from_secs(1))
+//!     .await?;
+//! d.put_fenced(&fence, "/oar/job/master/state", b"snapshot".to_vec()).await?;
+//!
+//! // Once the lease is gone, the fence no longer holds.
+//! d.revoke_lease(lease).await?;
+//! let lost = d.put_fenced(&fence, "/oar/job/master/state", b"late".to_vec()).await;
+//! assert!(matches!(lost, Err(oar_discovery::Error::FenceLost { .. })));
+//! # Ok(())
+//! # }
+//! ```
+#![warn(missing_docs)]
+
+use std::time::Duration;
+
+use async_trait::async_trait;
+use tokio::sync::mpsc;
+
+pub mod conformance;
+mod error;
+mod keys;
+mod mem;
+mod session;
+
+pub use error::{Error, Result};
+pub use keys::JobKeys;
+pub use mem::{MemDiscovery, DEFAULT_HISTORY_BYTES, DEFAULT_HISTORY_EVENTS};
+pub use session::Session;
+
+/// Identifies a lease (etcd's lease id; never 0).
+pub type LeaseId = i64;
+/// A store revision: raised by one for every write.
+pub type Revision = i64;
+
+/// One key with its value and its revisions.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct KeyValue {
+    /// The full key.
+    pub key: String,
+    /// The value, uninterpreted.
+    pub value: Vec<u8>,
+    /// Revision of the write that created this key (kept across updates).
+    pub create_revision: Revision,
+    /// Revision of the last write to this key.
+    pub mod_revision: Revision,
+    /// The lease the key is attached to, if any.
+    pub lease: Option<LeaseId>,
+}
+
+/// The keys under a prefix at one revision.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Listing {
+    /// The keys, sorted by key.
+    pub kvs: Vec<KeyValue>,
+    /// The store revision the read saw; watch from `revision + 1` to continue
+    /// without a gap.
+    pub revision: Revision,
+}
+
+/// Proof of holding a lock: writes made with it succeed only while the lock
+/// key still exists with this `create_revision`.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Fence {
+    /// The lock key.
+    pub key: String,
+    /// The `create_revision` of the lock key when it was taken.
+    pub revision: Revision,
+    /// The lease the lock key is attached to.
+    pub lease: LeaseId,
+}
+
+/// A change seen by a watch.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum WatchEvent {
+    /// A key was created or updated; the `KeyValue` is its new state.
+    Put(KeyValue),
+    /// A key was deleted (explicitly, or because its lease ended).
+    Delete {
+        /// The deleted key.
+        key: String,
+        /// The revision of the deletion.
+        mod_revision: Revision,
+    },
+}
+
+impl WatchEvent {
+    /// The key the event is about.
+    pub fn key(&self) -> &str {
+        match self {
+            WatchEvent::Put(kv) => &kv.key,
+            WatchEvent::Delete { key, .. } => key,
+        }
+    }
+
+    /// The revision of the write that caused the event.
+    pub fn revision(&self) -> Revision {
+        match self {
+            WatchEvent::Put(kv) => kv.mod_revision,
+            WatchEvent::Delete { mod_revision, .. } => *mod_revision,
+        }
+    }
+}
+
+/// The events of one watch, in revision order.
+///
+/// Dropping it cancels the watch. A backend feeds it through a bounded
+/// channel, so a slow reader slows only its own watch; an `Err` item (for
+/// instance [`Error::Compacted`] when the reader fell behind the kept history)
+/// is the last one.
+#[derive(Debug)]
+pub struct WatchStream {
+    rx: mpsc::Receiver<Result<WatchEvent>>,
+}
+
+impl WatchStream {
+    /// Wraps the receiving end that a backend's watch task sends into; the
+    /// task should stop once the sender reports the channel closed.
+    pub fn new(rx: mpsc::Receiver<Result<WatchEvent>>) -> Self {
+        WatchStream { rx }
+    }
+
+    /// The next event; `None` once the watch has ended (the backend is gone,
+    /// or an error was delivered).
+    pub async fn next(&mut self) -> Option<Result<WatchEvent>> {
+        self.rx.recv().await
+    }
+}
+
+/// What oar needs from etcd; implemented by [`MemDiscovery`] and the etcd
+/// backend, both checked by the [`conformance`] suite.
+#[async_trait]
+pub trait Discovery: Send + Sync + 'static {
+    /// Grants a lease that lives `ttl` unless refreshed. A zero ttl is
+    /// [`Error::InvalidArgument`]. etcd rounds the ttl up to whole seconds
+    /// (and to its minimum ttl); [`MemDiscovery`] keeps it exactly.
+    async fn grant_lease(&self, ttl: Duration) -> Result<LeaseId>;
+
+    /// Refreshes the lease once (its deadline becomes now + ttl).
+    /// [`Error::LeaseNotFound`] if it expired or was revoked.
+    async fn keep_alive(&self, lease: LeaseId) -> Result<()>;
+
+    /// Ends the lease now and deletes its keys (watchers see a `Delete` for
+    /// each). [`Error::LeaseNotFound`] if it is already gone.
+    async fn revoke_lease(&self, lease: LeaseId) -> Result<()>;
+
+    /// Writes `key`, attached to `lease` (or to none, detaching it from a
+    /// previous lease). Returns the write's revision.
+    /// [`Error::LeaseNotFound`] if the lease is unknown or expired.
+    async fn put(&self, key: &str, value: Vec<u8>, lease: Option<LeaseId>) -> Result<Revision>;
+
+    /// Reads one key.
+    async fn get(&self, key: &str) -> Result<Option<KeyValue>>;
+
+    /// Reads every key starting with `prefix` (byte-wise; `"a/"` does not
+    /// match `"ab"`), sorted, with the revision of the read. An empty prefix
+    /// lists everything.
+    async fn get_prefix(&self, prefix: &str) -> Result<Listing>;
+
+    /// Deletes `key`; `true` if it existed. Deleting a missing key writes
+    /// nothing (the revision does not move).
+    async fn delete(&self, key: &str) -> Result<bool>;
+
+    /// Creates `key` only if it does not exist, in one transaction.
+    /// `Some(create revision)` if created, `None` if the key existed (the
+    /// lease is then not checked, as in an etcd transaction's else branch).
+    async fn create_if_absent(
+        &self,
+        key: &str,
+        value: Vec<u8>,
+        lease: Option<LeaseId>,
+    ) -> Result<Option<Revision>>;
+
+    /// Watches every key under `prefix`, delivering every event with
+    /// revision `>= from_revision` in order. `from_revision == 0` means "from
+    /// the next write"; a revision older than the kept history is
+    /// [`Error::Compacted`].
+    async fn watch_prefix(&self, prefix: &str, from_revision: Revision) -> Result<WatchStream>;
+
+    /// Writes `key` (without a lease) in one transaction that succeeds only
+    /// if `fence.key` exists with `create_revision == fence.revision`;
+    /// otherwise [`Error::FenceLost`].
+    async fn put_fenced(&self, fence: &Fence, key: &str, value: Vec<u8>) -> Result<Revision>;
+
+    /// Deletes `key` under the same guard as [`Discovery::put_fenced`];
+    /// `true` if it existed.
+    async fn delete_fenced(&self, fence: &Fence, key: &str) -> Result<bool>;
+
+    /// Takes the lock at `key` for `lease`, with `holder` as its value.
+    ///
+    /// Tries `create_if_absent`; while another lease holds the key, watches
+    /// it for its deletion and tries again, for up to `timeout` after the
+    /// first try ([`Error::Timeout`] naming the key). If `lease` itself
+    /// already holds the key, returns that fence (the lock is re-entrant per
+    /// lease, as etcd's own lock is per session). Written once for every
+    /// backend.
+    async fn lock(&self, key: &str, holder: Vec<u8>, lease: LeaseId, timeout: Duration) -> Result<Fence> {
+        let deadline = tokio::time::Instant::now() + timeout;
+        loop {
+            if let Some(revision) = self.create_if_absent(key, holder.clone(), Some(lease)).await? {
+                return Ok(Fence { key: key.to_string(), revision, lease });
+            }
+            // Held: find the current incarnation (it may have changed since).
+            let Some(current) = self.get(key).await? else {
+                continue;
+            };
+            if current.lease == Some(lease) {
+                return Ok(Fence { key: key.to_string(), revision: current.create_revision, lease });
+            }
+            let timed_out = || Error::Timeout {
+                what: format!(
+                    "lock {key:?} (held by lease {})",
+                    current.lease.map_or("none".to_string(), |l| l.to_string())
+                ),
+                after: timeout,
+            };
+            if tokio::time::Instant::now() >= deadline {
+                return Err(timed_out());
+            }
+            // Watching from just after the write we saw cannot miss its deletion.
+            let mut watch = match self.watch_prefix(key, current.mod_revision + 1).await {
+                Ok(watch) => watch,
+                Err(Error::Compacted { .. }) => continue,
+                Err(e) => return Err(e),
+            };
+            loop {
+                match tokio::time::timeout_at(deadline, watch.next()).await {
+                    Err(_) => return Err(timed_out()),
+                    Ok(None) => return Err(Error::Closed),
+                    Ok(Some(Err(Error::Compacted { .. }))) => break,
+                    Ok(Some(Err(e))) => return Err(e),
+                    Ok(Some(Ok(WatchEvent::Delete { key: deleted, .. }))) if deleted == key => break,
+                    Ok(Some(Ok(_))) => {}
+                }
+            }
+        }
+    }
+}
+
+/// Rejects the empty key, which no backend can store.
+pub(crate) fn check_key(key: &str) -> Result<()> {
+    if key.is_empty() {
+        return Err(Error::InvalidArgument("key must not be empty".to_string()));
+    }
+    Ok(())
+}

@@ -1,0 +1,288 @@
+//! The crate's one error type.
+
+use crate::placement::BlockId;
+
+/// Everything that can go wrong in `oar-pserver`. Each message names what was
+/// wrong (which parameter, block, trainer) and the numbers involved.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum Error {
+    /// A model must have at least one parameter.
+    #[error("the model has no parameters")]
+    NoParams,
+    /// A parameter name is empty.
+    #[error("parameter #{index} has an empty name")]
+    EmptyName {
+        /// Position of the parameter in the spec list.
+        index: usize,
+    },
+    /// Two parameters share a name.
+    #[error("parameter name {name:?} is used twice (#{first} and #{second})")]
+    DuplicateName {
+        /// The repeated name.
+        name: String,
+        /// Position of the first use.
+        first: usize,
+        /// Position of the second use.
+        second: usize,
+    },
+    /// A dimension of a shape is zero.
+    #[error("parameter {name:?} has a zero dimension in shape {shape:?}")]
+    ZeroDim {
+        /// Parameter name.
+        name: String,
+        /// The offending shape.
+        shape: Vec<usize>,
+    },
+    /// The element count of a shape does not fit in `usize`.
+    #[error("parameter {name:?}: shape {shape:?} has more elements than fit in usize")]
+    ShapeOverflow {
+        /// Parameter name.
+        name: String,
+        /// The offending shape.
+        shape: Vec<usize>,
+    },
+    /// An initialiser has a bad value (non-finite, negative std, low > high).
+    #[error("parameter {name:?}: bad initialiser: {reason}")]
+    BadInit {
+        /// Parameter name.
+        name: String,
+        /// What is wrong with it.
+        reason: String,
+    },
+    /// A placement needs at least one server.
+    #[error("a placement needs at least one server, got 0")]
+    NoServers,
+    /// A placement needs a positive block size.
+    #[error("block size must be at least 1, got 0")]
+    ZeroBlockSize,
+    /// Block or parameter numbers do not fit in a `u32` [`BlockId`].
+    #[error("parameter {name:?} needs {blocks} blocks (or the model {params} parameters); at most {max} fit in a block id")]
+    TooManyBlocks {
+        /// Parameter name.
+        name: String,
+        /// Number of blocks the parameter would need.
+        blocks: usize,
+        /// Number of parameters of the model.
+        params: usize,
+        /// The largest allowed count.
+        max: u64,
+    },
+    /// A server (shard) index outside the placement.
+    #[error("server {server} is out of range: the placement has {servers} servers")]
+    ServerOutOfRange {
+        /// The requested index.
+        server: u32,
+        /// Number of servers in the placement.
+        servers: u32,
+    },
+    /// An optimizer hyper-parameter is out of range.
+    #[error("optimizer {optimizer}: {field} = {value} is invalid: {expected}")]
+    BadOptimizer {
+        /// Optimizer name.
+        optimizer: &'static str,
+        /// Which hyper-parameter.
+        field: &'static str,
+        /// The value given.
+        value: f32,
+        /// What a valid value looks like.
+        expected: &'static str,
+    },
+    /// An optimizer name that is not built in.
+    #[error("unknown optimizer {name:?}; valid names: {valid}")]
+    UnknownOptimizer {
+        /// The name given.
+        name: String,
+        /// Comma-separated list of valid names.
+        valid: String,
+    },
+    /// A read or restore of a block this server does not hold.
+    #[error("block {block} is not held by server {server}")]
+    BlockNotHeld {
+        /// The block asked for.
+        block: BlockId,
+        /// This server's index.
+        server: u32,
+    },
+    /// A push carries a gradient for a block this server does not hold.
+    #[error("push from trainer {trainer:?}: block {block} is not held by server {server}")]
+    PushBlockNotHeld {
+        /// The pushing trainer.
+        trainer: String,
+        /// The foreign block.
+        block: BlockId,
+        /// This server's index.
+        server: u32,
+    },
+    /// A push carries the same block twice.
+    #[error("push from trainer {trainer:?}: block {block} appears more than once")]
+    DuplicateBlock {
+        /// The pushing trainer.
+        trainer: String,
+        /// The repeated block.
+        block: BlockId,
+    },
+    /// A push lacks a block this server holds.
+    #[error("push from trainer {trainer:?}: block {block} of server {server} is missing (push has {got} blocks, the server holds {expected})")]
+    MissingBlock {
+        /// The pushing trainer.
+        trainer: String,
+        /// The first missing block.
+        block: BlockId,
+        /// This server's index.
+        server: u32,
+        /// Number of blocks the server holds.
+        expected: usize,
+        /// Number of blocks in the push.
+        got: usize,
+    },
+    /// A gradient's length does not match its block.
+    #[error(
+        "push from trainer {trainer:?}: gradient for block {block} has {got} values, expected {expected}"
+    )]
+    GradLength {
+        /// The pushing trainer.
+        trainer: String,
+        /// The block.
+        block: BlockId,
+        /// The block's length.
+        expected: usize,
+        /// The gradient's length.
+        got: usize,
+    },
+    /// A gradient holds NaN or an infinity.
+    #[error("push from trainer {trainer:?}: gradient for block {block} has non-finite value {value} at index {index}")]
+    NonFiniteGrad {
+        /// The pushing trainer.
+        trainer: String,
+        /// The block.
+        block: BlockId,
+        /// Index inside the block.
+        index: usize,
+        /// The value found.
+        value: f32,
+    },
+    /// A push weight that is not a finite positive number.
+    #[error("push from trainer {trainer:?}: weight {weight} must be finite and > 0")]
+    BadWeight {
+        /// The pushing trainer.
+        trainer: String,
+        /// The weight given.
+        weight: f32,
+    },
+    /// Sync mode: a push for a step that is already applied.
+    #[error("push from trainer {trainer:?} is for step {got}, but the server is at step {current}: pull and recompute")]
+    StaleStep {
+        /// The pushing trainer.
+        trainer: String,
+        /// The push's step.
+        got: u64,
+        /// The server's current step.
+        current: u64,
+    },
+    /// Sync mode: a push for a step the server has not reached.
+    #[error("push from trainer {trainer:?} is for step {got}, but the server is only at step {current}")]
+    FutureStep {
+        /// The pushing trainer.
+        trainer: String,
+        /// The push's step.
+        got: u64,
+        /// The server's current step.
+        current: u64,
+    },
+    /// Sync mode: the trainer already has a gradient buffered for this step
+    /// under an older sequence number.
+    #[error("push from trainer {trainer:?} (seq {seq}): a gradient for step {step} is already buffered (seq {buffered_seq})")]
+    AlreadyBuffered {
+        /// The pushing trainer.
+        trainer: String,
+        /// The step.
+        step: u64,
+        /// The new push's sequence number.
+        seq: u64,
+        /// Sequence number of the buffered push.
+        buffered_seq: u64,
+    },
+    /// A restored block or optimizer state has the wrong length.
+    #[error("restore of block {block}: {what} has {got} values, expected {expected}")]
+    RestoreLength {
+        /// The block.
+        block: BlockId,
+        /// `"parameters"` or `"optimizer slots"`.
+        what: &'static str,
+        /// The expected length.
+        expected: usize,
+        /// The length given.
+        got: usize,
+    },
+    /// A restored block holds NaN or an infinity.
+    #[error("restore of block {block}: {what} has non-finite value {value} at index {index}")]
+    RestoreNonFinite {
+        /// The block.
+        block: BlockId,
+        /// `"parameters"` or `"optimizer slots"`.
+        what: &'static str,
+        /// Index of the value.
+        index: usize,
+        /// The value found.
+        value: f32,
+    },
+    /// The job's configuration is inconsistent.
+    #[error("bad configuration: {0}")]
+    Config(String),
+    /// No `ps/<index>` below the pserver count became free in time.
+    #[error("no free pserver index below {servers} after waiting {waited:?}: are {servers} pservers already running?")]
+    NoFreeIndex {
+        /// The job's pserver count.
+        servers: u32,
+        /// How long the pserver waited.
+        waited: std::time::Duration,
+    },
+    /// Some shards never published an address.
+    #[error("pserver shards {missing:?} did not come up within {waited:?}")]
+    ServersMissing {
+        /// The missing shard indexes.
+        missing: Vec<u32>,
+        /// How long the client waited.
+        waited: std::time::Duration,
+    },
+    /// A shard has no address in discovery right now (it is restarting).
+    #[error("pserver shard {index} is away: {key} is not set")]
+    ShardAway {
+        /// The shard.
+        index: u32,
+        /// Its discovery key.
+        key: String,
+    },
+    /// Sync mode: a shard did not reach the awaited step in time.
+    #[error("shards {shards:?} did not complete the sync step within {waited:?}")]
+    BarrierTimeout {
+        /// The shards still waiting.
+        shards: Vec<u32>,
+        /// How long the client waited.
+        waited: std::time::Duration,
+    },
+    /// A pserver answered something that makes no sense for the request.
+    #[error("pserver protocol error: {0}")]
+    Protocol(String),
+    /// A discovery operation failed.
+    #[error(transparent)]
+    Discovery(#[from] oar_discovery::Error),
+    /// A call failed.
+    #[error(transparent)]
+    Transport(#[from] oar_transport::Error),
+}
+
+/// The crate's result type.
+pub type Result<T> = std::result::Result<T, Error>;
+
+impl oar_transport::Transient for Error {
+    fn is_transient(&self) -> bool {
+        match self {
+            Error::Transport(e) => e.is_transient(),
+            Error::ShardAway { .. } => true,
+            Error::Discovery(e) => e.is_transient(),
+            _ => false,
+        }
+    }
+}

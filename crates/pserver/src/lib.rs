@@ -1,0 +1,85 @@
+//! oar's parameter servers.
+//!
+//! A model is a list of named parameters ([`ParamSpec`]). A [`Placement`]
+//! cuts each parameter into blocks of at most `block_size` elements and
+//! spreads the blocks over N pserver shards by size, deterministically, so a
+//! client and every server compute the same placement from the same inputs
+//! (and compare [`Placement::fingerprint`] to be sure).
+//!
+//! Each pserver keeps a [`ParamStore`] for its shard: the parameters of its
+//! blocks, initialised by [`init_values`] (which depends only on the seed, the
+//! parameter name and the element index, so the model is the same for any
+//! number of servers), and their [`OptimizerState`]. Trainers [`Push`]
+//! gradients; the store applies them with an [`Optimizer`] (SGD, momentum,
+//! AdaGrad and Adam built in, see [`OptimizerConfig`]):
+//!
+//! - [`Mode::Async`]: every push is applied on arrival.
+//! - [`Mode::Sync`]: for step n the store waits for a push from every member
+//!   trainer, combines them as a weighted mean summed in trainer-id order
+//!   (so K trainers on batches `b_1..b_K` give one update with the mean
+//!   gradient of their union, whatever the arrival order), applies it once
+//!   and moves to step n+1. A trainer that dies [`leave`](ParamStore::leave)s
+//!   the barrier instead of hanging it.
+//!
+//! Every push carries `(trainer, seq)`; a retried push is acknowledged as a
+//! [`PushOutcome::Duplicate`] and applied once. A bad push (wrong block,
+//! wrong length, NaN, bad weight, wrong step) is rejected with an [`Error`]
+//! naming what was wrong, before anything changes.
+//!
+//! This crate's core ([`spec`], [`placement`], [`optimizer`], [`store`]) does
+//! no I/O and reads no clock.
+//!
+//! ```
+//! use oar_pserver::{
+//!     BlockId, Init, Mode, OptimizerConfig, ParamSpec, ParamStore, Placement, Push, PushOutcome,
+//! };
+//!
+//! let specs = vec![
+//!     ParamSpec::new("w", vec![4, 3], Init::Uniform { low: -0.1, high: 0.1 }),
+//!     ParamSpec::new("b", vec![3], Init::Zeros),
+//! ];
+//! // Blocks of at most 5 elements over 2 shards: w -> 5+5+2, b -> 3.
+//! let placement = Placement::new(&specs, 2, 5)?;
+//! assert_eq!(placement.blocks().len(), 4);
+//!
+//! // The store of shard 1, applying SGD on arrival.
+//! let sgd = OptimizerConfig::parse("sgd", 0.5)?.build()?;
+//! let mut store = ParamStore::new(&placement, 1, 42, sgd, Mode::Async)?;
+//! let held: Vec<BlockId> = store.block_ids().collect();
+//! let before: Vec<Vec<f32>> = held.iter().map(|&id| store.block(id).map(<[f32]>::to_vec)).collect::<Result<_, _>>()?;
+//!
+//! // A trainer pushes a gradient of ones for every block of this shard.
+//! let grads = placement.blocks_on(1).map(|b| (b.id, vec![1.0; b.len])).collect();
+//! let push = Push { trainer: "trainer-0".into(), seq: 1, step: 0, weight: 1.0, grads };
+//! assert_eq!(store.push(push.clone())?, PushOutcome::Applied { step: 1 });
+//! // A retry of the same push is not applied twice.
+//! assert_eq!(store.push(push)?, PushOutcome::Duplicate);
+//!
+//! for (id, old) in held.iter().zip(&before) {
+//!     let now = store.block(*id)?;
+//!     assert!(now.iter().zip(old).all(|(n, o)| *n == *o - 0.5));
+//! }
+//! # Ok::<(), oar_pserver::Error>(())
+//! ```
+#![warn(missing_docs)]
+
+pub mod client;
+pub mod error;
+pub mod optimizer;
+pub mod placement;
+pub mod protocol;
+pub mod rng;
+pub mod service;
+pub mod spec;
+pub mod store;
+
+pub use client::{PserverClient, PushResult};
+pub use error::{Error, Result};
+pub use optimizer::{
+    AdaGrad, Adam, Momentum, Optimizer, OptimizerConfig, OptimizerState, Sgd, OPTIMIZER_NAMES,
+};
+pub use placement::{BlockId, BlockInfo, Placement};
+pub use rng::{hash_str, SplitMix64};
+pub use service::{Pserver, PserverOptions};
+pub use spec::{init_values, validate_specs, Init, ParamBuf, ParamSpec};
+pub use store::{Mode, ParamStore, Push, PushOutcome};

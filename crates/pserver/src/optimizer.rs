@@ -1,0 +1,420 @@
+//! Update rules run on the pservers: the [`Optimizer`] trait and the built-in
+//! SGD, momentum, AdaGrad and Adam.
+//!
+//! The loops are written over plain slices with `zip`, without indexing, so
+//! the compiler can vectorise them.
+
+use serde::{Deserialize, Serialize};
+
+use crate::error::{Error, Result};
+
+/// Per-block optimizer state: the number of updates applied and the
+/// optimizer's slot arrays (checkpointed with the parameters).
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct OptimizerState {
+    /// Updates applied to this block so far.
+    pub step: u64,
+    /// `state_slots() * len` values; slot `k` is `slots[k * len .. (k + 1) * len]`.
+    pub slots: Vec<f32>,
+}
+
+/// An update rule. The user's own rule implements this and runs on the pservers.
+pub trait Optimizer: Send + Sync + 'static {
+    /// Short name, for logs and checkpoints.
+    fn name(&self) -> &str;
+
+    /// Number of per-element state arrays (0 for SGD, 2 for Adam).
+    fn state_slots(&self) -> usize;
+
+    /// Apply one update: `params -= f(grad, state)`. Called once per combined
+    /// gradient; increments `state.step`.
+    ///
+    /// The store guarantees `grad.len() == params.len()` and
+    /// `state.slots.len() == state_slots() * params.len()`; the built-in rules
+    /// update only the common prefix if that is ever broken, and never panic.
+    fn apply(&self, params: &mut [f32], grad: &[f32], state: &mut OptimizerState);
+
+    /// Fresh state for a block of `len` elements: step 0, all slots zero.
+    fn new_state(&self, len: usize) -> OptimizerState {
+        OptimizerState { step: 0, slots: vec![0.0; self.state_slots().saturating_mul(len)] }
+    }
+}
+
+/// Split the state into slot 0 and slot 1 of `len` elements each (shorter if
+/// the state is short).
+fn two_slots(slots: &mut [f32], len: usize) -> (&mut [f32], &mut [f32]) {
+    let (a, b) = slots.split_at_mut(len.min(slots.len()));
+    (a, b)
+}
+
+/// Plain stochastic gradient descent: `p -= lr * g`.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Sgd {
+    /// Learning rate.
+    pub lr: f32,
+}
+
+impl Optimizer for Sgd {
+    fn name(&self) -> &str {
+        "sgd"
+    }
+    fn state_slots(&self) -> usize {
+        0
+    }
+    fn apply(&self, params: &mut [f32], grad: &[f32], state: &mut OptimizerState) {
+        let lr = self.lr;
+        for (p, &g) in params.iter_mut().zip(grad) {
+            *p -= lr * g;
+        }
+        state.step += 1;
+    }
+}
+
+/// SGD with (heavy-ball) momentum: `v = momentum * v + g; p -= lr * v`
+/// (the PyTorch formulation; slot 0 is `v`).
+#[derive(Clone, Debug, PartialEq)]
+pub struct Momentum {
+    /// Learning rate.
+    pub lr: f32,
+    /// Momentum coefficient in `[0, 1)`.
+    pub momentum: f32,
+}
+
+impl Optimizer for Momentum {
+    fn name(&self) -> &str {
+        "momentum"
+    }
+    fn state_slots(&self) -> usize {
+        1
+    }
+    fn apply(&self, params: &mut [f32], grad: &[f32], state: &mut OptimizerState) {
+        let (lr, mu) = (self.lr, self.momentum);
+        for ((p, &g), v) in params.iter_mut().zip(grad).zip(state.slots.iter_mut()) {
+            *v = mu * *v + g;
+            *p -= lr * *v;
+        }
+        state.step += 1;
+    }
+}
+
+/// AdaGrad: `h += g^2; p -= lr * g / (sqrt(h) + eps)` (slot 0 is `h`).
+#[derive(Clone, Debug, PartialEq)]
+pub struct AdaGrad {
+    /// Learning rate.
+    pub lr: f32,
+    /// Added to the denominator for stability.
+    pub eps: f32,
+}
+
+impl Optimizer for AdaGrad {
+    fn name(&self) -> &str {
+        "adagrad"
+    }
+    fn state_slots(&self) -> usize {
+        1
+    }
+    fn apply(&self, params: &mut [f32], grad: &[f32], state: &mut OptimizerState) {
+        let (lr, eps) = (self.lr, self.eps);
+        for ((p, &g), h) in params.iter_mut().zip(grad).zip(state.slots.iter_mut()) {
+            *h += g * g;
+            *p -= lr * g / (h.sqrt() + eps);
+        }
+        state.step += 1;
+    }
+}
+
+/// Adam (Kingma & Ba) with bias correction. At step `t` (1-based):
+/// `m = b1 m + (1-b1) g; v = b2 v + (1-b2) g^2;
+/// p -= lr * (m / (1-b1^t)) / (sqrt(v / (1-b2^t)) + eps)`. Slot 0 is `m`, slot 1 is `v`.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Adam {
+    /// Learning rate.
+    pub lr: f32,
+    /// Decay of the first moment, in `[0, 1)`.
+    pub beta1: f32,
+    /// Decay of the second moment, in `[0, 1)`.
+    pub beta2: f32,
+    /// Added to the denominator for stability.
+    pub eps: f32,
+}
+
+impl Optimizer for Adam {
+    fn name(&self) -> &str {
+        "adam"
+    }
+    fn state_slots(&self) -> usize {
+        2
+    }
+    fn apply(&self, params: &mut [f32], grad: &[f32], state: &mut OptimizerState) {
+        let t = state.step.saturating_add(1);
+        // Bias corrections in f64: b^t for large t underflows gracefully to 0.
+        let t_exp = t.min(i32::MAX as u64) as i32;
+        let bc1 = 1.0 - f64::from(self.beta1).powi(t_exp);
+        let bc2 = 1.0 - f64::from(self.beta2).powi(t_exp);
+        let step_size = (f64::from(self.lr) / bc1) as f32;
+        let inv_bc2 = (1.0 / bc2) as f32;
+        let (b1, b2, eps) = (self.beta1, self.beta2, self.eps);
+        let (c1, c2) = (1.0 - b1, 1.0 - b2);
+        let (m, v) = two_slots(&mut state.slots, params.len());
+        for (((p, &g), m), v) in params.iter_mut().zip(grad).zip(m.iter_mut()).zip(v.iter_mut()) {
+            *m = b1 * *m + c1 * g;
+            *v = b2 * *v + c2 * (g * g);
+            *p -= step_size * *m / ((*v * inv_bc2).sqrt() + eps);
+        }
+        state.step = t;
+    }
+}
+
+/// A built-in optimizer and its hyper-parameters, as carried in a job's config.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub enum OptimizerConfig {
+    /// [`Sgd`].
+    Sgd {
+        /// Learning rate.
+        lr: f32,
+    },
+    /// [`Momentum`].
+    Momentum {
+        /// Learning rate.
+        lr: f32,
+        /// Momentum coefficient.
+        momentum: f32,
+    },
+    /// [`AdaGrad`].
+    AdaGrad {
+        /// Learning rate.
+        lr: f32,
+        /// Stabiliser.
+        eps: f32,
+    },
+    /// [`Adam`].
+    Adam {
+        /// Learning rate.
+        lr: f32,
+        /// First-moment decay.
+        beta1: f32,
+        /// Second-moment decay.
+        beta2: f32,
+        /// Stabiliser.
+        eps: f32,
+    },
+}
+
+/// Names accepted by [`OptimizerConfig::parse`].
+pub const OPTIMIZER_NAMES: &[&str] = &["sgd", "momentum", "adagrad", "adam"];
+
+impl OptimizerConfig {
+    /// The optimizer's name, as accepted by [`OptimizerConfig::parse`].
+    pub fn name(&self) -> &'static str {
+        match self {
+            Self::Sgd { .. } => "sgd",
+            Self::Momentum { .. } => "momentum",
+            Self::AdaGrad { .. } => "adagrad",
+            Self::Adam { .. } => "adam",
+        }
+    }
+
+    /// Check the hyper-parameters: `lr` finite and `> 0`, `momentum` and betas
+    /// in `[0, 1)`, `eps` finite and `> 0`.
+    pub fn validate(&self) -> Result<()> {
+        let optimizer = self.name();
+        let bad = |field, value, expected| Error::BadOptimizer { optimizer, field, value, expected };
+        let lr_ok = |lr: f32| {
+            if lr.is_finite() && lr > 0.0 {
+                Ok(())
+            } else {
+                Err(bad("lr", lr, "finite and > 0"))
+            }
+        };
+        let unit = |field, x: f32| {
+            if (0.0..1.0).contains(&x) {
+                Ok(())
+            } else {
+                Err(bad(field, x, "in [0, 1)"))
+            }
+        };
+        let eps_ok = |eps: f32| {
+            if eps.is_finite() && eps > 0.0 {
+                Ok(())
+            } else {
+                Err(bad("eps", eps, "finite and > 0"))
+            }
+        };
+        match *self {
+            Self::Sgd { lr } => lr_ok(lr),
+            Self::Momentum { lr, momentum } => lr_ok(lr).and(unit("momentum", momentum)),
+            Self::AdaGrad { lr, eps } => lr_ok(lr).and(eps_ok(eps)),
+            Self::Adam { lr, beta1, beta2, eps } => {
+                lr_ok(lr).and(unit("beta1", beta1)).and(unit("beta2", beta2)).and(eps_ok(eps))
+            }
+        }
+    }
+
+    /// Validate and build the optimizer.
+    pub fn build(&self) -> Result<Box<dyn Optimizer>> {
+        self.validate()?;
+        Ok(match *self {
+            Self::Sgd { lr } => Box::new(Sgd { lr }),
+            Self::Momentum { lr, momentum } => Box::new(Momentum { lr, momentum }),
+            Self::AdaGrad { lr, eps } => Box::new(AdaGrad { lr, eps }),
+            Self::Adam { lr, beta1, beta2, eps } => Box::new(Adam { lr, beta1, beta2, eps }),
+        })
+    }
+
+    /// A config from a name (`sgd`, `momentum`, `adagrad`, `adam`; case and
+    /// surrounding blanks ignored) and a learning rate, with the usual
+    /// defaults: momentum 0.9; AdaGrad eps 1e-10; Adam betas 0.9 / 0.999 and
+    /// eps 1e-8. Validated.
+    pub fn parse(name: &str, lr: f32) -> Result<Self> {
+        let cfg = match name.trim().to_ascii_lowercase().as_str() {
+            "sgd" => Self::Sgd { lr },
+            "momentum" => Self::Momentum { lr, momentum: 0.9 },
+            "adagrad" => Self::AdaGrad { lr, eps: 1e-10 },
+            "adam" => Self::Adam { lr, beta1: 0.9, beta2: 0.999, eps: 1e-8 },
+            _ => {
+                return Err(Error::UnknownOptimizer {
+                    name: name.to_string(),
+                    valid: OPTIMIZER_NAMES.join(", "),
+                })
+            }
+        };
+        cfg.validate()?;
+        Ok(cfg)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn close(a: &[f32], b: &[f64]) {
+        assert_eq!(a.len(), b.len());
+        for (x, y) in a.iter().zip(b) {
+            let tol = 1e-6 * y.abs().max(1.0);
+            assert!((f64::from(*x) - y).abs() < tol, "{a:?} vs {b:?}");
+        }
+    }
+
+    fn run(opt: &dyn Optimizer, p0: &[f32], grads: &[[f32; 2]]) -> (Vec<f32>, OptimizerState) {
+        let mut p = p0.to_vec();
+        let mut st = opt.new_state(p.len());
+        assert_eq!(st.slots.len(), opt.state_slots() * p.len());
+        for g in grads {
+            opt.apply(&mut p, g, &mut st);
+        }
+        assert_eq!(st.step, grads.len() as u64);
+        (p, st)
+    }
+
+    const G: [[f32; 2]; 3] = [[0.5, -1.0], [0.25, 2.0], [-1.0, 0.5]];
+
+    #[test]
+    fn sgd_reference() {
+        let (p, st) = run(&Sgd { lr: 0.1 }, &[1.0, 2.0], &G);
+        // 1 - 0.1*(0.5+0.25-1) = 1.025 ; 2 - 0.1*(-1+2+0.5) = 1.85
+        close(&p, &[1.025, 1.85]);
+        assert!(st.slots.is_empty());
+    }
+
+    #[test]
+    fn momentum_reference() {
+        let (p, st) = run(&Momentum { lr: 0.1, momentum: 0.9 }, &[1.0, 2.0], &G);
+        // elem 0: v = 0.5, 0.7, -0.37 ; p = 1 - 0.05 - 0.07 + 0.037 = 0.917
+        // elem 1: v = -1, 1.1, 1.49 ;  p = 2 + 0.1 - 0.11 - 0.149 = 1.841
+        close(&p, &[0.917, 1.841]);
+        close(&st.slots, &[-0.37, 1.49]);
+    }
+
+    #[test]
+    fn adagrad_reference() {
+        let opt = AdaGrad { lr: 0.1, eps: 1e-10 };
+        let (p, st) = run(&opt, &[1.0, 2.0], &G[..2]);
+        // elem 0: h = 0.25 -> p -= 0.1*0.5/0.5 = 0.1 ; h = 0.3125 -> p -= 0.1*0.25/sqrt(0.3125)
+        let e0 = 1.0 - 0.1 - 0.1 * 0.25 / 0.3125f64.sqrt();
+        // elem 1: h = 1 -> p += 0.1 ; h = 5 -> p -= 0.1*2/sqrt(5)
+        let e1 = 2.0 + 0.1 - 0.1 * 2.0 / 5f64.sqrt();
+        close(&p, &[e0, e1]);
+        close(&st.slots, &[0.3125, 5.0]);
+    }
+
+    #[test]
+    fn adam_reference_with_bias_correction() {
+        let (lr, b1, b2, eps) = (0.01f64, 0.9f64, 0.999f64, 1e-8f64);
+        let opt = Adam { lr: lr as f32, beta1: b1 as f32, beta2: b2 as f32, eps: eps as f32 };
+        let (p, st) = run(&opt, &[1.0, 2.0], &G);
+        // Reference in f64, straight from the paper.
+        let mut want = [1.0f64, 2.0];
+        let (mut m, mut v) = ([0.0f64; 2], [0.0f64; 2]);
+        for (t, g) in G.iter().enumerate() {
+            let t = (t + 1) as i32;
+            for i in 0..2 {
+                let g = f64::from(g[i]);
+                m[i] = b1 * m[i] + (1.0 - b1) * g;
+                v[i] = b2 * v[i] + (1.0 - b2) * g * g;
+                let mh = m[i] / (1.0 - b1.powi(t));
+                let vh = v[i] / (1.0 - b2.powi(t));
+                want[i] -= lr * mh / (vh.sqrt() + eps);
+            }
+        }
+        close(&p, &want);
+        // The first Adam step moves each element by about lr, whatever the gradient's scale.
+        let (p1, _) = run(&opt, &[1.0, 2.0], &G[..1]);
+        close(&p1, &[1.0 - lr, 2.0 + lr]);
+        close(&st.slots[..2], &m);
+        close(&st.slots[2..], &v);
+    }
+
+    #[test]
+    fn short_state_never_panics() {
+        let mut p = vec![1.0; 4];
+        let mut st = OptimizerState { step: 0, slots: vec![0.0; 3] };
+        Adam { lr: 0.1, beta1: 0.9, beta2: 0.99, eps: 1e-8 }.apply(&mut p, &[1.0; 4], &mut st);
+        Momentum { lr: 0.1, momentum: 0.5 }.apply(&mut p, &[1.0; 4], &mut st);
+        assert_eq!(st.step, 2);
+    }
+
+    #[test]
+    fn config_parse_build_validate() {
+        assert_eq!(OptimizerConfig::parse("sgd", 0.1).unwrap(), OptimizerConfig::Sgd { lr: 0.1 });
+        assert_eq!(
+            OptimizerConfig::parse(" Momentum ", 0.1).unwrap(),
+            OptimizerConfig::Momentum { lr: 0.1, momentum: 0.9 }
+        );
+        assert_eq!(
+            OptimizerConfig::parse("adagrad", 0.1).unwrap(),
+            OptimizerConfig::AdaGrad { lr: 0.1, eps: 1e-10 }
+        );
+        assert_eq!(
+            OptimizerConfig::parse("ADAM", 0.001).unwrap(),
+            OptimizerConfig::Adam { lr: 0.001, beta1: 0.9, beta2: 0.999, eps: 1e-8 }
+        );
+        let err = OptimizerConfig::parse("rmsprop", 0.1).unwrap_err().to_string();
+        for n in ["rmsprop", "sgd", "momentum", "adagrad", "adam"] {
+            assert!(err.contains(n), "{err}");
+        }
+        for n in OPTIMIZER_NAMES {
+            let b = OptimizerConfig::parse(n, 0.5).unwrap().build().unwrap();
+            assert_eq!(b.name(), *n);
+        }
+        for lr in [0.0, -1.0, f32::NAN, f32::INFINITY] {
+            assert!(matches!(
+                OptimizerConfig::parse("sgd", lr),
+                Err(Error::BadOptimizer { field: "lr", .. })
+            ));
+        }
+        let bad = [
+            (OptimizerConfig::Momentum { lr: 0.1, momentum: 1.0 }, "momentum"),
+            (OptimizerConfig::AdaGrad { lr: 0.1, eps: 0.0 }, "eps"),
+            (OptimizerConfig::Adam { lr: 0.1, beta1: -0.1, beta2: 0.9, eps: 1e-8 }, "beta1"),
+            (OptimizerConfig::Adam { lr: 0.1, beta1: 0.9, beta2: 1.0, eps: 1e-8 }, "beta2"),
+            (OptimizerConfig::Adam { lr: 0.1, beta1: 0.9, beta2: 0.9, eps: f32::NAN }, "eps"),
+        ];
+        for (cfg, field) in bad {
+            match cfg.build() {
+                Err(Error::BadOptimizer { field: f, .. }) => assert_eq!(f, field),
+                Err(e) => panic!("{cfg:?}: unexpected error {e}"),
+                Ok(_) => panic!("{cfg:?}: accepted"),
+            }
+        }
+    }
+}

@@ -1,0 +1,285 @@
+//! Placement: which pserver shard holds which block of which parameter.
+//!
+//! Client and servers compute the same placement from the same inputs, so
+//! they agree without talking; [`Placement::fingerprint`] lets them check.
+
+use serde::{Deserialize, Serialize};
+use std::cmp::Reverse;
+use std::collections::BinaryHeap;
+use std::fmt;
+
+use crate::error::{Error, Result};
+use crate::rng::Fnv64;
+use crate::spec::{validate_specs, ParamSpec};
+
+/// A block of a parameter: parameter index (spec order) and block index
+/// within the parameter. Orders by parameter, then block.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize)]
+pub struct BlockId {
+    /// Index of the parameter in the spec list.
+    pub param: u32,
+    /// Index of the block within the parameter.
+    pub block: u32,
+}
+
+impl BlockId {
+    /// Shorthand constructor.
+    pub fn new(param: u32, block: u32) -> Self {
+        Self { param, block }
+    }
+}
+
+impl fmt::Display for BlockId {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{}.{}", self.param, self.block)
+    }
+}
+
+/// Where one block lives and which elements of its parameter it covers.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct BlockInfo {
+    /// The block.
+    pub id: BlockId,
+    /// First element of the parameter covered by the block.
+    pub offset: usize,
+    /// Number of elements (`block_size`, the last block of a parameter may be shorter).
+    pub len: usize,
+    /// The shard holding it. This is a shard index, not an address: when
+    /// shards get replicas, a shard maps to several pservers.
+    pub server: u32,
+}
+
+/// The deterministic assignment of parameter blocks to `servers` shards.
+///
+/// Each parameter is cut into `ceil(len / block_size)` blocks. Blocks are
+/// then taken largest first (ties by [`BlockId`]) and each goes to the shard
+/// with the fewest elements so far (ties to the lowest index), so loads differ
+/// by at most one block.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Placement {
+    specs: Vec<ParamSpec>,
+    servers: u32,
+    block_size: usize,
+    /// All blocks in `BlockId` order.
+    blocks: Vec<BlockInfo>,
+    /// `first[p]` is the index in `blocks` of parameter `p`'s first block; `first[params]` = `blocks.len()`.
+    first: Vec<usize>,
+    /// Indices into `blocks` for each shard, in `BlockId` order.
+    by_server: Vec<Vec<usize>>,
+    /// Elements held by each shard.
+    loads: Vec<usize>,
+    fingerprint: u64,
+}
+
+impl Placement {
+    /// Place `specs` on `servers` shards in blocks of at most `block_size` elements.
+    ///
+    /// Errors: `servers == 0`, `block_size == 0`, invalid specs, or more
+    /// parameters or blocks per parameter than fit in a `u32`.
+    pub fn new(specs: &[ParamSpec], servers: u32, block_size: usize) -> Result<Self> {
+        if servers == 0 {
+            return Err(Error::NoServers);
+        }
+        if block_size == 0 {
+            return Err(Error::ZeroBlockSize);
+        }
+        validate_specs(specs)?;
+        let max = u64::from(u32::MAX);
+        let mut blocks = Vec::new();
+        let mut first = Vec::with_capacity(specs.len() + 1);
+        for (p, spec) in specs.iter().enumerate() {
+            let len = spec.len();
+            let n = len.div_ceil(block_size);
+            let (Ok(param), true) = (u32::try_from(p), n as u64 <= max) else {
+                return Err(Error::TooManyBlocks {
+                    name: spec.name.clone(),
+                    blocks: n,
+                    params: specs.len(),
+                    max,
+                });
+            };
+            first.push(blocks.len());
+            for b in 0..n {
+                let offset = b * block_size;
+                blocks.push(BlockInfo {
+                    id: BlockId::new(param, b as u32),
+                    offset,
+                    len: block_size.min(len - offset),
+                    server: 0,
+                });
+            }
+        }
+        first.push(blocks.len());
+
+        // Largest first, then by id (blocks are already in id order, and the
+        // sort is stable).
+        let mut order: Vec<usize> = (0..blocks.len()).collect();
+        order.sort_by_key(|&i| Reverse(blocks[i].len));
+        let mut heap: BinaryHeap<Reverse<(usize, u32)>> =
+            (0..servers).map(|s| Reverse((0usize, s))).collect();
+        let mut loads = vec![0usize; servers as usize];
+        for i in order {
+            // The heap is never empty: it always holds `servers >= 1` entries.
+            if let Some(Reverse((load, s))) = heap.pop() {
+                let load = load.saturating_add(blocks[i].len);
+                blocks[i].server = s;
+                loads[s as usize] = load;
+                heap.push(Reverse((load, s)));
+            }
+        }
+        let mut by_server = vec![Vec::new(); servers as usize];
+        for (i, b) in blocks.iter().enumerate() {
+            by_server[b.server as usize].push(i);
+        }
+
+        let mut h = Fnv64::new();
+        h.write_u64(specs.len() as u64);
+        for s in specs {
+            h.write_u64(s.name.len() as u64);
+            h.write(s.name.as_bytes());
+            h.write_u64(s.shape.len() as u64);
+            for &d in &s.shape {
+                h.write_u64(d as u64);
+            }
+        }
+        h.write_u64(u64::from(servers));
+        h.write_u64(block_size as u64);
+        for b in &blocks {
+            h.write_u64(u64::from(b.id.param));
+            h.write_u64(u64::from(b.id.block));
+            h.write_u64(b.offset as u64);
+            h.write_u64(b.len as u64);
+            h.write_u64(u64::from(b.server));
+        }
+
+        Ok(Self {
+            specs: specs.to_vec(),
+            servers,
+            block_size,
+            blocks,
+            first,
+            by_server,
+            loads,
+            fingerprint: h.finish(),
+        })
+    }
+
+    /// Every block, in [`BlockId`] order.
+    pub fn blocks(&self) -> &[BlockInfo] {
+        &self.blocks
+    }
+
+    /// One block, if it exists.
+    pub fn block(&self, id: BlockId) -> Option<&BlockInfo> {
+        let p = id.param as usize;
+        let start = *self.first.get(p)?;
+        let end = *self.first.get(p + 1)?;
+        let i = start.checked_add(id.block as usize)?;
+        if i < end {
+            self.blocks.get(i)
+        } else {
+            None
+        }
+    }
+
+    /// The blocks of parameter `param`, in order (they tile the parameter).
+    pub fn blocks_of(&self, param: u32) -> &[BlockInfo] {
+        let p = param as usize;
+        match (self.first.get(p), self.first.get(p + 1)) {
+            (Some(&s), Some(&e)) => &self.blocks[s..e],
+            _ => &[],
+        }
+    }
+
+    /// The blocks held by shard `server`, in [`BlockId`] order (none if out of range).
+    pub fn blocks_on(&self, server: u32) -> impl Iterator<Item = &BlockInfo> {
+        self.by_server.get(server as usize).into_iter().flatten().map(move |&i| &self.blocks[i])
+    }
+
+    /// Number of elements held by shard `server` (0 if out of range).
+    pub fn load(&self, server: u32) -> usize {
+        self.loads.get(server as usize).copied().unwrap_or(0)
+    }
+
+    /// Number of shards.
+    pub fn servers(&self) -> u32 {
+        self.servers
+    }
+
+    /// Maximum block length.
+    pub fn block_size(&self) -> usize {
+        self.block_size
+    }
+
+    /// The parameter specs placed.
+    pub fn specs(&self) -> &[ParamSpec] {
+        &self.specs
+    }
+
+    /// FNV-1a hash of the spec names and shapes, the server count, the block
+    /// size and the whole assignment. Client and server compare it to detect
+    /// that they were configured differently. Initialisers are not included.
+    pub fn fingerprint(&self) -> u64 {
+        self.fingerprint
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::spec::Init;
+
+    fn specs(lens: &[usize]) -> Vec<ParamSpec> {
+        lens.iter().enumerate().map(|(i, &l)| ParamSpec::new(format!("p{i}"), vec![l], Init::Zeros)).collect()
+    }
+
+    #[test]
+    fn rejects_bad_arguments() {
+        let s = specs(&[4]);
+        assert!(matches!(Placement::new(&s, 0, 2), Err(Error::NoServers)));
+        assert!(matches!(Placement::new(&s, 1, 0), Err(Error::ZeroBlockSize)));
+        assert!(matches!(Placement::new(&[], 1, 2), Err(Error::NoParams)));
+    }
+
+    #[test]
+    fn worked_example() {
+        // p0: 10 elements -> blocks 4,4,2 ; p1: 3 elements -> block 3 ; p2: 1.
+        let p = Placement::new(&specs(&[10, 3, 1]), 2, 4).unwrap();
+        let got: Vec<(u32, u32, usize, usize, u32)> =
+            p.blocks().iter().map(|b| (b.id.param, b.id.block, b.offset, b.len, b.server)).collect();
+        // Order: (0.0,4)->s0, (0.1,4)->s1, (1.0,3)->s0 (4 vs 4 tie -> 0),
+        // (0.2,2)->s1 (7 vs 4), (2.0,1)->s1 (7 vs 6).
+        assert_eq!(
+            got,
+            vec![(0, 0, 0, 4, 0), (0, 1, 4, 4, 1), (0, 2, 8, 2, 1), (1, 0, 0, 3, 0), (2, 0, 0, 1, 1),]
+        );
+        assert_eq!(p.load(0), 7);
+        assert_eq!(p.load(1), 7);
+        assert_eq!(p.load(5), 0);
+        let on1: Vec<BlockId> = p.blocks_on(1).map(|b| b.id).collect();
+        assert_eq!(on1, vec![BlockId::new(0, 1), BlockId::new(0, 2), BlockId::new(2, 0)]);
+        assert_eq!(p.blocks_on(9).count(), 0);
+        assert_eq!(p.block(BlockId::new(0, 2)).map(|b| b.offset), Some(8));
+        assert_eq!(p.block(BlockId::new(0, 3)), None);
+        assert_eq!(p.block(BlockId::new(3, 0)), None);
+        assert_eq!(p.blocks_of(0).len(), 3);
+        assert_eq!(p.blocks_of(7).len(), 0);
+        assert_eq!(BlockId::new(3, 1).to_string(), "3.1");
+    }
+
+    #[test]
+    fn fingerprint_changes_with_inputs() {
+        let s = specs(&[10, 3]);
+        let a = Placement::new(&s, 2, 4).unwrap();
+        assert_eq!(a.fingerprint(), Placement::new(&s, 2, 4).unwrap().fingerprint());
+        assert_ne!(a.fingerprint(), Placement::new(&s, 3, 4).unwrap().fingerprint());
+        assert_ne!(a.fingerprint(), Placement::new(&s, 2, 5).unwrap().fingerprint());
+        assert_ne!(a.fingerprint(), Placement::new(&specs(&[10, 4]), 2, 4).unwrap().fingerprint());
+        let mut renamed = s.clone();
+        renamed[1].name = "other".into();
+        assert_ne!(a.fingerprint(), Placement::new(&renamed, 2, 4).unwrap().fingerprint());
+        let mut reshaped = s.clone();
+        reshaped[0].shape = vec![2, 5];
+        assert_ne!(a.fingerprint(), Placement::new(&reshaped, 2, 4).unwrap().fingerprint());
+    }
+}

@@ -1,0 +1,82 @@
+//! The pserver's wire protocol: requests and replies as typed metadata,
+//! parameter and gradient values as the raw payload (blocks concatenated in
+//! [`crate::Placement`] order).
+
+use crate::{Mode, PushOutcome};
+use serde::{Deserialize, Serialize};
+
+/// The transport method number of every pserver call (the request enum says which).
+pub const PSERVER_METHOD: u16 = 0x5000;
+
+/// A call to a pserver. Requests that touch parameters carry the placement's
+/// fingerprint, so a client and a server that disagree on the layout fail
+/// loudly instead of mixing up blocks.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub enum PsRequest {
+    /// Who are you: index, layout and step.
+    Info,
+    /// Count `trainer` in the sync barrier from the current step on.
+    Join {
+        /// The trainer.
+        trainer: String,
+    },
+    /// Stop waiting for `trainer` in the sync barrier.
+    Leave {
+        /// The trainer.
+        trainer: String,
+    },
+    /// Gradients for every block of this server, concatenated in block order in the payload.
+    Push {
+        /// Placement fingerprint.
+        fingerprint: u64,
+        /// The pushing trainer.
+        trainer: String,
+        /// Per trainer and server, increasing: a retried push carries the same number.
+        seq: u64,
+        /// Sync mode: the step of the parameters the gradient was computed at.
+        step: u64,
+        /// Examples behind the gradient (weights the sync combination).
+        weight: f32,
+    },
+    /// Every block of this server's parameters.
+    Pull {
+        /// Placement fingerprint.
+        fingerprint: u64,
+        /// Wait until the server reached this step (sync mode) before answering.
+        min_step: Option<u64>,
+        /// How long the server may wait for `min_step` before answering `ready: false`.
+        max_wait_ms: u64,
+    },
+}
+
+/// A pserver's answer.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub enum PsReply {
+    /// Answer to [`PsRequest::Info`].
+    Info {
+        /// The server's index (its shard).
+        index: u32,
+        /// Placement fingerprint.
+        fingerprint: u64,
+        /// Updates applied so far.
+        step: u64,
+        /// Sync or async.
+        mode: Mode,
+    },
+    /// Join or leave done.
+    Ok,
+    /// What happened to a push.
+    Pushed(PushOutcome),
+    /// A sync push for a step the server has already left: pull and compute again.
+    Stale {
+        /// The server's step now.
+        current: u64,
+    },
+    /// Parameters of every block, in the payload, if `ready`.
+    Pulled {
+        /// The step of the parameters sent.
+        step: u64,
+        /// False when `min_step` was not reached in time (no payload then).
+        ready: bool,
+    },
+}

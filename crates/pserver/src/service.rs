@@ -1,0 +1,365 @@
+//! The pserver shell: claims a shard index in discovery, serves its blocks
+//! of the parameter store over a [`Transport`], follows the trainers'
+//! registrations for the sync barrier, and stops serving when its lease is
+//! lost.
+
+use crate::{
+    protocol::{PsReply, PsRequest, PSERVER_METHOD},
+    Error, Mode, OptimizerConfig, ParamSpec, ParamStore, Placement, Push, Result,
+};
+use async_trait::async_trait;
+use bytes::{Bytes, BytesMut};
+use oar_discovery::{Discovery, JobKeys, Session, WatchEvent};
+use oar_transport::{Frame, Handler, Listener, RemoteError, Transport};
+use std::{
+    sync::{Arc, Mutex, MutexGuard, OnceLock, PoisonError},
+    time::Duration,
+};
+use tokio::sync::{watch, Notify};
+
+/// How a pserver runs. Every pserver and trainer of a job must agree on
+/// `specs`, `servers` and `block_size` (the placement's fingerprint checks it).
+#[derive(Clone, Debug)]
+pub struct PserverOptions {
+    /// The job's name: its keys live under `/oar/<job>/`.
+    pub job: String,
+    /// The model's parameters.
+    pub specs: Vec<ParamSpec>,
+    /// Number of pservers (shards) of the job.
+    pub servers: u32,
+    /// Largest block, in elements.
+    pub block_size: usize,
+    /// Seed of the parameters' initial values.
+    pub seed: u64,
+    /// Sync barrier or apply on arrival.
+    pub mode: Mode,
+    /// The update rule.
+    pub optimizer: OptimizerConfig,
+    /// The pserver's lease: when it expires the pserver stops serving and
+    /// its index is free for a replacement.
+    pub lease_ttl: Duration,
+    /// How long to wait for a free index (a replacement waits for the dead
+    /// pserver's lease to expire).
+    pub claim_timeout: Duration,
+}
+
+impl PserverOptions {
+    /// Options with default timing.
+    pub fn new(
+        job: &str,
+        specs: Vec<ParamSpec>,
+        servers: u32,
+        mode: Mode,
+        optimizer: OptimizerConfig,
+    ) -> Self {
+        Self {
+            job: job.to_string(),
+            specs,
+            servers,
+            block_size: 1 << 16,
+            seed: 1,
+            mode,
+            optimizer,
+            lease_ttl: Duration::from_secs(5),
+            claim_timeout: Duration::from_secs(60),
+        }
+    }
+}
+
+/// A running pserver. Dropping it stops serving.
+pub struct Pserver {
+    shared: Arc<Shared>,
+    listener: Box<dyn Listener>,
+    session: Option<Session>,
+    background: Vec<tokio::task::JoinHandle<()>>,
+    index: u32,
+}
+
+struct Shared {
+    /// Set once the index is claimed and the store built.
+    store: OnceLock<Mutex<ParamStore>>,
+    placement: Arc<Placement>,
+    /// Wakes pulls waiting for the next sync step.
+    stepped: Notify,
+    stopped: watch::Sender<Option<String>>,
+    index: OnceLock<u32>,
+}
+
+impl Shared {
+    fn store(&self) -> std::result::Result<MutexGuard<'_, ParamStore>, RemoteError> {
+        if let Some(why) = self.stopped.borrow().as_ref() {
+            return Err(RemoteError::unavailable(format!("pserver stopped serving: {why}")));
+        }
+        let store = self.store.get().ok_or_else(|| RemoteError::unavailable("pserver is starting"))?;
+        Ok(store.lock().unwrap_or_else(PoisonError::into_inner))
+    }
+}
+
+impl Pserver {
+    /// Serve at `listen_addr`, claim the lowest free `ps/<index>` below
+    /// `servers` (waiting up to `claim_timeout`), build and initialise the
+    /// blocks of that shard, and follow `trainer/` for the sync barrier.
+    pub async fn start(
+        discovery: Arc<dyn Discovery>,
+        transport: Arc<dyn Transport>,
+        listen_addr: &str,
+        options: PserverOptions,
+    ) -> Result<Pserver> {
+        let keys = JobKeys::new(&options.job)?;
+        let optimizer = options.optimizer.build()?;
+        let placement = Arc::new(Placement::new(&options.specs, options.servers, options.block_size)?);
+        if let Some(kv) = discovery.get(&keys.ps_desired()).await? {
+            let desired = std::str::from_utf8(&kv.value).ok().and_then(|s| s.trim().parse::<u32>().ok());
+            if desired != Some(options.servers) {
+                return Err(Error::Config(format!(
+                    "{} says {:?} pservers but this pserver was configured for {}",
+                    keys.ps_desired(),
+                    String::from_utf8_lossy(&kv.value),
+                    options.servers
+                )));
+            }
+        }
+        let session = Session::start(discovery.clone(), options.lease_ttl).await?;
+        let shared = Arc::new(Shared {
+            store: OnceLock::new(),
+            placement: placement.clone(),
+            stepped: Notify::new(),
+            stopped: watch::channel(None).0,
+            index: OnceLock::new(),
+        });
+        let listener = transport.listen(listen_addr, Arc::new(PsHandler { shared: shared.clone() })).await?;
+
+        let index = claim_index(&*discovery, &keys, &options, listener.local_addr(), session.lease()).await?;
+        let store = ParamStore::new(&placement, index, options.seed, optimizer, options.mode)?;
+        let _ = shared.index.set(index);
+        let _ = shared.store.set(Mutex::new(store));
+        tracing::info!(index, addr = listener.local_addr(), mode = ?options.mode, "pserver serving");
+
+        let trainers = discovery.get_prefix(&keys.trainers()).await?;
+        let watch = discovery.watch_prefix(&keys.trainers(), trainers.revision + 1).await?;
+        let background = vec![
+            tokio::spawn(trainer_watcher(watch, keys, shared.clone())),
+            tokio::spawn(lease_guard(session.lost(), shared.clone())),
+        ];
+        Ok(Pserver { shared, listener, session: Some(session), background, index })
+    }
+
+    /// The shard index this pserver claimed.
+    pub fn index(&self) -> u32 {
+        self.index
+    }
+
+    /// The address trainers call.
+    pub fn addr(&self) -> &str {
+        self.listener.local_addr()
+    }
+
+    /// Updates applied so far.
+    pub fn step(&self) -> u64 {
+        self.shared.store.get().map(|s| s.lock().unwrap_or_else(PoisonError::into_inner).step()).unwrap_or(0)
+    }
+
+    /// Why the pserver stopped serving, if it did (lost lease).
+    pub fn stopped(&self) -> Option<String> {
+        self.shared.stopped.borrow().clone()
+    }
+
+    /// Stop serving and release the index.
+    pub async fn shutdown(mut self) -> Result<()> {
+        self.listener.close();
+        self.background.iter().for_each(|t| t.abort());
+        if let Some(session) = self.session.take() {
+            session.close().await?;
+        }
+        Ok(())
+    }
+}
+
+impl Drop for Pserver {
+    fn drop(&mut self) {
+        self.listener.close();
+        self.background.iter().for_each(|t| t.abort());
+    }
+}
+
+async fn claim_index(
+    discovery: &dyn Discovery,
+    keys: &JobKeys,
+    options: &PserverOptions,
+    addr: &str,
+    lease: oar_discovery::LeaseId,
+) -> Result<u32> {
+    let deadline = tokio::time::Instant::now() + options.claim_timeout;
+    loop {
+        for index in 0..options.servers {
+            if discovery
+                .create_if_absent(&keys.ps(index), addr.as_bytes().to_vec(), Some(lease))
+                .await?
+                .is_some()
+            {
+                return Ok(index);
+            }
+        }
+        if tokio::time::Instant::now() >= deadline {
+            return Err(Error::NoFreeIndex { servers: options.servers, waited: options.claim_timeout });
+        }
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+}
+
+/// A trainer whose registration vanished leaves the sync barrier, so the
+/// surviving trainers' step completes instead of hanging.
+async fn trainer_watcher(mut watch: oar_discovery::WatchStream, keys: JobKeys, shared: Arc<Shared>) {
+    while let Some(event) = watch.next().await {
+        match event {
+            Ok(WatchEvent::Delete { key, .. }) => {
+                let Some(trainer) = keys.trainer_id(&key) else { continue };
+                if let Some(store) = shared.store.get() {
+                    let stepped = store.lock().unwrap_or_else(PoisonError::into_inner).leave(trainer);
+                    tracing::info!(trainer, ?stepped, "trainer gone; it leaves the barrier");
+                    shared.stepped.notify_waiters();
+                }
+            }
+            Ok(WatchEvent::Put(_)) => {}
+            Err(e) => {
+                tracing::warn!(error = %e, "trainer watch failed; dead trainers leave only by Leave calls");
+                return;
+            }
+        }
+    }
+}
+
+async fn lease_guard(mut lost: watch::Receiver<bool>, shared: Arc<Shared>) {
+    while !*lost.borrow_and_update() {
+        if lost.changed().await.is_err() {
+            break;
+        }
+    }
+    tracing::error!("pserver lease lost; it stops serving");
+    shared.stopped.send_replace(Some("the pserver's lease is lost".into()));
+    shared.stepped.notify_waiters();
+}
+
+struct PsHandler {
+    shared: Arc<Shared>,
+}
+
+impl PsHandler {
+    fn check_fingerprint(&self, fingerprint: u64) -> std::result::Result<(), RemoteError> {
+        let ours = self.shared.placement.fingerprint();
+        if fingerprint != ours {
+            return Err(RemoteError::bad_request(format!(
+                "placement fingerprint {fingerprint:#x} does not match this pserver's {ours:#x}: \
+                 client and server disagree on the model's parameters, pserver count or block size"
+            )));
+        }
+        Ok(())
+    }
+
+    fn push(&self, request: PsRequest, payload: &[u8]) -> std::result::Result<PsReply, RemoteError> {
+        let PsRequest::Push { fingerprint, trainer, seq, step, weight } = request else {
+            return Err(RemoteError::internal("not a push"));
+        };
+        self.check_fingerprint(fingerprint)?;
+        let mut store = self.shared.store()?;
+        let server = store.server();
+        let expected: usize = self.shared.placement.blocks_on(server).map(|b| b.len).sum();
+        if payload.len() != expected * 4 {
+            return Err(RemoteError::bad_request(format!(
+                "push from {trainer}: payload has {} bytes, this server's blocks need {} ({} floats)",
+                payload.len(),
+                expected * 4,
+                expected
+            )));
+        }
+        let mut grads = Vec::new();
+        let mut at = 0;
+        for block in self.shared.placement.blocks_on(server) {
+            let bytes = &payload[at..at + block.len * 4];
+            grads.push((block.id, oar_transport::bytes_to_f32s(bytes)?));
+            at += block.len * 4;
+        }
+        let push = Push { trainer, seq, step, weight, grads };
+        match store.push(push) {
+            Ok(outcome) => {
+                drop(store);
+                self.shared.stepped.notify_waiters();
+                Ok(PsReply::Pushed(outcome))
+            }
+            Err(Error::StaleStep { current, .. }) => Ok(PsReply::Stale { current }),
+            Err(e) => Err(RemoteError::bad_request(e)),
+        }
+    }
+
+    async fn pull(
+        &self,
+        fingerprint: u64,
+        min_step: Option<u64>,
+        max_wait: Duration,
+    ) -> std::result::Result<Frame, RemoteError> {
+        self.check_fingerprint(fingerprint)?;
+        let deadline = tokio::time::Instant::now() + max_wait;
+        loop {
+            // Register for the wake-up before looking, so a step in between is not missed.
+            let stepped = self.shared.stepped.notified();
+            {
+                let store = self.shared.store()?;
+                if min_step.is_none_or(|m| store.step() >= m) {
+                    let server = store.server();
+                    let total: usize = self.shared.placement.blocks_on(server).map(|b| b.len).sum();
+                    let mut payload = BytesMut::with_capacity(total * 4);
+                    for block in self.shared.placement.blocks_on(server) {
+                        let values = store.block(block.id).map_err(RemoteError::internal)?;
+                        oar_transport::put_f32s(&mut payload, values);
+                    }
+                    let reply = PsReply::Pulled { step: store.step(), ready: true };
+                    return Frame::new(PSERVER_METHOD, &reply, payload.freeze())
+                        .map_err(RemoteError::internal);
+                }
+                if tokio::time::Instant::now() >= deadline {
+                    let reply = PsReply::Pulled { step: store.step(), ready: false };
+                    return Frame::new(PSERVER_METHOD, &reply, Bytes::new()).map_err(RemoteError::internal);
+                }
+            }
+            let _ = tokio::time::timeout_at(deadline, stepped).await;
+        }
+    }
+}
+
+/// The longest a pull may wait on the server for the next sync step.
+const MAX_PULL_WAIT: Duration = Duration::from_secs(5);
+
+#[async_trait]
+impl Handler for PsHandler {
+    async fn handle(&self, request: Frame) -> std::result::Result<Frame, RemoteError> {
+        if request.method != PSERVER_METHOD {
+            return Err(RemoteError::bad_request(format!("unknown pserver method {:#x}", request.method)));
+        }
+        let reply = match request.meta::<PsRequest>()? {
+            PsRequest::Info => {
+                let store = self.shared.store()?;
+                PsReply::Info {
+                    index: store.server(),
+                    fingerprint: self.shared.placement.fingerprint(),
+                    step: store.step(),
+                    mode: store.mode(),
+                }
+            }
+            PsRequest::Join { trainer } => {
+                self.shared.store()?.join(&trainer);
+                PsReply::Ok
+            }
+            PsRequest::Leave { trainer } => {
+                self.shared.store()?.leave(&trainer);
+                self.shared.stepped.notify_waiters();
+                PsReply::Ok
+            }
+            push @ PsRequest::Push { .. } => self.push(push, &request.payload)?,
+            PsRequest::Pull { fingerprint, min_step, max_wait_ms } => {
+                let wait = Duration::from_millis(max_wait_ms).min(MAX_PULL_WAIT);
+                return self.pull(fingerprint, min_step, wait).await;
+            }
+        };
+        Frame::new(PSERVER_METHOD, &reply, Bytes::new()).map_err(RemoteError::internal)
+    }
+}

@@ -1,0 +1,388 @@
+//! Property tests of the parameter store over random event sequences,
+//! against a reference model written independently here.
+
+use std::collections::{BTreeMap, BTreeSet, HashMap};
+
+use oar_pserver::{
+    BlockId, Error, Init, Mode, ParamSpec, ParamStore, Placement, Push, PushOutcome, Sgd, SplitMix64,
+};
+use proptest::prelude::*;
+
+const LR: f32 = 0.25;
+const TRAINERS: [&str; 4] = ["t2", "t10", "a", "t1"];
+
+#[derive(Clone, Debug)]
+enum Event {
+    Join(usize),
+    Leave(usize),
+    Push {
+        trainer: usize,
+        /// 0 next, 1 skip ahead, 2 repeat last (duplicate), 3 older.
+        seq_kind: u8,
+        /// 0..=3 current step, 4 next step (future), 5 previous step (stale).
+        step_kind: u8,
+        weight: usize,
+        /// 0..=4 none, 5 NaN, 6 wrong length, 7 missing block, 8 foreign block,
+        /// 9 duplicate block, 10 bad weight.
+        fault: u8,
+        seed: u64,
+    },
+}
+
+fn event() -> impl Strategy<Value = Event> {
+    prop_oneof![
+        1 => (0..TRAINERS.len()).prop_map(Event::Join),
+        1 => (0..TRAINERS.len()).prop_map(Event::Leave),
+        6 => (0..TRAINERS.len(), 0u8..4, 0u8..6, 0usize..4, 0u8..11, any::<u64>()).prop_map(
+            |(trainer, seq_kind, step_kind, weight, fault, seed)| Event::Push {
+                trainer,
+                seq_kind,
+                step_kind,
+                weight,
+                fault,
+                seed,
+            }
+        ),
+    ]
+}
+
+/// What the reference model expects of a push.
+#[derive(Debug, PartialEq)]
+enum Expect {
+    Duplicate,
+    Reject(&'static str),
+    Buffered { step: u64, waiting_for: usize },
+    Applied { step: u64 },
+}
+
+fn kind(e: &Error) -> &'static str {
+    match e {
+        Error::BadWeight { .. } => "weight",
+        Error::NonFiniteGrad { .. } => "nan",
+        Error::GradLength { .. } => "length",
+        Error::MissingBlock { .. } => "missing",
+        Error::PushBlockNotHeld { .. } => "foreign",
+        Error::DuplicateBlock { .. } => "dupblock",
+        Error::StaleStep { .. } => "stale",
+        Error::FutureStep { .. } => "future",
+        Error::AlreadyBuffered { .. } => "again",
+        _ => "other",
+    }
+}
+
+/// The reference: a straightforward re-statement of the rules.
+struct Model {
+    mode: Mode,
+    step: u64,
+    members: BTreeSet<String>,
+    /// trainer -> (weight, grads in held order)
+    buffer: BTreeMap<String, (f32, Vec<Vec<f32>>)>,
+    last_seq: HashMap<String, u64>,
+    params: Vec<Vec<f32>>,
+}
+
+impl Model {
+    fn sgd(&mut self, grads: &[Vec<f32>]) {
+        for (p, g) in self.params.iter_mut().zip(grads) {
+            for (x, y) in p.iter_mut().zip(g) {
+                *x -= LR * y;
+            }
+        }
+    }
+
+    fn complete(&self) -> bool {
+        !self.buffer.is_empty() && self.members.iter().all(|m| self.buffer.contains_key(m))
+    }
+
+    /// Sum in trainer order of w_k g_k, divided by the sum of weights.
+    fn apply_barrier(&mut self) {
+        let buffer = std::mem::take(&mut self.buffer);
+        let mut total = 0.0f32;
+        let mut mean: Vec<Vec<f32>> = Vec::new();
+        for (i, (w, grads)) in buffer.values().enumerate() {
+            total += w;
+            if i == 0 {
+                mean = grads.iter().map(|g| g.iter().map(|x| w * x).collect()).collect();
+            } else {
+                for (a, g) in mean.iter_mut().zip(grads) {
+                    for (x, y) in a.iter_mut().zip(g) {
+                        *x += w * y;
+                    }
+                }
+            }
+        }
+        for a in &mut mean {
+            for x in a.iter_mut() {
+                *x /= total;
+            }
+        }
+        self.sgd(&mean);
+        self.step += 1;
+    }
+
+    fn leave(&mut self, t: &str) -> Option<u64> {
+        self.members.remove(t);
+        if self.mode == Mode::Sync && self.complete() {
+            self.apply_barrier();
+            Some(self.step)
+        } else {
+            None
+        }
+    }
+
+    fn push(
+        &mut self,
+        t: &str,
+        seq: u64,
+        step: u64,
+        weight: f32,
+        fault: Option<&'static str>,
+        grads: Vec<Vec<f32>>,
+    ) -> Expect {
+        if self.last_seq.get(t).is_some_and(|&l| seq <= l) {
+            return Expect::Duplicate;
+        }
+        if let Some(f) = fault {
+            return Expect::Reject(f);
+        }
+        match self.mode {
+            Mode::Async => {
+                self.sgd(&grads);
+                self.step += 1;
+                self.members.insert(t.to_string());
+                self.last_seq.insert(t.to_string(), seq);
+                Expect::Applied { step: self.step }
+            }
+            Mode::Sync => {
+                if step < self.step {
+                    return Expect::Reject("stale");
+                }
+                if step > self.step {
+                    return Expect::Reject("future");
+                }
+                if self.buffer.contains_key(t) {
+                    return Expect::Reject("again");
+                }
+                self.members.insert(t.to_string());
+                self.last_seq.insert(t.to_string(), seq);
+                self.buffer.insert(t.to_string(), (weight, grads));
+                if self.complete() {
+                    self.apply_barrier();
+                    Expect::Applied { step: self.step }
+                } else {
+                    let waiting_for = self.members.iter().filter(|m| !self.buffer.contains_key(*m)).count();
+                    Expect::Buffered { step: self.step, waiting_for }
+                }
+            }
+        }
+    }
+}
+
+fn snapshot(store: &ParamStore) -> Vec<Vec<f32>> {
+    store.blocks().map(|(_, p, _)| p.to_vec()).collect()
+}
+
+/// Runs the events against the store and the model; returns the final step.
+fn run(
+    mode: Mode,
+    servers: u32,
+    server_pick: u32,
+    block_size: usize,
+    events: Vec<Event>,
+) -> Result<u64, TestCaseError> {
+    let specs = vec![
+        ParamSpec::new("w", vec![3, 4], Init::Normal { mean: 0.0, std: 0.5 }),
+        ParamSpec::new("b", vec![5], Init::Uniform { low: -1.0, high: 1.0 }),
+    ];
+    let placement = Placement::new(&specs, servers, block_size).unwrap();
+    let server = server_pick % servers;
+    let mut store = ParamStore::new(&placement, server, 3, Box::new(Sgd { lr: LR }), mode).unwrap();
+    let held: Vec<(BlockId, usize)> = placement.blocks_on(server).map(|b| (b.id, b.len)).collect();
+    let mut model = Model {
+        mode,
+        step: 0,
+        members: BTreeSet::new(),
+        buffer: BTreeMap::new(),
+        last_seq: HashMap::new(),
+        params: snapshot(&store),
+    };
+    let mut applied = 0;
+
+    for ev in events {
+        let before = snapshot(&store);
+        let step_before = store.step();
+        let waiting_before = store.waiting_for();
+        match ev {
+            Event::Join(i) => {
+                store.join(TRAINERS[i]);
+                model.members.insert(TRAINERS[i].to_string());
+                prop_assert_eq!(store.step(), step_before);
+            }
+            Event::Leave(i) => {
+                let t = TRAINERS[i];
+                let something_buffered = !model.buffer.is_empty();
+                let got = store.leave(t);
+                let want = model.leave(t);
+                prop_assert_eq!(got, want);
+                if got.is_some() {
+                    applied += 1;
+                    // It completed only because `t` was the last one missing.
+                    prop_assert!(waiting_before.iter().all(|m| m == t), "{:?}", waiting_before);
+                } else {
+                    prop_assert_eq!(store.step(), step_before);
+                }
+                // The last missing member leaving completes the barrier.
+                if mode == Mode::Sync && something_buffered && waiting_before == [t] {
+                    prop_assert!(got.is_some());
+                }
+            }
+            Event::Push { trainer, seq_kind, step_kind, weight, fault, seed } => {
+                let t = TRAINERS[trainer];
+                let last = model.last_seq.get(t).copied();
+                let seq = match seq_kind {
+                    0 => last.map_or(0, |l| l + 1),
+                    1 => last.map_or(4, |l| l + 3),
+                    2 => last.unwrap_or(0),
+                    _ => last.map_or(0, |l| l.saturating_sub(1)),
+                };
+                let step = match step_kind {
+                    4 => model.step + 1,
+                    5 => model.step.saturating_sub(1),
+                    _ => model.step,
+                };
+                let mut weight = [1.0f32, 0.5, 3.0, 17.0][weight];
+                let mut rng = SplitMix64::new(seed);
+                let grads: Vec<Vec<f32>> = held
+                    .iter()
+                    .map(|&(_, len)| (0..len).map(|_| rng.next_f32() * 2.0 - 1.0).collect())
+                    .collect();
+                let mut wire: Vec<(BlockId, Vec<f32>)> =
+                    held.iter().map(|&(id, _)| id).zip(grads.iter().cloned()).collect();
+                let i = (rng.next_u64() % held.len() as u64) as usize;
+                let fault = match fault {
+                    5 => {
+                        let j = (rng.next_u64() % wire[i].1.len() as u64) as usize;
+                        wire[i].1[j] = [f32::NAN, f32::INFINITY, f32::NEG_INFINITY][j % 3];
+                        Some("nan")
+                    }
+                    6 => {
+                        if seed % 2 == 0 {
+                            wire[i].1.push(0.0)
+                        } else {
+                            wire[i].1.pop();
+                        }
+                        Some("length")
+                    }
+                    7 => {
+                        wire.remove(i);
+                        Some("missing")
+                    }
+                    8 => {
+                        let foreign = placement
+                            .blocks()
+                            .iter()
+                            .find(|b| b.server != server)
+                            .map_or(BlockId::new(99, 0), |b| b.id);
+                        wire.push((foreign, vec![0.0; 4]));
+                        Some("foreign")
+                    }
+                    9 => {
+                        let copy = wire[i].clone();
+                        wire.push(copy);
+                        Some("dupblock")
+                    }
+                    10 => {
+                        weight = [0.0, -1.0, f32::NAN, f32::INFINITY][(seed % 4) as usize];
+                        Some("weight")
+                    }
+                    _ => None,
+                };
+                // Arrival order of blocks does not matter.
+                let rot = (rng.next_u64() % wire.len().max(1) as u64) as usize;
+                wire.rotate_left(rot);
+                let push = Push { trainer: t.to_string(), seq, step, weight, grads: wire };
+                let members_before = store.members();
+                let got = match store.push(push) {
+                    Ok(PushOutcome::Duplicate) => Expect::Duplicate,
+                    Ok(PushOutcome::Applied { step }) => Expect::Applied { step },
+                    Ok(PushOutcome::Buffered { step, waiting_for }) => Expect::Buffered { step, waiting_for },
+                    Err(e) => {
+                        prop_assert!(e.to_string().contains(t), "{}", e);
+                        Expect::Reject(kind(&e))
+                    }
+                };
+                let want = model.push(t, seq, step, weight, fault, grads);
+                prop_assert_eq!(&got, &want);
+                match got {
+                    Expect::Duplicate | Expect::Reject(_) => {
+                        // Harmless: nothing changed.
+                        prop_assert_eq!(&snapshot(&store), &before);
+                        prop_assert_eq!(store.step(), step_before);
+                        prop_assert_eq!(store.members(), members_before);
+                        prop_assert_eq!(store.waiting_for(), waiting_before);
+                    }
+                    Expect::Applied { .. } => {
+                        applied += 1;
+                        if mode == Mode::Sync {
+                            // Never completes while another member is missing.
+                            prop_assert!(waiting_before.iter().all(|m| m == t), "{:?}", waiting_before);
+                        }
+                    }
+                    Expect::Buffered { waiting_for, .. } => {
+                        prop_assert!(waiting_for > 0);
+                        prop_assert_eq!(store.waiting_for().len(), waiting_for);
+                        prop_assert_eq!(&snapshot(&store), &before);
+                    }
+                }
+            }
+        }
+        prop_assert!(store.step() >= step_before, "step went back");
+        let members: Vec<String> = model.members.iter().cloned().collect();
+        prop_assert_eq!(store.members(), members);
+        prop_assert_eq!(store.step(), model.step);
+        // Same arithmetic in the same order: bit-identical.
+        prop_assert_eq!(&snapshot(&store), &model.params);
+    }
+    prop_assert_eq!(store.step(), applied);
+    Ok(store.step())
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(300))]
+
+    #[test]
+    fn sync_store_matches_reference(
+        servers in 1u32..4, server in 0u32..4, block_size in 1usize..7,
+        events in prop::collection::vec(event(), 1..80),
+    ) {
+        run(Mode::Sync, servers, server, block_size, events)?;
+    }
+
+    #[test]
+    fn async_store_matches_reference(
+        servers in 1u32..4, server in 0u32..4, block_size in 1usize..7,
+        events in prop::collection::vec(event(), 1..60),
+    ) {
+        run(Mode::Async, servers, server, block_size, events)?;
+    }
+}
+
+/// The barrier really completes in normal operation: with all trainers
+/// pushing every step, every step is applied once.
+#[test]
+fn sync_lockstep_applies_every_step() {
+    let joins = (0..TRAINERS.len()).map(Event::Join);
+    let events: Vec<Event> = joins
+        .chain((0..5).flat_map(|_| {
+            (0..TRAINERS.len()).map(|trainer| Event::Push {
+                trainer,
+                seq_kind: 0,
+                step_kind: 0,
+                weight: trainer,
+                fault: 0,
+                seed: trainer as u64,
+            })
+        }))
+        .collect();
+    assert_eq!(run(Mode::Sync, 2, 1, 3, events).unwrap(), 5);
+}

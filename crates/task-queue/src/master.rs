@@ -1,0 +1,461 @@
+//! The master shell: holds the job's lock, serves the task queue to
+//! trainers over a [`Transport`], and keeps the queue durable in
+//! [`Discovery`] through the lock's fence.
+//!
+//! Writes are batched by group commit: every change marks the queue dirty,
+//! one writer task stores the latest snapshot, and a trainer's report is
+//! acknowledged only once a snapshot containing it is stored. So a finished
+//! task stays finished across a master restart, at the cost of one etcd write
+//! per batch of reports, not per report. Handing out a task is not waited
+//! for: a task handed out just before a crash is handed out again, and the
+//! first trainer's late report is then stale.
+
+use crate::{
+    protocol::{MasterRequest, MasterStatus, PassStats, ReportReply, TaskReply, MASTER_METHOD},
+    Error, GetTask, JobState, QueueConfig, QueueEvent, Report, Result, Snapshot, TaskQueue, TaskSpec,
+};
+use async_trait::async_trait;
+use bytes::Bytes;
+use oar_discovery::{Discovery, Fence, JobKeys, Session, WatchEvent};
+use oar_transport::{Frame, Handler, Listener, RemoteError, Transport};
+use std::{
+    sync::{Arc, Mutex, MutexGuard, PoisonError},
+    time::{Duration, Instant},
+};
+use tokio::sync::{watch, Notify};
+
+/// How a master runs.
+#[derive(Clone, Debug)]
+pub struct MasterOptions {
+    /// The job's name: its keys live under `/oar/<job>/`.
+    pub job: String,
+    /// This master's id, stored in the lock key.
+    pub holder: String,
+    /// Task timeouts, failure threshold and passes.
+    pub queue: QueueConfig,
+    /// The master's lease: when it expires a standby takes over.
+    pub lease_ttl: Duration,
+    /// How long to wait for the lock (a standby waits this long).
+    pub lock_timeout: Duration,
+    /// How often task deadlines are checked.
+    pub tick_interval: Duration,
+    /// The job's options, published under `config` if nobody did yet.
+    pub config: Option<Vec<u8>>,
+}
+
+impl MasterOptions {
+    /// Options with the defaults below for job `job`.
+    pub fn new(job: &str, queue: QueueConfig) -> Self {
+        Self {
+            job: job.to_string(),
+            holder: format!("master-{}", std::process::id()),
+            queue,
+            lease_ttl: Duration::from_secs(5),
+            lock_timeout: Duration::from_secs(3600),
+            tick_interval: Duration::from_millis(100),
+            config: None,
+        }
+    }
+}
+
+/// A running master. Dropping it stops serving (the lease then expires).
+pub struct Master {
+    shared: Arc<Shared>,
+    listener: Box<dyn Listener>,
+    session: Option<Session>,
+    background: Vec<tokio::task::JoinHandle<()>>,
+    status: watch::Receiver<MasterStatus>,
+}
+
+struct Shared {
+    queue: Mutex<Core>,
+    /// Raised whenever the queue changed and needs storing.
+    dirty: Notify,
+    /// The highest queue version stored in discovery.
+    persisted: watch::Sender<u64>,
+    /// Why the master stopped serving, once it did.
+    stopped: watch::Sender<Option<String>>,
+    status: watch::Sender<MasterStatus>,
+}
+
+struct Core {
+    queue: TaskQueue,
+    passes: Vec<PassStats>,
+    discarded: Vec<(u64, String)>,
+}
+
+impl Shared {
+    fn core(&self) -> MutexGuard<'_, Core> {
+        self.queue.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+
+    /// Log the core's events, publish the status, and wake the writer.
+    fn changed(&self, core: &mut Core) {
+        for event in core.queue.drain_events() {
+            match &event {
+                QueueEvent::TaskDiscarded { task, pass, reason } => {
+                    tracing::warn!(task = task.0, pass, %reason, "task discarded");
+                    core.discarded.push((task.0, reason.clone()));
+                }
+                QueueEvent::TaskTimedOut { task_ref, trainer } => {
+                    tracing::info!(task = task_ref.task.0, trainer, "task timed out")
+                }
+                QueueEvent::TaskFailed { task_ref, trainer, reason } => {
+                    tracing::info!(task = task_ref.task.0, trainer, %reason, "task failed")
+                }
+                QueueEvent::PassEnded { pass, done, discarded } => {
+                    tracing::info!(pass, done, discarded, "pass ended")
+                }
+                QueueEvent::JobDone => tracing::info!("job done"),
+                QueueEvent::JobFailed { pass } => tracing::error!(pass, "job failed"),
+            }
+        }
+        let status = MasterStatus {
+            queue: core.queue.status(),
+            passes: core.passes.clone(),
+            discarded: core.discarded.clone(),
+        };
+        self.status.send_replace(status);
+        self.dirty.notify_one();
+    }
+
+    fn stop(&self, why: String) {
+        self.stopped.send_if_modified(|s| {
+            if s.is_none() {
+                tracing::error!(%why, "master stops serving");
+                *s = Some(why);
+                true
+            } else {
+                false
+            }
+        });
+    }
+
+    fn stopped_reason(&self) -> Option<String> {
+        self.stopped.borrow().clone()
+    }
+}
+
+impl Master {
+    /// Take the job's lock (waiting as a standby while another master holds
+    /// it), restore the queue from `master/state` or start it from `tasks`,
+    /// serve at `listen_addr`, and publish `master/addr`.
+    pub async fn start(
+        discovery: Arc<dyn Discovery>,
+        transport: Arc<dyn Transport>,
+        listen_addr: &str,
+        tasks: Vec<TaskSpec>,
+        options: MasterOptions,
+    ) -> Result<Master> {
+        let keys = JobKeys::new(&options.job)?;
+        let session = Session::start(discovery.clone(), options.lease_ttl).await?;
+        let fence = discovery
+            .lock(
+                &keys.master_lock(),
+                options.holder.clone().into_bytes(),
+                session.lease(),
+                options.lock_timeout,
+            )
+            .await?;
+        tracing::info!(holder = %options.holder, revision = fence.revision, "master holds the lock");
+
+        let now = Instant::now();
+        let queue = match discovery.get(&keys.master_state()).await? {
+            Some(kv) => {
+                let snapshot = Snapshot::decode(&kv.value)?;
+                let queue = TaskQueue::restore(snapshot, options.queue.clone(), now)?;
+                tracing::info!(status = ?queue.status(), "restored the task queue from discovery");
+                queue
+            }
+            None => TaskQueue::new(tasks, options.queue.clone())?,
+        };
+        if let Some(config) = &options.config {
+            discovery.create_if_absent(&keys.config(), config.clone(), None).await?;
+        }
+
+        let status = MasterStatus { queue: queue.status(), passes: Vec::new(), discarded: Vec::new() };
+        let (status_tx, status_rx) = watch::channel(status);
+        let version = queue.version();
+        let shared = Arc::new(Shared {
+            queue: Mutex::new(Core { queue, passes: Vec::new(), discarded: Vec::new() }),
+            dirty: Notify::new(),
+            persisted: watch::channel(0).0,
+            stopped: watch::channel(None).0,
+            status: status_tx,
+        });
+        // Store the starting state before serving, so a restore never goes back.
+        persist(&*discovery, &fence, &keys, &shared).await?;
+        debug_assert!(*shared.persisted.borrow() >= version);
+
+        let handler = Arc::new(MasterHandler {
+            shared: shared.clone(),
+            ack_timeout: options.lease_ttl,
+            tick_interval: options.tick_interval,
+        });
+        let listener = transport.listen(listen_addr, handler).await?;
+        discovery
+            .put(&keys.master_addr(), listener.local_addr().as_bytes().to_vec(), Some(session.lease()))
+            .await?;
+        tracing::info!(addr = listener.local_addr(), "master serving");
+
+        let trainers = discovery.get_prefix(&keys.trainers()).await?;
+        let watch = discovery.watch_prefix(&keys.trainers(), trainers.revision + 1).await?;
+        let background = vec![
+            tokio::spawn(writer(discovery.clone(), fence, keys.clone(), shared.clone())),
+            tokio::spawn(ticker(shared.clone(), options.tick_interval)),
+            tokio::spawn(trainer_watcher(watch, keys, shared.clone())),
+            tokio::spawn(lease_guard(session.lost(), shared.clone())),
+        ];
+        Ok(Master { shared, listener, session: Some(session), background, status: status_rx })
+    }
+
+    /// The address trainers call.
+    pub fn addr(&self) -> &str {
+        self.listener.local_addr()
+    }
+
+    /// The job's status, updated on every change.
+    pub fn status(&self) -> watch::Receiver<MasterStatus> {
+        self.status.clone()
+    }
+
+    /// Wait until the job is done or failed and its final state is stored;
+    /// an error if the master stopped serving first (lost lease or fence).
+    pub async fn wait(&self) -> Result<JobState> {
+        let mut status = self.status.clone();
+        let mut stopped = self.shared.stopped.subscribe();
+        loop {
+            if let Some(why) = self.shared.stopped_reason() {
+                return Err(Error::Stopped(why));
+            }
+            let (state, version) = {
+                let core = self.shared.core();
+                (core.queue.status().state, core.queue.version())
+            };
+            if state != JobState::Running && *self.shared.persisted.borrow() >= version {
+                return Ok(state);
+            }
+            let mut persisted = self.shared.persisted.subscribe();
+            tokio::select! {
+                _ = status.changed() => {}
+                _ = persisted.changed() => {}
+                _ = stopped.changed() => {}
+            }
+        }
+    }
+
+    /// Stop serving and give up the lock.
+    pub async fn shutdown(mut self) -> Result<()> {
+        self.listener.close();
+        self.background.iter().for_each(|t| t.abort());
+        if let Some(session) = self.session.take() {
+            session.close().await?;
+        }
+        Ok(())
+    }
+}
+
+impl Drop for Master {
+    fn drop(&mut self) {
+        self.listener.close();
+        self.background.iter().for_each(|t| t.abort());
+    }
+}
+
+/// Store the queue's current snapshot through the fence.
+async fn persist(discovery: &dyn Discovery, fence: &Fence, keys: &JobKeys, shared: &Shared) -> Result<()> {
+    let (bytes, version) = {
+        let core = shared.core();
+        (core.queue.snapshot().encode(), core.queue.version())
+    };
+    if *shared.persisted.borrow() >= version {
+        return Ok(());
+    }
+    discovery.put_fenced(fence, &keys.master_state(), bytes).await?;
+    shared.persisted.send_if_modified(|v| {
+        let raised = version > *v;
+        *v = (*v).max(version);
+        raised
+    });
+    Ok(())
+}
+
+/// The one writer: stores the newest snapshot whenever the queue changed.
+/// Changes made while a write is in flight go out together in the next one.
+async fn writer(discovery: Arc<dyn Discovery>, fence: Fence, keys: JobKeys, shared: Arc<Shared>) {
+    loop {
+        shared.dirty.notified().await;
+        if let Err(e) = persist(&*discovery, &fence, &keys, &shared).await {
+            match e {
+                Error::Discovery(oar_discovery::Error::FenceLost { .. }) => {
+                    shared.stop(format!("lost the master lock: {e}"));
+                    return;
+                }
+                other => {
+                    tracing::warn!(error = %other, "storing the task queue failed; retrying");
+                    tokio::time::sleep(Duration::from_millis(100)).await;
+                    shared.dirty.notify_one();
+                }
+            }
+        }
+    }
+}
+
+async fn ticker(shared: Arc<Shared>, every: Duration) {
+    let mut interval = tokio::time::interval(every);
+    interval.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    loop {
+        interval.tick().await;
+        let mut core = shared.core();
+        if core.queue.tick(Instant::now()) > 0 {
+            shared.changed(&mut core);
+        }
+    }
+}
+
+/// A trainer whose registration vanished (lease expired) gets its tasks
+/// taken back at once instead of after the task timeout.
+async fn trainer_watcher(mut watch: oar_discovery::WatchStream, keys: JobKeys, shared: Arc<Shared>) {
+    while let Some(event) = watch.next().await {
+        match event {
+            Ok(WatchEvent::Delete { key, .. }) => {
+                if let Some(trainer) = keys.trainer_id(&key) {
+                    let mut core = shared.core();
+                    let returned = core.queue.trainer_gone(trainer, Instant::now());
+                    if returned > 0 {
+                        tracing::info!(trainer, returned, "trainer gone; its tasks return to todo");
+                        shared.changed(&mut core);
+                    }
+                }
+            }
+            Ok(WatchEvent::Put(_)) => {}
+            Err(e) => {
+                tracing::warn!(error = %e, "trainer watch failed; relying on task timeouts");
+                return;
+            }
+        }
+    }
+}
+
+async fn lease_guard(mut lost: watch::Receiver<bool>, shared: Arc<Shared>) {
+    while !*lost.borrow_and_update() {
+        if lost.changed().await.is_err() {
+            break;
+        }
+    }
+    shared.stop("the master's lease is lost".into());
+}
+
+struct MasterHandler {
+    shared: Arc<Shared>,
+    ack_timeout: Duration,
+    tick_interval: Duration,
+}
+
+impl MasterHandler {
+    fn get_task(&self, trainer: &str) -> TaskReply {
+        let mut core = self.shared.core();
+        let now = Instant::now();
+        let reply = match core.queue.get_task(trainer, now) {
+            GetTask::Assigned(a) => TaskReply::Assigned {
+                timeout_ms: a.deadline.saturating_duration_since(now).as_millis() as u64,
+                task: a.task,
+                task_ref: a.task_ref,
+            },
+            GetTask::Wait => {
+                TaskReply::Wait { retry_after_ms: self.tick_interval.as_millis().max(10) as u64 }
+            }
+            GetTask::Done => TaskReply::Done,
+            GetTask::Failed => TaskReply::Failed,
+        };
+        if matches!(reply, TaskReply::Assigned { .. }) {
+            self.shared.changed(&mut core);
+        }
+        reply
+    }
+
+    /// Apply a report, then wait until it is durable before acknowledging it.
+    async fn report(
+        &self,
+        apply: impl FnOnce(&mut Core) -> Report,
+    ) -> std::result::Result<ReportReply, RemoteError> {
+        let version = {
+            let mut core = self.shared.core();
+            if apply(&mut core) == Report::Stale {
+                return Ok(ReportReply::Stale);
+            }
+            self.shared.changed(&mut core);
+            core.queue.version()
+        };
+        let mut persisted = self.shared.persisted.subscribe();
+        let mut stopped = self.shared.stopped.subscribe();
+        let durable = async {
+            loop {
+                if *persisted.borrow_and_update() >= version {
+                    return Ok(());
+                }
+                if let Some(why) = stopped.borrow_and_update().clone() {
+                    return Err(why);
+                }
+                tokio::select! {
+                    r = persisted.changed() => if r.is_err() { return Err("master stopped".to_string()) },
+                    r = stopped.changed() => if r.is_err() { return Err("master stopped".to_string()) },
+                }
+            }
+        };
+        match tokio::time::timeout(self.ack_timeout, durable).await {
+            Ok(Ok(())) => Ok(ReportReply::Accepted),
+            Ok(Err(why)) => Err(RemoteError::unavailable(why)),
+            Err(_) => Err(RemoteError::unavailable(format!(
+                "the report could not be stored within {:?}",
+                self.ack_timeout
+            ))),
+        }
+    }
+}
+
+#[async_trait]
+impl Handler for MasterHandler {
+    async fn handle(&self, request: Frame) -> std::result::Result<Frame, RemoteError> {
+        if let Some(why) = self.shared.stopped_reason() {
+            return Err(RemoteError::unavailable(format!("master is not serving: {why}")));
+        }
+        if request.method != MASTER_METHOD {
+            return Err(RemoteError::bad_request(format!("unknown master method {:#x}", request.method)));
+        }
+        let reply = match request.meta::<MasterRequest>()? {
+            MasterRequest::GetTask { trainer } => {
+                Frame::new(MASTER_METHOD, &self.get_task(&trainer), Bytes::new())
+            }
+            MasterRequest::TaskFinished { trainer, task_ref, stats } => {
+                let reply = self
+                    .report(|core| {
+                        let outcome = core.queue.task_finished(task_ref, Instant::now());
+                        if outcome == Report::Accepted {
+                            let pass = task_ref.pass as usize;
+                            if core.passes.len() <= pass {
+                                core.passes.resize(pass + 1, PassStats::default());
+                            }
+                            let p = &mut core.passes[pass];
+                            p.examples += stats.examples;
+                            p.loss_sum += stats.loss_sum;
+                            p.tasks_finished += 1;
+                        } else {
+                            tracing::debug!(trainer, ?task_ref, "stale finished report");
+                        }
+                        outcome
+                    })
+                    .await?;
+                Frame::new(MASTER_METHOD, &reply, Bytes::new())
+            }
+            MasterRequest::TaskFailed { trainer, task_ref, reason } => {
+                tracing::info!(trainer, ?task_ref, %reason, "trainer reports a failed task");
+                let reply =
+                    self.report(|core| core.queue.task_failed(task_ref, &reason, Instant::now())).await?;
+                Frame::new(MASTER_METHOD, &reply, Bytes::new())
+            }
+            MasterRequest::Status => Frame::new(MASTER_METHOD, &*self.shared.status.borrow(), Bytes::new()),
+        };
+        reply.map_err(RemoteError::internal)
+    }
+}

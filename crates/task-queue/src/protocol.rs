@@ -1,0 +1,115 @@
+//! The master's wire protocol: requests and replies as typed metadata.
+
+use crate::{JobState, Status, TaskRef, TaskSpec};
+use serde::{Deserialize, Serialize};
+
+/// The transport method number of every master call (the request enum says which).
+pub const MASTER_METHOD: u16 = 0x4d00;
+
+/// What a trainer measured while training one task, sent with its report.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Serialize, Deserialize)]
+pub struct TaskStats {
+    /// Examples trained on.
+    pub examples: u64,
+    /// Sum of the per-example training loss over those examples.
+    pub loss_sum: f64,
+}
+
+/// A call to the master.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub enum MasterRequest {
+    /// Ask for a task.
+    GetTask {
+        /// The asking trainer.
+        trainer: String,
+    },
+    /// A task was trained on completely.
+    TaskFinished {
+        /// The reporting trainer.
+        trainer: String,
+        /// The assignment being reported.
+        task_ref: TaskRef,
+        /// What training it measured.
+        stats: TaskStats,
+    },
+    /// A task could not be trained on (for example, a bad data line).
+    TaskFailed {
+        /// The reporting trainer.
+        trainer: String,
+        /// The assignment being reported.
+        task_ref: TaskRef,
+        /// Why, for the job's report.
+        reason: String,
+    },
+    /// The job's status.
+    Status,
+}
+
+/// The master's answer to [`MasterRequest::GetTask`].
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub enum TaskReply {
+    /// Train on this task and report it within `timeout_ms`.
+    Assigned {
+        /// The task: pointers to data.
+        task: TaskSpec,
+        /// Its id, pass and attempt, to quote in the report.
+        task_ref: TaskRef,
+        /// Time the master gives before it hands the task to someone else.
+        timeout_ms: u64,
+    },
+    /// Nothing to hand out now (the pass's last tasks are pending); ask again later.
+    Wait {
+        /// Suggested pause before asking again.
+        retry_after_ms: u64,
+    },
+    /// Every pass is done.
+    Done,
+    /// The job failed: every task of a pass was discarded.
+    Failed,
+}
+
+/// The master's answer to a task report.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub enum ReportReply {
+    /// The report changed the queue and is durable.
+    Accepted,
+    /// The report no longer matches an assignment (timed out, reassigned, old pass): ignored.
+    Stale,
+}
+
+/// Training statistics of one pass, summed from the trainers' reports.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Serialize, Deserialize)]
+pub struct PassStats {
+    /// Examples trained on in the pass.
+    pub examples: u64,
+    /// Sum of per-example losses.
+    pub loss_sum: f64,
+    /// Tasks finished.
+    pub tasks_finished: u64,
+}
+
+impl PassStats {
+    /// Mean training loss of the pass (NaN when nothing was trained).
+    pub fn mean_loss(&self) -> f64 {
+        self.loss_sum / self.examples as f64
+    }
+}
+
+/// What the master says about the job.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct MasterStatus {
+    /// The task queue's counts and state.
+    pub queue: Status,
+    /// Statistics per pass, index = pass. Kept in the master's memory only:
+    /// a restarted master starts them afresh.
+    pub passes: Vec<PassStats>,
+    /// Tasks discarded so far, with their reasons.
+    pub discarded: Vec<(u64, String)>,
+}
+
+impl MasterStatus {
+    /// Whether the job has ended, well or badly.
+    pub fn is_finished(&self) -> bool {
+        self.queue.state != JobState::Running
+    }
+}

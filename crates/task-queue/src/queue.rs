@@ -1,0 +1,900 @@
+//! The task-queue state machine: todo, pending and done queues over passes,
+//! with deadlines, failure counts and discards. No I/O, no clock: time comes
+//! in as `now: Instant` on every call that needs it.
+//!
+//! Rules, in short:
+//! - [`TaskQueue::get_task`] moves the front of todo to pending with the
+//!   deadline `now + task_timeout`; tasks are first handed out in id order.
+//! - A failure (deadline reached at [`TaskQueue::tick`], a failed report, or
+//!   the trainer gone) raises the task's failure count for this pass; at
+//!   `max_failures` the task is discarded for the rest of the job, else it
+//!   goes to the *end* of todo.
+//! - A report names `(task, pass, attempt)`; anything but the current pending
+//!   assignment is [`Report::Stale`] and changes nothing. A finish arriving
+//!   after the deadline but before `tick` expired the task is still accepted:
+//!   the work was done.
+//! - A pass ends as soon as todo and pending are both empty: the job fails if
+//!   no task finished in that pass, is done after the last pass, and otherwise
+//!   the next pass starts with todo = the finished tasks in id order and all
+//!   failure counts reset.
+
+use std::collections::{BTreeSet, VecDeque};
+use std::time::{Duration, Instant};
+
+use serde::{Deserialize, Serialize};
+
+use crate::dataset::{TaskId, TaskSpec};
+use crate::snapshot::{Meta, Snapshot, StateView, Unpacked};
+use crate::{Error, Result};
+
+/// A trainer's id, as registered under `trainer/<id>`.
+pub type TrainerId = String;
+
+/// The longest task timeout accepted: keeps `now + timeout` far from overflow.
+pub const MAX_TASK_TIMEOUT: Duration = Duration::from_secs(365 * 24 * 3600);
+
+/// Longest failure reason kept (reasons come from trainers over the network
+/// and end up in the snapshot); longer ones are cut at a char boundary.
+pub const MAX_REASON_BYTES: usize = 512;
+
+/// How the queue treats tasks.
+#[derive(Clone, Debug, Serialize, Deserialize, PartialEq)]
+pub struct QueueConfig {
+    /// How long a trainer may hold a task before it counts as failed.
+    pub task_timeout: Duration,
+    /// Failures of one task within one pass after which it is discarded.
+    pub max_failures: u32,
+    /// Passes over the dataset.
+    pub passes: u32,
+}
+
+impl Default for QueueConfig {
+    /// Ten minutes per task, three failures, one pass.
+    fn default() -> Self {
+        QueueConfig { task_timeout: Duration::from_secs(600), max_failures: 3, passes: 1 }
+    }
+}
+
+impl QueueConfig {
+    /// Checks that `passes >= 1`, `max_failures >= 1` and
+    /// `0 < task_timeout <= MAX_TASK_TIMEOUT`.
+    pub fn validate(&self) -> Result<()> {
+        if self.passes == 0 {
+            return Err(Error::BadConfig("passes must be at least 1, got 0".into()));
+        }
+        if self.max_failures == 0 {
+            return Err(Error::BadConfig("max_failures must be at least 1, got 0".into()));
+        }
+        if self.task_timeout.is_zero() {
+            return Err(Error::BadConfig("task_timeout must be positive, got 0".into()));
+        }
+        if self.task_timeout > MAX_TASK_TIMEOUT {
+            return Err(Error::BadConfig(format!(
+                "task_timeout must be at most {MAX_TASK_TIMEOUT:?}, got {:?}",
+                self.task_timeout
+            )));
+        }
+        Ok(())
+    }
+}
+
+/// Names one assignment of a task: a report must carry it back, so that a
+/// late report (older pass or attempt) is recognised as stale.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
+pub struct TaskRef {
+    /// The task.
+    pub task: TaskId,
+    /// The pass (0-based) it was assigned in.
+    pub pass: u32,
+    /// Failures of this task earlier in this pass when it was assigned.
+    pub attempt: u32,
+}
+
+/// A task handed to a trainer.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Assignment {
+    /// What to read.
+    pub task: TaskSpec,
+    /// What to report back.
+    pub task_ref: TaskRef,
+    /// When the task times out unless reported.
+    pub deadline: Instant,
+}
+
+/// The answer to [`TaskQueue::get_task`].
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum GetTask {
+    /// A task to work on.
+    Assigned(Assignment),
+    /// Todo is empty but tasks of this pass are still pending: ask again later
+    /// (one may fail and come back, or the next pass may start).
+    Wait,
+    /// The job finished all its passes.
+    Done,
+    /// The job failed: a pass in which no task finished.
+    Failed,
+}
+
+/// The answer to a task report.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub enum Report {
+    /// The report matched the current pending assignment and was applied.
+    Accepted,
+    /// The report did not match the current pending assignment (late after a
+    /// timeout, an old pass, an unknown task, or the job is over): nothing changed.
+    Stale,
+}
+
+/// The job as a whole.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
+pub enum JobState {
+    /// Passes remain.
+    Running,
+    /// Every pass ended with at least one finished task.
+    Done,
+    /// A pass ended with no finished task (all discarded).
+    Failed,
+}
+
+/// Where one task stands.
+#[derive(Clone, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
+pub enum TaskState {
+    /// Waiting to be handed out in the current pass.
+    Todo,
+    /// Held by a trainer.
+    Pending {
+        /// Who holds it.
+        trainer: TrainerId,
+        /// The attempt number in its [`TaskRef`].
+        attempt: u32,
+    },
+    /// Finished in the current pass (or in the last pass, once the job is over).
+    Done,
+    /// Failed `max_failures` times in one pass; out for the rest of the job.
+    Discarded {
+        /// Why, naming the failure count and the last failure.
+        reason: String,
+    },
+}
+
+/// Counts for the job-status call.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Status {
+    /// Current pass, 0-based (the last pass once the job is over).
+    pub pass: u32,
+    /// Passes configured.
+    pub passes: u32,
+    /// Tasks waiting in this pass.
+    pub todo: usize,
+    /// Tasks held by trainers.
+    pub pending: usize,
+    /// Tasks finished in this pass.
+    pub done: usize,
+    /// Tasks discarded (over the whole job).
+    pub discarded: usize,
+    /// Timeouts, failed reports and trainers gone, over the whole job.
+    pub failures: u64,
+    /// Whether the job is over.
+    pub state: JobState,
+}
+
+/// Something the shell may log or report; drained with [`TaskQueue::drain_events`].
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub enum QueueEvent {
+    /// A pending task reached its deadline.
+    TaskTimedOut {
+        /// The assignment that timed out.
+        task_ref: TaskRef,
+        /// Who held it.
+        trainer: TrainerId,
+    },
+    /// A trainer reported failure, or left while holding the task.
+    TaskFailed {
+        /// The assignment that failed.
+        task_ref: TaskRef,
+        /// Who held it.
+        trainer: TrainerId,
+        /// The trainer's reason, or `"trainer <id> gone"`.
+        reason: String,
+    },
+    /// A task reached `max_failures` in a pass and is out of the job.
+    TaskDiscarded {
+        /// The task.
+        task: TaskId,
+        /// The pass it was discarded in.
+        pass: u32,
+        /// Why.
+        reason: String,
+    },
+    /// A pass ended (todo and pending empty).
+    PassEnded {
+        /// The pass that ended.
+        pass: u32,
+        /// Tasks finished in it.
+        done: usize,
+        /// Tasks discarded so far in the job (`done + discarded` = all tasks).
+        discarded: usize,
+    },
+    /// The last pass ended.
+    JobDone,
+    /// A pass ended with no finished task.
+    JobFailed {
+        /// The pass.
+        pass: u32,
+    },
+}
+
+/// A task's state with the deadline the public [`TaskState`] leaves out.
+#[derive(Clone, Debug)]
+enum Slot {
+    Todo,
+    Pending { trainer: TrainerId, attempt: u32, deadline: Instant },
+    Done,
+    Discarded { reason: String },
+}
+
+/// The task-queue core. See the [module docs](self) for the rules.
+#[derive(Clone, Debug)]
+pub struct TaskQueue {
+    config: QueueConfig,
+    /// Sorted by id; a task's index here is its handle everywhere else.
+    tasks: Vec<TaskSpec>,
+    slots: Vec<Slot>,
+    /// Failures of each task in the current pass.
+    failures: Vec<u32>,
+    todo: VecDeque<usize>,
+    /// Pending tasks by (deadline, index), so `tick` finds the expired first.
+    pending: BTreeSet<(Instant, usize)>,
+    done: usize,
+    discarded: usize,
+    pass: u32,
+    state: JobState,
+    failures_total: u64,
+    version: u64,
+    events: Vec<QueueEvent>,
+}
+
+/// Cuts a reason to [`MAX_REASON_BYTES`] at a char boundary.
+fn bounded(reason: &str) -> String {
+    if reason.len() <= MAX_REASON_BYTES {
+        return reason.to_string();
+    }
+    let mut end = MAX_REASON_BYTES;
+    while !reason.is_char_boundary(end) {
+        end -= 1;
+    }
+    format!("{}...", &reason[..end])
+}
+
+impl TaskQueue {
+    /// A queue in pass 0 with every task in todo, in id order.
+    ///
+    /// Errors if `tasks` is empty, two tasks share an id, a chunk's range is
+    /// reversed, or the config is invalid.
+    pub fn new(mut tasks: Vec<TaskSpec>, config: QueueConfig) -> Result<Self> {
+        config.validate()?;
+        if tasks.is_empty() {
+            return Err(Error::NoTasks);
+        }
+        tasks.sort_by_key(|t| t.id);
+        for pair in tasks.windows(2) {
+            if pair[0].id == pair[1].id {
+                return Err(Error::DuplicateTask(pair[0].id.0));
+            }
+        }
+        for chunk in tasks.iter().flat_map(|t| &t.chunks) {
+            if chunk.start > chunk.end {
+                return Err(Error::BadChunk { path: chunk.path.clone(), start: chunk.start, end: chunk.end });
+            }
+        }
+        let n = tasks.len();
+        Ok(TaskQueue {
+            config,
+            tasks,
+            slots: vec![Slot::Todo; n],
+            failures: vec![0; n],
+            todo: (0..n).collect(),
+            pending: BTreeSet::new(),
+            done: 0,
+            discarded: 0,
+            pass: 0,
+            state: JobState::Running,
+            failures_total: 0,
+            version: 0,
+            events: Vec::new(),
+        })
+    }
+
+    /// Hands the front of todo to `trainer` with the deadline
+    /// `now + task_timeout`. Does not expire overdue tasks: call
+    /// [`tick`](Self::tick) for that.
+    pub fn get_task(&mut self, trainer: &str, now: Instant) -> GetTask {
+        match self.state {
+            JobState::Done => return GetTask::Done,
+            JobState::Failed => return GetTask::Failed,
+            JobState::Running => {}
+        }
+        let Some(i) = self.todo.pop_front() else {
+            return GetTask::Wait;
+        };
+        let attempt = self.failures[i];
+        let deadline = self.deadline(now);
+        self.slots[i] = Slot::Pending { trainer: trainer.to_string(), attempt, deadline };
+        self.pending.insert((deadline, i));
+        self.version += 1;
+        let task = self.tasks[i].clone();
+        let task_ref = TaskRef { task: task.id, pass: self.pass, attempt };
+        GetTask::Assigned(Assignment { task, task_ref, deadline })
+    }
+
+    /// `now + task_timeout`; the config caps the timeout so this cannot
+    /// overflow in practice, and if it did the task would just expire early.
+    fn deadline(&self, now: Instant) -> Instant {
+        now.checked_add(self.config.task_timeout).unwrap_or(now)
+    }
+
+    /// The index of the task `r` names, if `r` is its current pending assignment.
+    fn current(&self, r: TaskRef) -> Option<usize> {
+        if self.state != JobState::Running || r.pass != self.pass {
+            return None;
+        }
+        let i = self.index_of(r.task)?;
+        match &self.slots[i] {
+            Slot::Pending { attempt, .. } if *attempt == r.attempt => Some(i),
+            _ => None,
+        }
+    }
+
+    fn index_of(&self, id: TaskId) -> Option<usize> {
+        self.tasks.binary_search_by_key(&id, |t| t.id).ok()
+    }
+
+    /// Takes task `i` out of pending; returns who held it.
+    fn take_pending(&mut self, i: usize) -> (TrainerId, u32) {
+        match std::mem::replace(&mut self.slots[i], Slot::Todo) {
+            Slot::Pending { trainer, attempt, deadline } => {
+                self.pending.remove(&(deadline, i));
+                (trainer, attempt)
+            }
+            other => {
+                // Callers only pass pending tasks; put the slot back unchanged.
+                self.slots[i] = other;
+                (String::new(), 0)
+            }
+        }
+    }
+
+    /// Marks the assignment `r` finished. `now` is unused: a finish is
+    /// accepted until the task is expired by `tick`.
+    pub fn task_finished(&mut self, r: TaskRef, _now: Instant) -> Report {
+        let Some(i) = self.current(r) else {
+            return Report::Stale;
+        };
+        self.take_pending(i);
+        self.slots[i] = Slot::Done;
+        self.done += 1;
+        self.version += 1;
+        self.check_pass_end();
+        Report::Accepted
+    }
+
+    /// Records that the trainer holding `r` failed it with `reason` (cut to
+    /// [`MAX_REASON_BYTES`]).
+    pub fn task_failed(&mut self, r: TaskRef, reason: &str, _now: Instant) -> Report {
+        let Some(i) = self.current(r) else {
+            return Report::Stale;
+        };
+        let (trainer, _) = self.take_pending(i);
+        let reason = bounded(reason);
+        let detail = format!("failed on trainer {trainer}: {reason}");
+        self.events.push(QueueEvent::TaskFailed { task_ref: r, trainer, reason });
+        self.fail(i, detail);
+        self.check_pass_end();
+        Report::Accepted
+    }
+
+    /// Returns every task `trainer` holds to todo as a failure
+    /// (`"trainer <id> gone"`); returns how many.
+    pub fn trainer_gone(&mut self, trainer: &str, _now: Instant) -> usize {
+        if self.state != JobState::Running {
+            return 0;
+        }
+        let mut held: Vec<usize> = self
+            .pending
+            .iter()
+            .filter(|(_, i)| matches!(&self.slots[*i], Slot::Pending { trainer: t, .. } if t == trainer))
+            .map(|&(_, i)| i)
+            .collect();
+        held.sort_unstable();
+        let reason = format!("trainer {trainer} gone");
+        for &i in &held {
+            let (trainer, attempt) = self.take_pending(i);
+            let task_ref = TaskRef { task: self.tasks[i].id, pass: self.pass, attempt };
+            self.events.push(QueueEvent::TaskFailed { task_ref, trainer, reason: reason.clone() });
+            self.fail(i, reason.clone());
+            self.check_pass_end();
+        }
+        held.len()
+    }
+
+    /// Fails every pending task whose deadline is at or before `now`
+    /// ("timed out after ..."), earliest deadline first; returns how many.
+    pub fn tick(&mut self, now: Instant) -> usize {
+        if self.state != JobState::Running {
+            return 0;
+        }
+        let expired: Vec<usize> =
+            self.pending.iter().take_while(|(d, _)| *d <= now).map(|&(_, i)| i).collect();
+        for &i in &expired {
+            let (trainer, attempt) = self.take_pending(i);
+            let task_ref = TaskRef { task: self.tasks[i].id, pass: self.pass, attempt };
+            let detail = format!("timed out after {:?} on trainer {trainer}", self.config.task_timeout);
+            self.events.push(QueueEvent::TaskTimedOut { task_ref, trainer });
+            self.fail(i, detail);
+            self.check_pass_end();
+        }
+        expired.len()
+    }
+
+    /// Counts a failure of task `i` (already out of pending): discard at the
+    /// threshold, else back to the end of todo.
+    fn fail(&mut self, i: usize, detail: String) {
+        self.failures[i] += 1;
+        self.failures_total += 1;
+        self.version += 1;
+        let count = self.failures[i];
+        if count >= self.config.max_failures {
+            let reason = format!("{count} failure(s) in pass {}, the last: {detail}", self.pass);
+            self.events.push(QueueEvent::TaskDiscarded {
+                task: self.tasks[i].id,
+                pass: self.pass,
+                reason: reason.clone(),
+            });
+            self.slots[i] = Slot::Discarded { reason };
+            self.discarded += 1;
+        } else {
+            self.slots[i] = Slot::Todo;
+            self.todo.push_back(i);
+        }
+    }
+
+    /// Ends the pass if todo and pending are both empty.
+    fn check_pass_end(&mut self) {
+        if self.state != JobState::Running || !self.todo.is_empty() || !self.pending.is_empty() {
+            return;
+        }
+        self.events.push(QueueEvent::PassEnded {
+            pass: self.pass,
+            done: self.done,
+            discarded: self.discarded,
+        });
+        self.version += 1;
+        if self.done == 0 {
+            self.state = JobState::Failed;
+            self.events.push(QueueEvent::JobFailed { pass: self.pass });
+        } else if self.pass + 1 >= self.config.passes {
+            self.state = JobState::Done;
+            self.events.push(QueueEvent::JobDone);
+        } else {
+            self.pass += 1;
+            self.failures.iter_mut().for_each(|f| *f = 0);
+            for (i, slot) in self.slots.iter_mut().enumerate() {
+                if matches!(slot, Slot::Done) {
+                    *slot = Slot::Todo;
+                    self.todo.push_back(i);
+                }
+            }
+            self.done = 0;
+        }
+    }
+
+    /// The job's counts.
+    pub fn status(&self) -> Status {
+        Status {
+            pass: self.pass,
+            passes: self.config.passes,
+            todo: self.todo.len(),
+            pending: self.pending.len(),
+            done: self.done,
+            discarded: self.discarded,
+            failures: self.failures_total,
+            state: self.state,
+        }
+    }
+
+    /// Where task `id` stands, or `None` if there is no such task.
+    pub fn task_state(&self, id: TaskId) -> Option<TaskState> {
+        let i = self.index_of(id)?;
+        Some(match &self.slots[i] {
+            Slot::Todo => TaskState::Todo,
+            Slot::Pending { trainer, attempt, .. } => {
+                TaskState::Pending { trainer: trainer.clone(), attempt: *attempt }
+            }
+            Slot::Done => TaskState::Done,
+            Slot::Discarded { reason } => TaskState::Discarded { reason: reason.clone() },
+        })
+    }
+
+    /// The events since the last call, oldest first. The shell should drain
+    /// them regularly: they accumulate until it does.
+    pub fn drain_events(&mut self) -> Vec<QueueEvent> {
+        std::mem::take(&mut self.events)
+    }
+
+    /// A counter that increases on every state change (and only then), so the
+    /// shell can persist snapshots in batches: write when it moved.
+    pub fn version(&self) -> u64 {
+        self.version
+    }
+
+    /// The config the queue runs with.
+    pub fn config(&self) -> &QueueConfig {
+        &self.config
+    }
+
+    /// The tasks, in id order.
+    pub fn tasks(&self) -> impl Iterator<Item = &TaskSpec> {
+        self.tasks.iter()
+    }
+
+    /// The persistent state (deadlines and undrained events excluded).
+    pub fn snapshot(&self) -> Snapshot {
+        let states = self.slots.iter().map(|slot| match slot {
+            Slot::Todo => StateView::Todo,
+            Slot::Pending { trainer, attempt, .. } => StateView::Pending { trainer, attempt: *attempt },
+            Slot::Done => StateView::Done,
+            Slot::Discarded { reason } => StateView::Discarded { reason },
+        });
+        Snapshot::pack(
+            &self.tasks,
+            states,
+            &self.failures,
+            self.todo.iter().copied(),
+            Meta {
+                pass: self.pass,
+                state: self.state,
+                failures_total: self.failures_total,
+                version: self.version,
+            },
+        )
+    }
+
+    /// Rebuilds a queue from a snapshot. Pending tasks stay pending with the
+    /// same trainer and attempt, and a fresh deadline `now + task_timeout`
+    /// (the master was away; the trainer gets its full time again). The
+    /// version continues from the snapshot's.
+    ///
+    /// The config may differ from the one the snapshot was taken under;
+    /// errors if it is invalid or has fewer passes than the snapshot's pass
+    /// needs. A finished job stays finished even if `passes` grew.
+    pub fn restore(snapshot: Snapshot, config: QueueConfig, now: Instant) -> Result<Self> {
+        config.validate()?;
+        let Unpacked { tasks, states, failures, todo, meta } = snapshot.unpack()?;
+        let Meta { pass, state, failures_total, version } = meta;
+        if pass >= config.passes {
+            return Err(Error::BadSnapshot(format!(
+                "snapshot is in pass {pass} (0-based) but the config has only {} pass(es)",
+                config.passes
+            )));
+        }
+        let mut queue = TaskQueue {
+            slots: Vec::with_capacity(tasks.len()),
+            tasks,
+            failures,
+            todo: todo.into(),
+            pending: BTreeSet::new(),
+            done: 0,
+            discarded: 0,
+            pass,
+            state,
+            failures_total,
+            version,
+            events: Vec::new(),
+            config,
+        };
+        let deadline = queue.deadline(now);
+        for (i, st) in states.into_iter().enumerate() {
+            let slot = match st {
+                TaskState::Todo => Slot::Todo,
+                TaskState::Pending { trainer, attempt } => {
+                    queue.pending.insert((deadline, i));
+                    Slot::Pending { trainer, attempt, deadline }
+                }
+                TaskState::Done => {
+                    queue.done += 1;
+                    Slot::Done
+                }
+                TaskState::Discarded { reason } => {
+                    queue.discarded += 1;
+                    Slot::Discarded { reason }
+                }
+            };
+            queue.slots.push(slot);
+        }
+        Ok(queue)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::dataset::Chunk;
+
+    fn tasks(n: u64) -> Vec<TaskSpec> {
+        (0..n)
+            .map(|i| TaskSpec {
+                id: TaskId(i),
+                chunks: vec![Chunk { path: format!("/data/f{i}"), start: 0, end: 10 }],
+            })
+            .collect()
+    }
+
+    fn config(max_failures: u32, passes: u32) -> QueueConfig {
+        QueueConfig { task_timeout: Duration::from_secs(10), max_failures, passes }
+    }
+
+    fn assigned(g: GetTask) -> Assignment {
+        match g {
+            GetTask::Assigned(a) => a,
+            other => panic!("expected an assignment, got {other:?}"),
+        }
+    }
+
+    #[test]
+    fn new_rejects_bad_input() {
+        assert!(matches!(TaskQueue::new(vec![], config(1, 1)), Err(Error::NoTasks)));
+        let mut dup = tasks(3);
+        dup[2].id = TaskId(1);
+        assert!(matches!(TaskQueue::new(dup, config(1, 1)), Err(Error::DuplicateTask(1))));
+        for (bad, field) in [(config(1, 0), "passes"), (config(0, 1), "max_failures")] {
+            let err = TaskQueue::new(tasks(1), bad).unwrap_err();
+            assert!(err.to_string().contains(field), "{err}");
+        }
+        let zero = QueueConfig { task_timeout: Duration::ZERO, ..config(1, 1) };
+        assert!(TaskQueue::new(tasks(1), zero).unwrap_err().to_string().contains("task_timeout"));
+        let mut reversed = tasks(1);
+        reversed[0].chunks[0].start = 11;
+        assert!(matches!(TaskQueue::new(reversed, config(1, 1)), Err(Error::BadChunk { start: 11, .. })));
+    }
+
+    #[test]
+    fn hands_out_in_id_order_then_waits() {
+        let t0 = Instant::now();
+        let mut shuffled = tasks(3);
+        shuffled.reverse();
+        let mut q = TaskQueue::new(shuffled, config(3, 1)).unwrap();
+        let a = assigned(q.get_task("t1", t0));
+        assert_eq!(a.task_ref, TaskRef { task: TaskId(0), pass: 0, attempt: 0 });
+        assert_eq!(a.deadline, t0 + Duration::from_secs(10));
+        assert_eq!(q.task_state(TaskId(0)), Some(TaskState::Pending { trainer: "t1".into(), attempt: 0 }));
+        assert_eq!(assigned(q.get_task("t2", t0)).task.id, TaskId(1));
+        assert_eq!(assigned(q.get_task("t2", t0)).task.id, TaskId(2));
+        let v = q.version();
+        assert_eq!(q.get_task("t3", t0), GetTask::Wait);
+        assert_eq!(q.version(), v, "Wait changes nothing");
+        assert_eq!(q.status().pending, 3);
+        assert_eq!(q.task_state(TaskId(9)), None);
+    }
+
+    #[test]
+    fn timeout_returns_task_to_end_of_todo_with_next_attempt() {
+        let t0 = Instant::now();
+        let mut q = TaskQueue::new(tasks(2), config(3, 1)).unwrap();
+        let a = assigned(q.get_task("t1", t0));
+        assert_eq!(q.tick(t0 + Duration::from_secs(9)), 0);
+        assert_eq!(q.tick(t0 + Duration::from_secs(10)), 1, "expires at the deadline");
+        assert_eq!(q.task_state(TaskId(0)), Some(TaskState::Todo));
+        assert_eq!(q.status().failures, 1);
+        let events = q.drain_events();
+        assert_eq!(events, vec![QueueEvent::TaskTimedOut { task_ref: a.task_ref, trainer: "t1".into() }]);
+        // Task 1 was ahead of the timed-out task 0 in todo.
+        assert_eq!(assigned(q.get_task("t2", t0)).task.id, TaskId(1));
+        let again = assigned(q.get_task("t2", t0));
+        assert_eq!(again.task_ref, TaskRef { task: TaskId(0), pass: 0, attempt: 1 });
+        // The late report of the first attempt is stale and changes nothing.
+        let v = q.version();
+        assert_eq!(q.task_finished(a.task_ref, t0), Report::Stale);
+        assert_eq!(q.task_failed(a.task_ref, "x", t0), Report::Stale);
+        assert_eq!(q.version(), v);
+        assert_eq!(q.task_finished(again.task_ref, t0), Report::Accepted);
+        assert_eq!(q.task_finished(again.task_ref, t0), Report::Stale, "accepted once");
+    }
+
+    #[test]
+    fn late_finish_before_tick_is_accepted() {
+        let t0 = Instant::now();
+        let mut q = TaskQueue::new(tasks(2), config(3, 1)).unwrap();
+        let a = assigned(q.get_task("t1", t0));
+        assert_eq!(q.task_finished(a.task_ref, t0 + Duration::from_secs(60)), Report::Accepted);
+        assert_eq!(q.tick(t0 + Duration::from_secs(60)), 0);
+    }
+
+    #[test]
+    fn threshold_discards_with_reason() {
+        let t0 = Instant::now();
+        let mut q = TaskQueue::new(tasks(2), config(2, 1)).unwrap();
+        let a = assigned(q.get_task("t1", t0));
+        assert_eq!(q.task_failed(a.task_ref, "bad line 7", t0), Report::Accepted);
+        assert_eq!(q.task_state(TaskId(0)), Some(TaskState::Todo));
+        assigned(q.get_task("t1", t0)); // task 1
+        let b = assigned(q.get_task("t1", t0));
+        assert_eq!(b.task_ref.attempt, 1);
+        assert_eq!(q.task_failed(b.task_ref, "bad line 7 again", t0), Report::Accepted);
+        match q.task_state(TaskId(0)) {
+            Some(TaskState::Discarded { reason }) => {
+                assert!(reason.contains("2 failure(s) in pass 0"), "{reason}");
+                assert!(reason.contains("bad line 7 again") && reason.contains("t1"), "{reason}");
+            }
+            other => panic!("expected discarded, got {other:?}"),
+        }
+        let events = q.drain_events();
+        assert!(events.iter().any(|e| matches!(e,
+            QueueEvent::TaskDiscarded { task: TaskId(0), pass: 0, reason } if reason.contains("again"))));
+        let st = q.status();
+        assert_eq!((st.todo, st.pending, st.done, st.discarded, st.failures), (0, 1, 0, 1, 2));
+    }
+
+    #[test]
+    fn long_reasons_are_cut() {
+        let t0 = Instant::now();
+        let mut q = TaskQueue::new(tasks(2), config(1, 1)).unwrap();
+        let a = assigned(q.get_task("t1", t0));
+        q.task_failed(a.task_ref, &"é".repeat(1000), t0);
+        let Some(TaskState::Discarded { reason }) = q.task_state(TaskId(0)) else { panic!("not discarded") };
+        assert!(reason.len() < MAX_REASON_BYTES + 200, "{}", reason.len());
+    }
+
+    #[test]
+    fn trainer_gone_fails_only_its_tasks() {
+        let t0 = Instant::now();
+        let mut q = TaskQueue::new(tasks(3), config(3, 1)).unwrap();
+        let a = assigned(q.get_task("t1", t0));
+        let b = assigned(q.get_task("t2", t0));
+        let c = assigned(q.get_task("t1", t0));
+        assert_eq!(q.trainer_gone("t1", t0), 2);
+        assert_eq!(q.trainer_gone("t1", t0), 0);
+        assert_eq!(q.task_state(a.task.id), Some(TaskState::Todo));
+        assert_eq!(q.task_state(c.task.id), Some(TaskState::Todo));
+        assert_eq!(q.task_state(b.task.id), Some(TaskState::Pending { trainer: "t2".into(), attempt: 0 }));
+        let events = q.drain_events();
+        assert_eq!(events.len(), 2);
+        assert!(events.iter().all(|e| matches!(e,
+            QueueEvent::TaskFailed { trainer, reason, .. } if trainer == "t1" && reason == "trainer t1 gone")));
+        assert_eq!(q.status().failures, 2);
+    }
+
+    #[test]
+    fn pass_rollover_refills_from_done_and_resets_counts() {
+        let t0 = Instant::now();
+        let mut q = TaskQueue::new(tasks(3), config(2, 2)).unwrap();
+        // Task 0 fails once then finishes; task 1 is discarded; task 2 finishes.
+        let a = assigned(q.get_task("t", t0));
+        q.task_failed(a.task_ref, "flaky", t0);
+        let b = assigned(q.get_task("t", t0));
+        q.task_failed(b.task_ref, "bad", t0);
+        let c = assigned(q.get_task("t", t0));
+        q.task_finished(c.task_ref, t0);
+        let a2 = assigned(q.get_task("t", t0));
+        assert_eq!(a2.task_ref, TaskRef { task: TaskId(0), pass: 0, attempt: 1 });
+        q.task_finished(a2.task_ref, t0);
+        let b2 = assigned(q.get_task("t", t0));
+        assert_eq!(b2.task.id, TaskId(1));
+        q.task_failed(b2.task_ref, "bad", t0); // second failure: discarded, pass ends
+        let st = q.status();
+        assert_eq!((st.pass, st.todo, st.pending, st.done, st.discarded), (1, 2, 0, 0, 1));
+        assert!(q.drain_events().contains(&QueueEvent::PassEnded { pass: 0, done: 2, discarded: 1 }));
+        // Pass 1: todo in id order, attempts from 0 again, task 1 stays discarded.
+        let x = assigned(q.get_task("t", t0));
+        assert_eq!(x.task_ref, TaskRef { task: TaskId(0), pass: 1, attempt: 0 });
+        assert_eq!(q.task_finished(a2.task_ref, t0), Report::Stale, "old pass");
+        let y = assigned(q.get_task("t", t0));
+        assert_eq!(y.task.id, TaskId(2));
+        assert_eq!(q.get_task("t", t0), GetTask::Wait);
+        q.task_finished(x.task_ref, t0);
+        q.task_finished(y.task_ref, t0);
+        assert_eq!(q.status().state, JobState::Done);
+        assert_eq!(q.status().pass, 1);
+        assert_eq!(q.get_task("t", t0), GetTask::Done);
+        assert_eq!(q.task_finished(y.task_ref, t0), Report::Stale);
+        let events = q.drain_events();
+        assert_eq!(
+            &events[events.len() - 2..],
+            &[QueueEvent::PassEnded { pass: 1, done: 2, discarded: 1 }, QueueEvent::JobDone]
+        );
+    }
+
+    #[test]
+    fn pass_ends_when_last_task_times_out_into_discard() {
+        let t0 = Instant::now();
+        let mut q = TaskQueue::new(tasks(2), config(1, 3)).unwrap();
+        let a = assigned(q.get_task("t", t0));
+        let b = assigned(q.get_task("t", t0));
+        q.task_finished(a.task_ref, t0);
+        assert_eq!(q.tick(t0 + Duration::from_secs(11)), 1);
+        let Some(TaskState::Discarded { reason }) = q.task_state(b.task.id) else { panic!("not discarded") };
+        assert!(reason.contains("timed out after 10s on trainer t"), "{reason}");
+        assert_eq!(q.status().pass, 1, "the timeout ended pass 0");
+        assert_eq!(q.status().todo, 1);
+    }
+
+    #[test]
+    fn job_fails_when_a_pass_finishes_nothing() {
+        let t0 = Instant::now();
+        let mut q = TaskQueue::new(tasks(2), config(1, 2)).unwrap();
+        assigned(q.get_task("t", t0));
+        assigned(q.get_task("u", t0));
+        assert_eq!(q.trainer_gone("t", t0), 1);
+        assert_eq!(q.status().state, JobState::Running);
+        assert_eq!(q.tick(t0 + Duration::from_secs(10)), 1);
+        assert_eq!(q.status().state, JobState::Failed);
+        assert_eq!(q.status().discarded, 2);
+        assert_eq!(q.get_task("t", t0), GetTask::Failed);
+        let events = q.drain_events();
+        assert_eq!(events.last(), Some(&QueueEvent::JobFailed { pass: 0 }));
+        let v = q.version();
+        assert_eq!(q.tick(t0 + Duration::from_secs(100)), 0);
+        assert_eq!(q.version(), v);
+    }
+
+    #[test]
+    fn version_moves_only_on_change() {
+        let t0 = Instant::now();
+        let mut q = TaskQueue::new(tasks(2), config(2, 1)).unwrap();
+        let v0 = q.version();
+        q.tick(t0);
+        q.trainer_gone("nobody", t0);
+        q.drain_events();
+        q.status();
+        assert_eq!(q.version(), v0);
+        let a = assigned(q.get_task("t", t0));
+        let v1 = q.version();
+        assert!(v1 > v0);
+        q.task_finished(a.task_ref, t0);
+        assert!(q.version() > v1);
+    }
+
+    #[test]
+    fn restore_keeps_pending_with_fresh_deadline() {
+        let t0 = Instant::now();
+        let mut q = TaskQueue::new(tasks(3), config(3, 2)).unwrap();
+        let a = assigned(q.get_task("t1", t0));
+        q.tick(t0 + Duration::from_secs(10));
+        let a = {
+            let again = assigned(q.get_task("t1", t0));
+            assert_eq!(again.task.id, TaskId(1));
+            assert_ne!(again.task_ref, a.task_ref);
+            again
+        };
+        let b = assigned(q.get_task("t2", t0));
+        q.task_finished(b.task_ref, t0);
+        let bytes = q.snapshot().encode();
+        let t1 = t0 + Duration::from_secs(100);
+        let mut r = TaskQueue::restore(Snapshot::decode(&bytes).unwrap(), config(3, 2), t1).unwrap();
+        assert_eq!(r.status(), q.status());
+        assert_eq!(r.version(), q.version());
+        for id in 0..3 {
+            assert_eq!(r.task_state(TaskId(id)), q.task_state(TaskId(id)));
+        }
+        assert_eq!(r.task_state(TaskId(1)), Some(TaskState::Pending { trainer: "t1".into(), attempt: 0 }));
+        // Fresh deadline: nothing expires until t1 + timeout.
+        assert_eq!(r.tick(t1 + Duration::from_secs(9)), 0);
+        // The trainer's report from before the restart is still current.
+        assert_eq!(r.task_finished(a.task_ref, t1), Report::Accepted);
+        // Todo order survives: task 0 (back after its timeout) is next.
+        let c = assigned(r.get_task("t3", t1));
+        assert_eq!(c.task_ref, TaskRef { task: TaskId(0), pass: 0, attempt: 1 });
+    }
+
+    #[test]
+    fn restore_rejects_config_with_too_few_passes() {
+        let t0 = Instant::now();
+        let mut q = TaskQueue::new(tasks(1), config(3, 3)).unwrap();
+        let a = assigned(q.get_task("t", t0));
+        q.task_finished(a.task_ref, t0);
+        assert_eq!(q.status().pass, 1);
+        let err = TaskQueue::restore(q.snapshot(), config(3, 1), t0).unwrap_err();
+        assert!(err.to_string().contains("pass 1"), "{err}");
+        assert!(TaskQueue::restore(q.snapshot(), config(0, 3), t0).is_err());
+        assert!(TaskQueue::restore(q.snapshot(), config(3, 2), t0).is_ok());
+    }
+}

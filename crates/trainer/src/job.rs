@@ -1,0 +1,189 @@
+//! A job's options: everything the master, the pservers and the trainers
+//! must agree on, published once by the master under `/oar/<job>/config`.
+
+use crate::{
+    model::ModelConfig,
+    reader::{Format, ReaderOptions},
+    Error, Result,
+};
+use oar_pserver::{Mode, OptimizerConfig, Placement};
+use oar_task_queue::QueueConfig;
+use serde::{Deserialize, Serialize};
+use std::time::Duration;
+
+/// The options of one training job.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct JobConfig {
+    /// Training data: a glob of files.
+    pub data: String,
+    /// Held-out data for evaluation: a glob of files (none: evaluate on the training data).
+    pub test_data: Option<String>,
+    /// How lines are parsed.
+    pub format: Format,
+    /// Skip and count bad lines instead of failing their task.
+    pub skip_bad_lines: bool,
+    /// The model.
+    pub model: ModelConfig,
+    /// The update rule, run on the pservers.
+    pub optimizer: OptimizerConfig,
+    /// Sync barrier or async updates.
+    pub mode: Mode,
+    /// Passes over the data.
+    pub passes: u32,
+    /// Examples per mini-batch.
+    pub batch_size: usize,
+    /// Async: push the accumulated gradient every this many mini-batches.
+    pub push_every: u32,
+    /// Async: pull the parameters every this many mini-batches.
+    pub pull_every: u32,
+    /// Number of pservers (shards).
+    pub pservers: u32,
+    /// Largest parameter block, in floats.
+    pub block_size: usize,
+    /// Bytes of data per chunk.
+    pub chunk_bytes: u64,
+    /// Chunks per task.
+    pub chunks_per_task: usize,
+    /// A task not reported within this time goes back to todo.
+    pub task_timeout: Duration,
+    /// Failures after which a task is discarded for the pass.
+    pub max_failures: u32,
+    /// Seed of the initial parameters.
+    pub seed: u64,
+}
+
+impl JobConfig {
+    /// Defaults for data at `data` and a model.
+    pub fn new(data: &str, model: ModelConfig) -> Self {
+        Self {
+            data: data.to_string(),
+            test_data: None,
+            format: Format::Libsvm,
+            skip_bad_lines: false,
+            model,
+            optimizer: OptimizerConfig::Sgd { lr: 0.1 },
+            mode: Mode::Sync,
+            passes: 5,
+            batch_size: 64,
+            push_every: 1,
+            pull_every: 1,
+            pservers: 2,
+            block_size: 1 << 16,
+            chunk_bytes: 64 << 10,
+            chunks_per_task: 1,
+            task_timeout: Duration::from_secs(60),
+            max_failures: 3,
+            seed: 1,
+        }
+    }
+
+    /// Check every option, naming the first that is wrong.
+    pub fn validate(&self) -> Result<()> {
+        let bad = |what: &str| Err(Error::BadConfig(what.to_string()));
+        if self.data.is_empty() {
+            return bad("data: a glob of training files is required");
+        }
+        if self.passes == 0 {
+            return bad("passes must be at least 1");
+        }
+        if self.batch_size == 0 {
+            return bad("batch size must be at least 1");
+        }
+        if self.push_every == 0 || self.pull_every == 0 {
+            return bad("push-every and pull-every must be at least 1");
+        }
+        if self.mode == Mode::Sync && (self.push_every != 1 || self.pull_every != 1) {
+            return bad("push-every and pull-every apply to async mode only; sync mode pushes and pulls every mini-batch");
+        }
+        if self.pservers == 0 {
+            return bad("pservers must be at least 1");
+        }
+        if self.chunk_bytes == 0 || self.chunks_per_task == 0 {
+            return bad("chunk size and chunks per task must be at least 1");
+        }
+        if self.task_timeout.is_zero() || self.max_failures == 0 {
+            return bad("task timeout and max failures must be positive");
+        }
+        self.model.build()?;
+        self.optimizer.build()?;
+        self.placement()?;
+        Ok(())
+    }
+
+    /// How the data lines are read.
+    pub fn reader(&self) -> ReaderOptions {
+        ReaderOptions {
+            format: self.format,
+            features: match self.model {
+                ModelConfig::Softmax { features, .. } | ModelConfig::Mlp { features, .. } => features,
+            },
+            classes: match self.model {
+                ModelConfig::Softmax { classes, .. } | ModelConfig::Mlp { classes, .. } => classes,
+            },
+            skip_bad_lines: self.skip_bad_lines,
+        }
+    }
+
+    /// The task queue's options.
+    pub fn queue(&self) -> QueueConfig {
+        QueueConfig { task_timeout: self.task_timeout, max_failures: self.max_failures, passes: self.passes }
+    }
+
+    /// Where each parameter block lives; the same on every process.
+    pub fn placement(&self) -> Result<Placement> {
+        let specs = self.model.build()?.param_specs();
+        Ok(Placement::new(&specs, self.pservers, self.block_size)?)
+    }
+
+    /// Encoded for `/oar/<job>/config`.
+    pub fn encode(&self) -> Result<Vec<u8>> {
+        postcard::to_allocvec(self).map_err(|e| Error::BadConfig(format!("cannot encode the job config: {e}")))
+    }
+
+    /// Decoded from `/oar/<job>/config`.
+    pub fn decode(bytes: &[u8]) -> Result<Self> {
+        let config: Self =
+            postcard::from_bytes(bytes).map_err(|e| Error::BadConfig(format!("cannot decode the job config: {e}")))?;
+        config.validate()?;
+        Ok(config)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn config() -> JobConfig {
+        JobConfig::new("data/*.libsvm", ModelConfig::Softmax { features: 4, classes: 2 })
+    }
+
+    #[test]
+    fn defaults_are_valid_and_round_trip() {
+        let c = config();
+        c.validate().unwrap();
+        assert_eq!(JobConfig::decode(&c.encode().unwrap()).unwrap(), c);
+    }
+
+    #[test]
+    fn each_bad_option_is_named() {
+        type Change = fn(&mut JobConfig);
+        let cases: [(Change, &str); 5] = [
+            (|c| c.passes = 0, "passes"),
+            (|c| c.batch_size = 0, "batch size"),
+            (|c| c.push_every = 2, "async mode only"),
+            (|c| c.pservers = 0, "pservers"),
+            (|c| c.data.clear(), "data"),
+        ];
+        for (change, word) in cases {
+            let mut c = config();
+            change(&mut c);
+            let err = c.validate().unwrap_err().to_string();
+            assert!(err.contains(word), "{err:?} should mention {word:?}");
+        }
+    }
+
+    #[test]
+    fn garbage_config_bytes_are_an_error() {
+        assert!(JobConfig::decode(&[0xff; 7]).is_err());
+    }
+}

@@ -1,0 +1,31 @@
+//! oar's trainers: the [`Model`](model::Model) trait, built-in models (softmax
+//! regression and a one-hidden-layer MLP, with matrix products through
+//! `matrixmultiply`), data readers (libsvm, CSV), a synthetic dataset generator
+//! and evaluation.
+//!
+//! ```
+//! use oar_pserver::ParamBuf;
+//! use oar_trainer::model::{Example, ModelConfig};
+//!
+//! let model = ModelConfig::Softmax { features: 3, classes: 2 }.build().unwrap();
+//! let params = ParamBuf::zeros(&model.param_specs());
+//! let mut grads = ParamBuf::zeros(&model.param_specs());
+//! let batch = [Example { label: 1, features: vec![(0, 1.0), (2, -0.5)] }];
+//! // With all-zero parameters both classes are equally likely: loss = ln 2.
+//! let loss = model.loss_and_grad(&params, &batch, &mut grads);
+//! assert!((loss - std::f32::consts::LN_2).abs() < 1e-6);
+//! ```
+#![warn(missing_docs)]
+
+pub mod datagen;
+mod error;
+pub mod eval;
+pub mod job;
+pub mod local;
+pub mod mlp;
+pub mod model;
+pub mod reader;
+pub mod softmax;
+pub mod worker;
+
+pub use error::{Error, Result};

@@ -1,0 +1,119 @@
+//! Retrying calls to a peer that is away, with a deadline.
+
+use std::{future::Future, time::Duration};
+
+/// Errors that may go away by themselves (a peer restarting, a lost
+/// connection) as opposed to errors that will repeat (a bad request).
+pub trait Transient {
+    /// Whether trying again later can succeed.
+    fn is_transient(&self) -> bool;
+}
+
+impl Transient for crate::Error {
+    fn is_transient(&self) -> bool {
+        use crate::{Error, RemoteErrorKind};
+        match self {
+            Error::Unreachable { .. } | Error::Timeout { .. } | Error::Closed { .. } => true,
+            Error::Remote { error, .. } => error.kind == RemoteErrorKind::Unavailable,
+            _ => false,
+        }
+    }
+}
+
+/// How long and how often to retry.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct RetryPolicy {
+    /// Stop retrying once this much time has passed since the first attempt.
+    pub give_up_after: Duration,
+    /// Pause after the first failure; doubled after each further one.
+    pub first_backoff: Duration,
+    /// The longest pause between attempts.
+    pub max_backoff: Duration,
+}
+
+impl Default for RetryPolicy {
+    fn default() -> Self {
+        Self {
+            give_up_after: Duration::from_secs(60),
+            first_backoff: Duration::from_millis(20),
+            max_backoff: Duration::from_secs(1),
+        }
+    }
+}
+
+impl RetryPolicy {
+    /// Run `attempt` until it succeeds, fails with a non-transient error, or
+    /// the policy's time is up; then return the last error.
+    pub async fn run<T, E, F, Fut>(&self, mut attempt: F) -> Result<T, E>
+    where
+        E: Transient,
+        F: FnMut() -> Fut,
+        Fut: Future<Output = Result<T, E>>,
+    {
+        let started = tokio::time::Instant::now();
+        let mut backoff = self.first_backoff;
+        loop {
+            match attempt().await {
+                Ok(v) => return Ok(v),
+                Err(e) if !e.is_transient() => return Err(e),
+                Err(e) => {
+                    let elapsed = started.elapsed();
+                    if elapsed >= self.give_up_after {
+                        return Err(e);
+                    }
+                    let pause = backoff.min(self.give_up_after - elapsed);
+                    tracing::debug!(?pause, "transient failure, retrying");
+                    tokio::time::sleep(pause).await;
+                    backoff = (backoff * 2).min(self.max_backoff);
+                }
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::Error;
+    use std::sync::atomic::{AtomicU32, Ordering};
+
+    #[tokio::test(start_paused = true)]
+    async fn retries_transient_errors_until_success() {
+        let tries = AtomicU32::new(0);
+        let got = RetryPolicy::default()
+            .run(|| async {
+                if tries.fetch_add(1, Ordering::SeqCst) < 3 {
+                    Err(Error::Unreachable { addr: "x".into() })
+                } else {
+                    Ok(7)
+                }
+            })
+            .await
+            .unwrap();
+        assert_eq!(got, 7);
+        assert_eq!(tries.load(Ordering::SeqCst), 4);
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn gives_up_after_the_deadline_with_the_last_error() {
+        let policy = RetryPolicy { give_up_after: Duration::from_secs(2), ..RetryPolicy::default() };
+        let started = tokio::time::Instant::now();
+        let err = policy.run(|| async { Err::<(), _>(Error::Unreachable { addr: "x".into() }) }).await;
+        assert!(matches!(err, Err(Error::Unreachable { .. })));
+        assert!(started.elapsed() >= Duration::from_secs(2));
+        assert!(started.elapsed() < Duration::from_secs(4));
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn permanent_errors_are_not_retried() {
+        let tries = AtomicU32::new(0);
+        let err = RetryPolicy::default()
+            .run(|| async {
+                tries.fetch_add(1, Ordering::SeqCst);
+                Err::<(), _>(Error::AddrInUse("a".into()))
+            })
+            .await;
+        assert!(err.is_err());
+        assert_eq!(tries.load(Ordering::SeqCst), 1);
+    }
+}

@@ -1,0 +1,58 @@
+//! Softmax regression on the UCI Adult data (a1a / a1a.t) through the whole
+//! stack: master, 2 pservers and 3 trainers in one process.
+
+use oar::{
+    discovery::MemDiscovery,
+    pserver::{Mode, OptimizerConfig},
+    trainer::{job::JobConfig, local::run_local, model::ModelConfig},
+    transport::{MemNetwork, MemTransport},
+};
+use std::sync::Arc;
+
+fn a1a_config(mode: Mode) -> JobConfig {
+    let dir = env!("CARGO_MANIFEST_DIR");
+    let mut config =
+        JobConfig::new(&format!("{dir}/testdata/a1a"), ModelConfig::Softmax { features: 123, classes: 2 });
+    config.test_data = Some(format!("{dir}/testdata/a1a.t"));
+    config.mode = mode;
+    config.pservers = 2;
+    config.passes = 8;
+    config.batch_size = 32;
+    config.chunk_bytes = 8 << 10;
+    config.optimizer = OptimizerConfig::Sgd { lr: 0.2 };
+    config
+}
+
+async fn train(config: JobConfig) -> oar::trainer::local::JobReport {
+    let mut passes = Vec::new();
+    let report = run_local(
+        &config,
+        3,
+        Arc::new(MemDiscovery::new()),
+        Arc::new(MemTransport::new(MemNetwork::new())),
+        "mem:0",
+        |p| passes.push(p.clone()),
+    )
+    .await
+    .unwrap();
+    eprintln!("{passes:#?}\n{report:#?}");
+    assert_eq!(report.state, "done");
+    assert_eq!(passes.len(), config.passes as usize, "one progress report per pass");
+    assert_eq!(report.tasks_discarded, 0);
+    report
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn softmax_on_adult_reaches_82_percent_in_sync_mode() {
+    let report = train(a1a_config(Mode::Sync)).await;
+    assert!(report.test_accuracy >= 0.82, "test accuracy {}", report.test_accuracy);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn softmax_on_adult_reaches_82_percent_in_async_mode() {
+    let mut config = a1a_config(Mode::Async);
+    config.push_every = 2;
+    config.pull_every = 2;
+    let report = train(config).await;
+    assert!(report.test_accuracy >= 0.82, "test accuracy {}", report.test_accuracy);
+}

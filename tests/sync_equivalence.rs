@@ -1,0 +1,143 @@
+//! Sync SGD with K trainers on batches b_1..b_K gives the same parameters as
+//! one process training every step on the union of that step's batches.
+//!
+//! K trainers run concurrently against 2 real pserver services (over the
+//! in-process transport); each pushes the mean gradient of its own batch,
+//! with batch sizes differing per trainer, so the pservers' combination
+//! (weighted by examples, in trainer-id order) is what is under test. The
+//! reference applies the same optimizer to the mean gradient of the union.
+
+use oar::{
+    discovery::MemDiscovery,
+    pserver::{Mode, OptimizerConfig, ParamBuf, Placement, Pserver, PserverClient, PserverOptions},
+    trainer::{
+        model::{Example, Model, ModelConfig},
+        reader::{read_glob, Format, ReaderOptions},
+    },
+    transport::{MemNetwork, MemTransport, RetryPolicy},
+};
+use std::{sync::Arc, time::Duration};
+
+const K: usize = 3;
+const STEPS: usize = 12;
+const SEED: u64 = 11;
+
+/// Trainer k's batch at step s: `16 + 8k` consecutive examples.
+fn batch(data: &[Example], k: usize, s: usize) -> &[Example] {
+    let sizes: Vec<usize> = (0..K).map(|k| 16 + 8 * k).collect();
+    let per_step: usize = sizes.iter().sum();
+    let start = (s * per_step + sizes[..k].iter().sum::<usize>()) % (data.len() - per_step);
+    &data[start..start + sizes[k]]
+}
+
+fn relative_error(a: &[f32], b: &[f32]) -> f64 {
+    let diff: f64 = a.iter().zip(b).map(|(x, y)| (*x as f64 - *y as f64).powi(2)).sum::<f64>().sqrt();
+    let norm: f64 = b.iter().map(|y| (*y as f64).powi(2)).sum::<f64>().sqrt();
+    diff / norm.max(1e-12)
+}
+
+async fn check(model_config: ModelConfig, optimizer: OptimizerConfig) {
+    let features = 123;
+    let reader = ReaderOptions { format: Format::Libsvm, features, classes: 2, skip_bad_lines: false };
+    let data = read_glob(&format!("{}/testdata/a1a", env!("CARGO_MANIFEST_DIR")), &reader).unwrap();
+    let model: Arc<dyn Model> = model_config.build().unwrap().into();
+    let specs = model.param_specs();
+    let servers = 2;
+    // Small blocks so every parameter is split across both servers.
+    let block_size = 37;
+    let placement = Arc::new(Placement::new(&specs, servers, block_size).unwrap());
+
+    let discovery = Arc::new(MemDiscovery::new());
+    let transport = Arc::new(MemTransport::new(MemNetwork::new()));
+    let job = "equivalence";
+    let mut pservers = Vec::new();
+    for _ in 0..servers {
+        let mut options = PserverOptions::new(job, specs.clone(), servers, Mode::Sync, optimizer.clone());
+        options.block_size = block_size;
+        options.seed = SEED;
+        pservers.push(Pserver::start(discovery.clone(), transport.clone(), "mem:0", options).await.unwrap());
+    }
+
+    // Every trainer joins before anyone pushes, so every step has all K.
+    let mut clients = Vec::new();
+    for k in 0..K {
+        let mut client = PserverClient::new(
+            discovery.clone(),
+            transport.clone(),
+            job,
+            placement.clone(),
+            &format!("trainer-{k}"),
+            Duration::from_secs(10),
+            RetryPolicy::default(),
+        )
+        .unwrap();
+        client.wait_for_servers(Duration::from_secs(5)).await.unwrap();
+        client.join().await.unwrap();
+        clients.push(client);
+    }
+    let data = Arc::new(data);
+    let mut trainers = Vec::new();
+    for (k, mut client) in clients.into_iter().enumerate() {
+        let (model, data, specs) = (model.clone(), data.clone(), specs.clone());
+        trainers.push(tokio::spawn(async move {
+            let mut params = ParamBuf::zeros(&specs);
+            let mut grads = ParamBuf::zeros(&specs);
+            for s in 0..STEPS {
+                client.pull(&mut params).await.unwrap();
+                let b = batch(&data, k, s);
+                model.loss_and_grad(&params, b, &mut grads);
+                client.push(&grads, b.len() as f32).await.unwrap();
+            }
+            client.pull(&mut params).await.unwrap();
+            params
+        }));
+    }
+    let mut results = Vec::new();
+    for t in trainers {
+        results.push(t.await.unwrap());
+    }
+
+    // The reference: one process, each step on the union of the K batches.
+    let opt = optimizer.build().unwrap();
+    let mut params = ParamBuf::init(&specs, SEED);
+    let mut grads = ParamBuf::zeros(&specs);
+    let mut states: Vec<_> = (0..specs.len()).map(|i| opt.new_state(params.param(i).len())).collect();
+    for s in 0..STEPS {
+        let union: Vec<Example> = (0..K).flat_map(|k| batch(&data, k, s).to_vec()).collect();
+        model.loss_and_grad(&params, &union, &mut grads);
+        for (i, state) in states.iter_mut().enumerate() {
+            opt.apply(params.param_mut(i), grads.param(i), state);
+        }
+    }
+
+    for (k, got) in results.iter().enumerate() {
+        let err = relative_error(got.as_slice(), params.as_slice());
+        eprintln!("trainer {k}: relative error {err:e}");
+        assert!(err < 1e-5, "trainer {k}: relative error {err} against the single-process reference");
+    }
+    assert!(
+        relative_error(ParamBuf::init(&specs, SEED).as_slice(), params.as_slice()) > 1e-3,
+        "the parameters must actually have moved for the comparison to mean something"
+    );
+    for p in &pservers {
+        assert_eq!(p.step(), STEPS as u64, "one combined update per step on every pserver");
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sync_softmax_with_momentum_matches_one_process_on_the_union() {
+    check(
+        ModelConfig::Softmax { features: 123, classes: 2 },
+        OptimizerConfig::Momentum { lr: 0.3, momentum: 0.9 },
+    )
+    .await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sync_mlp_with_adam_matches_one_process_on_the_union() {
+    check(
+        ModelConfig::Mlp { features: 123, hidden: 16, classes: 2 },
+        OptimizerConfig::Adam { lr: 0.01, beta1: 0.9, beta2: 0.999, eps: 1e-8 },
+    )
+    .await;
+}
