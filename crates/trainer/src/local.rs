@@ -2,6 +2,8 @@
 //! in-memory discovery, talking over a transport the caller picks. This is
 //! what `examples/local.rs` runs, and what the integration tests train with.
 //!
+//! The final model is scored on the training and held-out data, read whole
+//! (bad lines skipped there; training reports them through its tasks).
 //! Evaluation happens here, not on a trainer: after each pass the runner
 //! pulls the parameters like any client and scores them on the held-out
 //! data. Trainers keep training meanwhile, so the parameters scored at the
@@ -11,7 +13,7 @@ use crate::{
     eval::{evaluate, Evaluation},
     job::JobConfig,
     model::{Example, Model},
-    reader::read_glob,
+    reader::{read_glob, ReaderOptions},
     worker::{run_trainer, TrainerOptions, TrainerReport},
     Error, Result,
 };
@@ -60,6 +62,10 @@ pub struct JobReport {
     pub tasks_failed: u64,
     /// Tasks discarded.
     pub tasks_discarded: usize,
+    /// Why each discarded task was discarded: (task id, reason).
+    pub discarded: Vec<(u64, String)>,
+    /// Bad lines skipped (with `skip_bad_lines`).
+    pub skipped_lines: u64,
     /// Wall-clock seconds from start to end.
     pub wall_seconds: f64,
 }
@@ -86,9 +92,11 @@ pub async fn run_local(
     let model: Arc<dyn Model> = config.model.build()?.into();
     let placement = Arc::new(config.placement()?);
     let reader = config.reader();
-    let train_set = read_glob(&config.data, &reader)?;
+    // Scoring skips bad lines; training reports them through its tasks.
+    let scoring = ReaderOptions { skip_bad_lines: true, ..reader.clone() };
+    let train_set = read_glob(&config.data, &scoring)?;
     let test_set = match &config.test_data {
-        Some(glob) => read_glob(glob, &reader)?,
+        Some(glob) => read_glob(glob, &scoring)?,
         None => train_set.clone(),
     };
     let tasks = tasks_from_chunks(chunks_from_glob(&config.data, config.chunk_bytes)?, config.chunks_per_task)?;
@@ -193,6 +201,8 @@ pub async fn run_local(
         tasks_done: last.passes.iter().map(|p| p.tasks_finished).sum(),
         tasks_failed: last.queue.failures,
         tasks_discarded: last.queue.discarded,
+        discarded: last.discarded.clone(),
+        skipped_lines: trainer_reports.iter().map(|r| r.skipped_lines).sum(),
         wall_seconds: started.elapsed().as_secs_f64(),
     };
     master.shutdown().await?;

@@ -1,0 +1,171 @@
+//! The pserver shell end to end on the in-memory discovery and transport:
+//! bad pushes, retried pushes, a trainer dying inside a sync step, and a
+//! lost lease.
+
+use bytes::Bytes;
+use oar_discovery::{Discovery, JobKeys, MemDiscovery};
+use oar_pserver::{
+    protocol::{PsReply, PsRequest, PSERVER_METHOD},
+    Init, Mode, OptimizerConfig, ParamBuf, ParamSpec, Placement, Pserver, PserverClient, PserverOptions,
+    PushOutcome,
+};
+use oar_transport::{call, f32s_to_bytes, MemNetwork, MemTransport, RemoteErrorKind, RetryPolicy, Transport};
+use std::{sync::Arc, time::Duration};
+
+const JOB: &str = "ps-test";
+
+fn specs() -> Vec<ParamSpec> {
+    vec![
+        ParamSpec { name: "w".into(), shape: vec![10, 3], init: Init::Normal { mean: 0.0, std: 0.1 } },
+        ParamSpec { name: "b".into(), shape: vec![3], init: Init::Zeros },
+    ]
+}
+
+struct Env {
+    discovery: Arc<dyn Discovery>,
+    transport: Arc<dyn Transport>,
+    placement: Arc<Placement>,
+}
+
+impl Env {
+    fn new() -> Self {
+        Env {
+            discovery: Arc::new(MemDiscovery::new()),
+            transport: Arc::new(MemTransport::new(MemNetwork::new())),
+            placement: Arc::new(Placement::new(&specs(), 1, 8).unwrap()),
+        }
+    }
+    async fn pserver(&self, mode: Mode) -> Pserver {
+        let mut o = PserverOptions::new(JOB, specs(), 1, mode, OptimizerConfig::Sgd { lr: 0.5 });
+        o.block_size = 8;
+        o.lease_ttl = Duration::from_secs(1);
+        Pserver::start(self.discovery.clone(), self.transport.clone(), "mem:0", o).await.unwrap()
+    }
+    fn client(&self, trainer: &str, give_up: Duration) -> PserverClient {
+        let retry = RetryPolicy { give_up_after: give_up, ..RetryPolicy::default() };
+        PserverClient::new(
+            self.discovery.clone(),
+            self.transport.clone(),
+            JOB,
+            self.placement.clone(),
+            trainer,
+            Duration::from_secs(2),
+            retry,
+        )
+        .unwrap()
+    }
+}
+
+fn total() -> usize {
+    specs().iter().map(|s| s.len()).sum()
+}
+
+async fn raw_push(
+    env: &Env,
+    ps: &Pserver,
+    seq: u64,
+    grad: Vec<f32>,
+    fingerprint: u64,
+) -> Result<PsReply, oar_transport::Error> {
+    let conn = env.transport.connect(ps.addr()).await.unwrap();
+    let request = PsRequest::Push { fingerprint, trainer: "t1".into(), seq, step: 0, weight: 1.0 };
+    call(conn.as_ref(), PSERVER_METHOD, &request, f32s_to_bytes(&grad), Duration::from_secs(1))
+        .await
+        .map(|(r, _): (PsReply, Bytes)| r)
+}
+
+fn assert_bad_request(result: Result<PsReply, oar_transport::Error>, words: &str) {
+    match result {
+        Err(oar_transport::Error::Remote { error, .. }) => {
+            assert_eq!(error.kind, RemoteErrorKind::BadRequest);
+            assert!(error.message.contains(words), "{:?} should contain {words:?}", error.message);
+        }
+        other => panic!("expected a bad request about {words}, got {other:?}"),
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn bad_pushes_are_refused_by_name_and_change_nothing() {
+    let env = Env::new();
+    let ps = env.pserver(Mode::Async).await;
+    let fp = env.placement.fingerprint();
+    let mut reader = env.client("reader", Duration::from_secs(2));
+    let mut before = ParamBuf::zeros(&specs());
+    reader.pull(&mut before).await.unwrap();
+
+    assert_bad_request(raw_push(&env, &ps, 0, vec![0.0; total() - 1], fp).await, "payload has");
+    assert_bad_request(raw_push(&env, &ps, 1, vec![0.0; total()], fp ^ 1).await, "fingerprint");
+    let mut nan = vec![0.0; total()];
+    nan[5] = f32::NAN;
+    assert_bad_request(raw_push(&env, &ps, 2, nan, fp).await, "non-finite");
+
+    let mut after = ParamBuf::zeros(&specs());
+    reader.pull(&mut after).await.unwrap();
+    assert_eq!(before.as_slice(), after.as_slice(), "refused pushes must not touch the parameters");
+    assert_eq!(ps.step(), 0);
+
+    // A good push still works, and the same push retried is applied once.
+    let good = vec![1.0; total()];
+    assert_eq!(
+        raw_push(&env, &ps, 3, good.clone(), fp).await.unwrap(),
+        PsReply::Pushed(PushOutcome::Applied { step: 1 })
+    );
+    assert_eq!(raw_push(&env, &ps, 3, good, fp).await.unwrap(), PsReply::Pushed(PushOutcome::Duplicate));
+    reader.pull(&mut after).await.unwrap();
+    for (a, b) in after.as_slice().iter().zip(before.as_slice()) {
+        assert!((a - (b - 0.5)).abs() < 1e-6, "one SGD step of lr 0.5 on gradient 1: {b} -> {a}");
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_trainer_that_dies_inside_a_sync_step_does_not_hang_the_others() {
+    let env = Env::new();
+    let ps = env.pserver(Mode::Sync).await;
+    let keys = JobKeys::new(JOB).unwrap();
+    let doomed = env.discovery.grant_lease(Duration::from_secs(60)).await.unwrap();
+    env.discovery.put(&keys.trainer("t2"), b"t2".to_vec(), Some(doomed)).await.unwrap();
+
+    let mut alive = env.client("t1", Duration::from_secs(20));
+    let mut dead = env.client("t2", Duration::from_secs(20));
+    alive.join().await.unwrap();
+    dead.join().await.unwrap();
+    let mut params = ParamBuf::zeros(&specs());
+    alive.pull(&mut params).await.unwrap();
+    let grads = ParamBuf::zeros(&specs());
+    alive.push(&grads, 4.0).await.unwrap();
+    assert_eq!(ps.step(), 0, "the step waits for t2");
+
+    // t1 waits for the step; t2's lease ends instead of its push arriving.
+    let waiting = tokio::spawn(async move {
+        alive.pull(&mut params).await.unwrap();
+    });
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    assert!(!waiting.is_finished());
+    env.discovery.revoke_lease(doomed).await.unwrap();
+    tokio::time::timeout(Duration::from_secs(5), waiting)
+        .await
+        .expect("the pull completes once t2 is gone")
+        .unwrap();
+    assert_eq!(ps.step(), 1);
+    drop(dead);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_pserver_that_lost_its_lease_stops_serving() {
+    let env = Env::new();
+    let ps = env.pserver(Mode::Async).await;
+    let keys = JobKeys::new(JOB).unwrap();
+    let lease = env.discovery.get(&keys.ps(0)).await.unwrap().unwrap().lease.unwrap();
+    env.discovery.revoke_lease(lease).await.unwrap();
+    tokio::time::timeout(Duration::from_secs(5), async {
+        while ps.stopped().is_none() {
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+    })
+    .await
+    .unwrap();
+    let mut client = env.client("t1", Duration::from_millis(200));
+    let mut params = ParamBuf::zeros(&specs());
+    let err = client.pull(&mut params).await.unwrap_err();
+    assert!(err.to_string().contains("away") || err.to_string().contains("stopped"), "{err}");
+}

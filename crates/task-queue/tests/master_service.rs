@@ -1,0 +1,184 @@
+//! The master shell end to end on the in-memory discovery and transport:
+//! durability across a restart, standby takeover, fencing, trainers that
+//! vanish, and bad requests.
+
+use bytes::Bytes;
+use oar_discovery::{Discovery, JobKeys, MemDiscovery};
+use oar_task_queue::{
+    Chunk, JobState, Master, MasterClient, MasterOptions, QueueConfig, ReportReply, TaskId, TaskReply,
+    TaskSpec, TaskStats,
+};
+use oar_transport::{Frame, MemNetwork, MemTransport, RemoteErrorKind, RetryPolicy, Transport};
+use std::{sync::Arc, time::Duration};
+
+const JOB: &str = "job";
+
+fn tasks(n: u64) -> Vec<TaskSpec> {
+    (0..n)
+        .map(|i| TaskSpec {
+            id: TaskId(i),
+            chunks: vec![Chunk { path: "data".into(), start: i * 10, end: i * 10 + 10 }],
+        })
+        .collect()
+}
+
+fn options(holder: &str) -> MasterOptions {
+    let mut o = MasterOptions::new(
+        JOB,
+        QueueConfig { task_timeout: Duration::from_secs(60), max_failures: 2, passes: 1 },
+    );
+    o.holder = holder.into();
+    o.lease_ttl = Duration::from_secs(1);
+    o.tick_interval = Duration::from_millis(20);
+    o
+}
+
+struct Env {
+    discovery: Arc<dyn Discovery>,
+    transport: Arc<dyn Transport>,
+}
+
+impl Env {
+    fn new() -> Self {
+        Env {
+            discovery: Arc::new(MemDiscovery::new()),
+            transport: Arc::new(MemTransport::new(MemNetwork::new())),
+        }
+    }
+    async fn master(&self, holder: &str, n: u64) -> Master {
+        Master::start(self.discovery.clone(), self.transport.clone(), "mem:0", tasks(n), options(holder))
+            .await
+            .unwrap()
+    }
+    fn client(&self) -> MasterClient {
+        let retry = RetryPolicy { give_up_after: Duration::from_secs(10), ..RetryPolicy::default() };
+        MasterClient::new(self.discovery.clone(), self.transport.clone(), JOB, Duration::from_secs(2), retry)
+            .unwrap()
+    }
+}
+
+async fn take(client: &MasterClient, trainer: &str) -> (TaskSpec, oar_task_queue::TaskRef) {
+    match client.get_task(trainer).await.unwrap() {
+        TaskReply::Assigned { task, task_ref, .. } => (task, task_ref),
+        other => panic!("expected a task, got {other:?}"),
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_finished_task_survives_a_master_restart_and_a_standby_takes_over() {
+    let env = Env::new();
+    let first = env.master("m1", 3).await;
+    let client = env.client();
+    let (task, task_ref) = take(&client, "t1").await;
+    let stats = TaskStats { examples: 10, loss_sum: 5.0 };
+    assert_eq!(client.task_finished("t1", task_ref, stats).await.unwrap(), ReportReply::Accepted);
+    // A second report of the same assignment changes nothing.
+    assert_eq!(client.task_finished("t1", task_ref, stats).await.unwrap(), ReportReply::Stale);
+
+    // A standby waits for the lock while the first master holds it.
+    let d = env.discovery.clone();
+    let t = env.transport.clone();
+    let standby = tokio::spawn(async move { Master::start(d, t, "mem:0", tasks(3), options("m2")).await });
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    assert!(!standby.is_finished(), "the standby must wait while the lock is held");
+
+    first.shutdown().await.unwrap();
+    let second = tokio::time::timeout(Duration::from_secs(5), standby).await.unwrap().unwrap().unwrap();
+    let status = second.status().borrow().clone();
+    assert_eq!(status.queue.done, 1, "the finished task was restored as done: {status:?}");
+
+    // The client follows the new master by itself; the finished task is not handed out again.
+    let mut seen = Vec::new();
+    for _ in 0..2 {
+        let (t, r) = take(&client, "t1").await;
+        assert_ne!(t.id, task.id);
+        seen.push(t.id);
+        client.task_finished("t1", r, stats).await.unwrap();
+    }
+    assert_eq!(client.get_task("t1").await.unwrap(), TaskReply::Done);
+    assert_eq!(second.wait().await.unwrap(), JobState::Done);
+    seen.sort();
+    assert_eq!(seen.len(), 2);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_master_that_lost_its_lock_stops_writing_and_serving() {
+    let env = Env::new();
+    let master = env.master("m1", 2).await;
+    let client = env.client();
+    let (_, task_ref) = take(&client, "t1").await;
+    let keys = JobKeys::new(JOB).unwrap();
+    let before = env.discovery.get(&keys.master_state()).await.unwrap().unwrap();
+
+    // Someone else takes the lock: delete it and create it anew.
+    env.discovery.delete(&keys.master_lock()).await.unwrap();
+    env.discovery.put(&keys.master_lock(), b"intruder".to_vec(), None).await.unwrap();
+
+    let transport_only = MasterClient::new(
+        env.discovery.clone(),
+        env.transport.clone(),
+        JOB,
+        Duration::from_secs(2),
+        RetryPolicy { give_up_after: Duration::from_millis(300), ..RetryPolicy::default() },
+    )
+    .unwrap();
+    let err = transport_only.task_finished("t1", task_ref, TaskStats::default()).await.unwrap_err();
+    assert!(err.to_string().contains("lock"), "{err}");
+    let after = env.discovery.get(&keys.master_state()).await.unwrap().unwrap();
+    assert_eq!(before.mod_revision, after.mod_revision, "a fenced-out master must not write the state");
+    assert!(master.wait().await.is_err(), "wait ends with the reason the master stopped");
+    let err = transport_only.get_task("t2").await.unwrap_err();
+    assert!(err.to_string().contains("not serving"), "{err}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_vanished_trainer_s_tasks_return_to_todo_at_once() {
+    let env = Env::new();
+    let master = env.master("m1", 2).await;
+    let keys = JobKeys::new(JOB).unwrap();
+    let lease = env.discovery.grant_lease(Duration::from_secs(30)).await.unwrap();
+    env.discovery.put(&keys.trainer("t1"), b"t1".to_vec(), Some(lease)).await.unwrap();
+    let client = env.client();
+    take(&client, "t1").await;
+    assert_eq!(master.status().borrow().queue.pending, 1);
+
+    env.discovery.revoke_lease(lease).await.unwrap();
+    let mut status = master.status();
+    tokio::time::timeout(
+        Duration::from_secs(5),
+        status.wait_for(|s| s.queue.pending == 0 && s.queue.todo == 2),
+    )
+    .await
+    .expect("the task returns to todo long before its 60 s timeout")
+    .unwrap();
+    assert_eq!(master.status().borrow().queue.failures, 1);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn bad_requests_get_an_error_and_harm_nothing() {
+    let env = Env::new();
+    let master = env.master("m1", 1).await;
+    let conn = env.transport.connect(master.addr()).await.unwrap();
+    let garbage = Frame {
+        method: oar_task_queue::protocol::MASTER_METHOD,
+        meta: Bytes::from_static(&[0xff; 9]),
+        payload: Bytes::new(),
+    };
+    match conn.call(garbage, Duration::from_secs(1)).await.unwrap_err() {
+        oar_transport::Error::Remote { error, .. } => {
+            assert_eq!(error.kind, RemoteErrorKind::BadRequest);
+            assert!(error.message.contains("decode"), "{}", error.message);
+        }
+        other => panic!("expected a bad-request error, got {other}"),
+    }
+    let wrong_method = Frame { method: 7, ..Frame::default() };
+    assert!(conn.call(wrong_method, Duration::from_secs(1)).await.is_err());
+    // A report for a task that was never handed out is stale, not an error.
+    let bogus = oar_task_queue::TaskRef { task: TaskId(99), pass: 0, attempt: 0 };
+    let client = env.client();
+    assert_eq!(client.task_finished("t1", bogus, TaskStats::default()).await.unwrap(), ReportReply::Stale);
+    // The master still serves.
+    let (_, r) = take(&client, "t1").await;
+    assert_eq!(client.task_finished("t1", r, TaskStats::default()).await.unwrap(), ReportReply::Accepted);
+    assert_eq!(master.wait().await.unwrap(), JobState::Done);
+}
