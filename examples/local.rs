@@ -77,6 +77,9 @@ struct Args {
     /// Async: pull every M mini-batches.
     #[arg(long, default_value_t = 1)]
     pull_every: u32,
+    /// Bytes of data per chunk (a task is one chunk).
+    #[arg(long, default_value_t = 16 << 10)]
+    chunk_bytes: u64,
     /// Seed of the generated data and the initial parameters.
     #[arg(long, default_value_t = 1)]
     seed: u64,
@@ -175,6 +178,7 @@ async fn run(args: Args) -> Result<bool, Box<dyn std::error::Error>> {
     config.pull_every = args.pull_every;
     config.pservers = args.pservers;
     config.seed = args.seed;
+    config.chunk_bytes = args.chunk_bytes;
 
     let discovery = Arc::new(MemDiscovery::new());
     let transport = Arc::new(MemTransport::new(MemNetwork::new()));

@@ -222,20 +222,23 @@ impl Master {
     /// Wait until the job is done or failed and its final state is stored;
     /// an error if the master stopped serving first (lost lease or fence).
     pub async fn wait(&self) -> Result<JobState> {
+        // Subscribe before looking, so a change in between is not missed.
         let mut status = self.status.clone();
+        let mut persisted = self.shared.persisted.subscribe();
         let mut stopped = self.shared.stopped.subscribe();
         loop {
-            if let Some(why) = self.shared.stopped_reason() {
+            status.borrow_and_update();
+            let stored = *persisted.borrow_and_update();
+            if let Some(why) = stopped.borrow_and_update().clone() {
                 return Err(Error::Stopped(why));
             }
             let (state, version) = {
                 let core = self.shared.core();
                 (core.queue.status().state, core.queue.version())
             };
-            if state != JobState::Running && *self.shared.persisted.borrow() >= version {
+            if state != JobState::Running && stored >= version {
                 return Ok(state);
             }
-            let mut persisted = self.shared.persisted.subscribe();
             tokio::select! {
                 _ = status.changed() => {}
                 _ = persisted.changed() => {}

@@ -69,7 +69,7 @@ impl JobConfig {
             pull_every: 1,
             pservers: 2,
             block_size: 1 << 16,
-            chunk_bytes: 64 << 10,
+            chunk_bytes: 16 << 10,
             chunks_per_task: 1,
             task_timeout: Duration::from_secs(60),
             max_failures: 3,
