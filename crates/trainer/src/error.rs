@@ -28,9 +28,9 @@ pub enum Error {
     /// An error from reading a dataset chunk (or expanding a glob) through `oar-task-queue`.
     #[error("reading chunk: {0}")]
     Chunk(String),
-    /// The master's side: task queue, dataset chunking, master calls.
+    /// From `oar-task-queue`: master calls, the task queue.
     #[error(transparent)]
-    Master(#[from] oar_task_queue::Error),
+    TaskQueue(#[from] oar_task_queue::Error),
     /// The pservers' side: placement, optimizer, pserver calls.
     #[error(transparent)]
     Pserver(#[from] oar_pserver::Error),

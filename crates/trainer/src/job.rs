@@ -137,13 +137,14 @@ impl JobConfig {
 
     /// Encoded for `/oar/<job>/config`.
     pub fn encode(&self) -> Result<Vec<u8>> {
-        postcard::to_allocvec(self).map_err(|e| Error::BadConfig(format!("cannot encode the job config: {e}")))
+        postcard::to_allocvec(self)
+            .map_err(|e| Error::BadConfig(format!("cannot encode the job config: {e}")))
     }
 
     /// Decoded from `/oar/<job>/config`.
     pub fn decode(bytes: &[u8]) -> Result<Self> {
-        let config: Self =
-            postcard::from_bytes(bytes).map_err(|e| Error::BadConfig(format!("cannot decode the job config: {e}")))?;
+        let config: Self = postcard::from_bytes(bytes)
+            .map_err(|e| Error::BadConfig(format!("cannot decode the job config: {e}")))?;
         config.validate()?;
         Ok(config)
     }

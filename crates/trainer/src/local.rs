@@ -99,7 +99,8 @@ pub async fn run_local(
         Some(glob) => read_glob(glob, &scoring)?,
         None => train_set.clone(),
     };
-    let tasks = tasks_from_chunks(chunks_from_glob(&config.data, config.chunk_bytes)?, config.chunks_per_task)?;
+    let tasks =
+        tasks_from_chunks(chunks_from_glob(&config.data, config.chunk_bytes)?, config.chunks_per_task)?;
 
     discovery.put(&keys.ps_desired(), config.pservers.to_string().into_bytes(), None).await?;
     let mut master_options = MasterOptions::new(job, config.queue());
