@@ -66,6 +66,40 @@ impl JobKeys {
     }
 }
 
+/// The trainers of a job leaving it: yields the id of each trainer whose
+/// registration is deleted (lease expired or revoked, or closed), from the
+/// moment it is created on. The master takes such a trainer's tasks back and
+/// the pservers drop it from the sync barrier.
+pub struct TrainerDepartures {
+    keys: JobKeys,
+    watch: crate::WatchStream,
+}
+
+impl TrainerDepartures {
+    /// Start following the registrations under [`JobKeys::trainers`].
+    pub async fn watch(discovery: &dyn crate::Discovery, keys: &JobKeys) -> crate::Result<Self> {
+        let now = discovery.get_prefix(&keys.trainers()).await?;
+        let watch = discovery.watch_prefix(&keys.trainers(), now.revision + 1).await?;
+        Ok(Self { keys: keys.clone(), watch })
+    }
+
+    /// The next trainer that left; `None` when the watch ended, an error
+    /// when it failed (the caller then relies on timeouts).
+    pub async fn next(&mut self) -> Option<crate::Result<String>> {
+        loop {
+            match self.watch.next().await? {
+                Ok(crate::WatchEvent::Delete { key, .. }) => {
+                    if let Some(id) = self.keys.trainer_id(&key) {
+                        return Some(Ok(id.to_string()));
+                    }
+                }
+                Ok(crate::WatchEvent::Put(_)) => {}
+                Err(e) => return Some(Err(e)),
+            }
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -88,5 +122,27 @@ mod tests {
             let err = JobKeys::new(bad).unwrap_err().to_string();
             assert!(err.contains(&format!("{bad:?}")), "{err}");
         }
+    }
+}
+
+#[cfg(test)]
+mod departure_tests {
+    use super::*;
+    use crate::{Discovery, MemDiscovery};
+    use std::time::Duration;
+
+    #[tokio::test]
+    async fn departures_name_trainers_whose_lease_ended_and_ignore_other_keys() {
+        let d = MemDiscovery::new();
+        let keys = JobKeys::new("j").unwrap();
+        let lease = d.grant_lease(Duration::from_secs(30)).await.unwrap();
+        d.put(&keys.trainer("t1"), vec![], Some(lease)).await.unwrap();
+        let mut departures = TrainerDepartures::watch(&d, &keys).await.unwrap();
+        d.put(&keys.trainer("t2"), vec![], None).await.unwrap();
+        d.put(&keys.ps(0), vec![], None).await.unwrap();
+        d.delete(&keys.ps(0)).await.unwrap();
+        d.revoke_lease(lease).await.unwrap();
+        let id = tokio::time::timeout(Duration::from_secs(2), departures.next()).await.unwrap();
+        assert_eq!(id.unwrap().unwrap(), "t1");
     }
 }

@@ -74,7 +74,7 @@ mod mem;
 mod session;
 
 pub use error::{Error, Result};
-pub use keys::JobKeys;
+pub use keys::{JobKeys, TrainerDepartures};
 pub use mem::{MemDiscovery, DEFAULT_HISTORY_BYTES, DEFAULT_HISTORY_EVENTS};
 pub use session::Session;
 

@@ -81,6 +81,16 @@ impl Session {
         self.lost.subscribe()
     }
 
+    /// Completes once the lease is gone (or the session is dropped): what a
+    /// server awaits to stop serving.
+    pub fn lost_signal(&self) -> impl std::future::Future<Output = ()> + Send + 'static {
+        let mut lost = self.lost.subscribe();
+        async move {
+            // The guard is dropped at once; the result only says why we woke.
+            let _ = lost.wait_for(|lost| *lost).await.map(|_| ());
+        }
+    }
+
     /// Stops refreshing and revokes the lease, deleting its keys. A lease
     /// that is already gone is not an error; `lost` becomes `true` either way.
     pub async fn close(self) -> Result<()> {

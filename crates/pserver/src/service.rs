@@ -9,7 +9,7 @@ use crate::{
 };
 use async_trait::async_trait;
 use bytes::{Bytes, BytesMut};
-use oar_discovery::{Discovery, JobKeys, Session, WatchEvent};
+use oar_discovery::{Discovery, JobKeys, Session, TrainerDepartures};
 use oar_transport::{Frame, Handler, Listener, RemoteError, Transport};
 use std::{
     sync::{Arc, Mutex, MutexGuard, OnceLock, PoisonError},
@@ -135,11 +135,17 @@ impl Pserver {
         let _ = shared.store.set(Mutex::new(store));
         tracing::info!(index, addr = listener.local_addr(), mode = ?options.mode, "pserver serving");
 
-        let trainers = discovery.get_prefix(&keys.trainers()).await?;
-        let watch = discovery.watch_prefix(&keys.trainers(), trainers.revision + 1).await?;
+        let departures = TrainerDepartures::watch(&*discovery, &keys).await?;
+        let lease_lost = session.lost_signal();
+        let guard = shared.clone();
         let background = vec![
-            tokio::spawn(trainer_watcher(watch, keys, shared.clone())),
-            tokio::spawn(lease_guard(session.lost(), shared.clone())),
+            tokio::spawn(trainer_watcher(departures, shared.clone())),
+            tokio::spawn(async move {
+                lease_lost.await;
+                tracing::error!("pserver lease lost; it stops serving");
+                guard.stopped.send_replace(Some("the pserver's lease is lost".into()));
+                guard.stepped.notify_waiters();
+            }),
         ];
         Ok(Pserver { shared, listener, session: Some(session), background, index })
     }
@@ -209,35 +215,22 @@ async fn claim_index(
 
 /// A trainer whose registration vanished leaves the sync barrier, so the
 /// surviving trainers' step completes instead of hanging.
-async fn trainer_watcher(mut watch: oar_discovery::WatchStream, keys: JobKeys, shared: Arc<Shared>) {
-    while let Some(event) = watch.next().await {
-        match event {
-            Ok(WatchEvent::Delete { key, .. }) => {
-                let Some(trainer) = keys.trainer_id(&key) else { continue };
+async fn trainer_watcher(mut departures: TrainerDepartures, shared: Arc<Shared>) {
+    while let Some(departure) = departures.next().await {
+        match departure {
+            Ok(trainer) => {
                 if let Some(store) = shared.store.get() {
-                    let stepped = store.lock().unwrap_or_else(PoisonError::into_inner).leave(trainer);
+                    let stepped = store.lock().unwrap_or_else(PoisonError::into_inner).leave(&trainer);
                     tracing::info!(trainer, ?stepped, "trainer gone; it leaves the barrier");
                     shared.stepped.notify_waiters();
                 }
             }
-            Ok(WatchEvent::Put(_)) => {}
             Err(e) => {
                 tracing::warn!(error = %e, "trainer watch failed; dead trainers leave only by Leave calls");
                 return;
             }
         }
     }
-}
-
-async fn lease_guard(mut lost: watch::Receiver<bool>, shared: Arc<Shared>) {
-    while !*lost.borrow_and_update() {
-        if lost.changed().await.is_err() {
-            break;
-        }
-    }
-    tracing::error!("pserver lease lost; it stops serving");
-    shared.stopped.send_replace(Some("the pserver's lease is lost".into()));
-    shared.stepped.notify_waiters();
 }
 
 struct PsHandler {

@@ -16,7 +16,7 @@ use crate::{
 };
 use async_trait::async_trait;
 use bytes::Bytes;
-use oar_discovery::{Discovery, Fence, JobKeys, Session, WatchEvent};
+use oar_discovery::{Discovery, Fence, JobKeys, Session, TrainerDepartures};
 use oar_transport::{Frame, Handler, Listener, RemoteError, Transport};
 use std::{
     sync::{Arc, Mutex, MutexGuard, PoisonError},
@@ -198,13 +198,17 @@ impl Master {
             .await?;
         tracing::info!(addr = listener.local_addr(), "master serving");
 
-        let trainers = discovery.get_prefix(&keys.trainers()).await?;
-        let watch = discovery.watch_prefix(&keys.trainers(), trainers.revision + 1).await?;
+        let departures = TrainerDepartures::watch(&*discovery, &keys).await?;
+        let lease_lost = session.lost_signal();
+        let guard = shared.clone();
         let background = vec![
-            tokio::spawn(writer(discovery.clone(), fence, keys.clone(), shared.clone())),
+            tokio::spawn(writer(discovery.clone(), fence, keys, shared.clone())),
             tokio::spawn(ticker(shared.clone(), options.tick_interval)),
-            tokio::spawn(trainer_watcher(watch, keys, shared.clone())),
-            tokio::spawn(lease_guard(session.lost(), shared.clone())),
+            tokio::spawn(trainer_watcher(departures, shared.clone())),
+            tokio::spawn(async move {
+                lease_lost.await;
+                guard.stop("the master's lease is lost".into());
+            }),
         ];
         Ok(Master { shared, listener, session: Some(session), background, status: status_rx })
     }
@@ -318,35 +322,23 @@ async fn ticker(shared: Arc<Shared>, every: Duration) {
 
 /// A trainer whose registration vanished (lease expired) gets its tasks
 /// taken back at once instead of after the task timeout.
-async fn trainer_watcher(mut watch: oar_discovery::WatchStream, keys: JobKeys, shared: Arc<Shared>) {
-    while let Some(event) = watch.next().await {
-        match event {
-            Ok(WatchEvent::Delete { key, .. }) => {
-                if let Some(trainer) = keys.trainer_id(&key) {
-                    let mut core = shared.core();
-                    let returned = core.queue.trainer_gone(trainer, Instant::now());
-                    if returned > 0 {
-                        tracing::info!(trainer, returned, "trainer gone; its tasks return to todo");
-                        shared.changed(&mut core);
-                    }
+async fn trainer_watcher(mut departures: TrainerDepartures, shared: Arc<Shared>) {
+    while let Some(departure) = departures.next().await {
+        match departure {
+            Ok(trainer) => {
+                let mut core = shared.core();
+                let returned = core.queue.trainer_gone(&trainer, Instant::now());
+                if returned > 0 {
+                    tracing::info!(trainer, returned, "trainer gone; its tasks return to todo");
+                    shared.changed(&mut core);
                 }
             }
-            Ok(WatchEvent::Put(_)) => {}
             Err(e) => {
                 tracing::warn!(error = %e, "trainer watch failed; relying on task timeouts");
                 return;
             }
         }
     }
-}
-
-async fn lease_guard(mut lost: watch::Receiver<bool>, shared: Arc<Shared>) {
-    while !*lost.borrow_and_update() {
-        if lost.changed().await.is_err() {
-            break;
-        }
-    }
-    shared.stop("the master's lease is lost".into());
 }
 
 struct MasterHandler {
