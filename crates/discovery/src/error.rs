@@ -45,6 +45,19 @@ pub enum Error {
     /// The caller passed something unusable (empty key, zero ttl, ...).
     #[error("invalid argument: {0}")]
     InvalidArgument(String),
+    /// The backend refused the request for a reason that will repeat
+    /// (permission denied, unsupported request, ...); the message says which.
+    #[error("discovery backend refused the request: {0}")]
+    Refused(String),
+    /// The backend answered with something this crate cannot use (a key that
+    /// is not UTF-8, a response without its header, ...); asking again gives
+    /// the same answer.
+    #[error("unusable answer from the discovery backend: {0}")]
+    Unexpected(String),
+    /// The local etcd server that tests run (`EtcdServer`, feature `etcd`)
+    /// could not be started or controlled; the message says what happened.
+    #[error("etcd server: {0}")]
+    Server(String),
 }
 
 /// `Result` with this crate's [`Error`].

@@ -30,6 +30,16 @@
 //! [`Session`] keeps a lease alive in the background and reports when it is
 //! lost.
 //!
+//! # The etcd backend (feature `etcd`)
+//!
+//! `EtcdDiscovery` implements the trait on a real etcd (3.4 or later) with
+//! the `etcd-client` crate, and `EtcdServer` runs a throwaway local etcd for
+//! tests (Debian's `etcd-server` package). Both sit behind the cargo feature
+//! `etcd`, off by default, because `etcd-client` needs `protoc` to build
+//! (`apt-get install -y protobuf-compiler`). Every etcd request is bounded by
+//! a timeout, so a dead or hung etcd gives a transient error
+//! ([`Error::is_transient`]) instead of a hang.
+//!
 //! # Example
 //!
 //! ```
@@ -69,11 +79,21 @@ use tokio::sync::mpsc;
 
 pub mod conformance;
 mod error;
+#[cfg(feature = "etcd")]
+mod etcd;
+#[cfg(feature = "etcd")]
+pub mod etcd_server;
 mod keys;
 mod mem;
 mod session;
 
 pub use error::{Error, Result};
+#[cfg(feature = "etcd")]
+pub use etcd::{
+    EtcdDiscovery, EtcdOptions, DEFAULT_CONNECT_TIMEOUT, DEFAULT_REQUEST_TIMEOUT, MAX_RESPONSE_BYTES,
+};
+#[cfg(feature = "etcd")]
+pub use etcd_server::EtcdServer;
 pub use keys::{JobKeys, TrainerDepartures};
 pub use mem::{MemDiscovery, DEFAULT_HISTORY_BYTES, DEFAULT_HISTORY_EVENTS};
 pub use session::Session;
