@@ -271,6 +271,49 @@ pub enum Error {
     /// A call failed.
     #[error(transparent)]
     Transport(#[from] oar_transport::Error),
+    /// A checkpoint file or directory operation failed at the OS level.
+    #[error("checkpoint I/O failed {action} {}: {source}", .path.display())]
+    CheckpointIo {
+        /// What was being done, e.g. `"writing"`, `"renaming"`.
+        action: &'static str,
+        /// The file or directory.
+        path: std::path::PathBuf,
+        /// The OS error.
+        source: std::io::Error,
+    },
+    /// A checkpoint file failed verification (magic, format version, a length
+    /// against the file size, the CRC, a non-finite value).
+    #[error("corrupt checkpoint {}: {reason}", .path.display())]
+    CorruptCheckpoint {
+        /// The file.
+        path: std::path::PathBuf,
+        /// What failed.
+        reason: String,
+    },
+    /// A checkpoint that verified but belongs to another placement, server or
+    /// optimizer.
+    #[error("checkpoint {} does not fit this pserver: {reason}", .path.display())]
+    CheckpointMismatch {
+        /// The file.
+        path: std::path::PathBuf,
+        /// What differs (file's value vs this store's).
+        reason: String,
+    },
+    /// Checkpoints exist but none of them verifies and fits.
+    #[error(
+        "no valid checkpoint in {}: {}",
+        .dir.display(),
+        .tried.iter().map(|(p, why)| format!("{}: {why}", p.display())).collect::<Vec<_>>().join("; ")
+    )]
+    NoValidCheckpoint {
+        /// The checkpoint directory.
+        dir: std::path::PathBuf,
+        /// Every file tried, newest first, with why it was refused.
+        tried: Vec<(std::path::PathBuf, String)>,
+    },
+    /// A recorded `CheckpointInfo` (e.g. read back from discovery) did not decode.
+    #[error("bad checkpoint record: {0}")]
+    BadCheckpointRecord(String),
 }
 
 /// The crate's result type.

@@ -63,6 +63,7 @@
 //! ```
 #![warn(missing_docs)]
 
+pub mod checkpoint;
 pub mod client;
 pub mod error;
 pub mod optimizer;

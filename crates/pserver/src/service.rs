@@ -4,6 +4,7 @@
 //! lost.
 
 use crate::{
+    checkpoint::{CheckpointDir, CheckpointInfo},
     protocol::{PsReply, PsRequest, PSERVER_METHOD},
     Error, Mode, OptimizerConfig, ParamSpec, ParamStore, Placement, Push, Result,
 };
@@ -12,6 +13,7 @@ use bytes::{Bytes, BytesMut};
 use oar_discovery::{Discovery, JobKeys, Session, TrainerDepartures};
 use oar_transport::{Frame, Handler, Listener, RemoteError, Transport};
 use std::{
+    path::PathBuf,
     sync::{Arc, Mutex, MutexGuard, OnceLock, PoisonError},
     time::Duration,
 };
@@ -41,6 +43,14 @@ pub struct PserverOptions {
     /// How long to wait for a free index (a replacement waits for the dead
     /// pserver's lease to expire).
     pub claim_timeout: Duration,
+    /// Where checkpoints go (`<dir>/ps-<index>/`); none: no checkpoints.
+    pub checkpoint_dir: Option<PathBuf>,
+    /// How often a checkpoint is written (when something changed). A
+    /// crash loses at most the updates of one interval.
+    pub checkpoint_interval: Duration,
+    /// Checkpoints kept per pserver (at least 2, so a corrupt newest one
+    /// has a fallback).
+    pub checkpoint_keep: usize,
 }
 
 impl PserverOptions {
@@ -62,6 +72,9 @@ impl PserverOptions {
             optimizer,
             lease_ttl: Duration::from_secs(5),
             claim_timeout: Duration::from_secs(60),
+            checkpoint_dir: None,
+            checkpoint_interval: Duration::from_secs(60),
+            checkpoint_keep: 3,
         }
     }
 }
@@ -73,6 +86,8 @@ pub struct Pserver {
     session: Option<Session>,
     background: Vec<tokio::task::JoinHandle<()>>,
     index: u32,
+    checkpoints: Option<CheckpointDir>,
+    keep: usize,
 }
 
 struct Shared {
@@ -130,7 +145,25 @@ impl Pserver {
         let listener = transport.listen(listen_addr, Arc::new(PsHandler { shared: shared.clone() })).await?;
 
         let index = claim_index(&*discovery, &keys, &options, listener.local_addr(), session.lease()).await?;
-        let store = ParamStore::new(&placement, index, options.seed, optimizer, options.mode)?;
+        let mut store = ParamStore::new(&placement, index, options.seed, optimizer, options.mode)?;
+        let checkpoints = options.checkpoint_dir.as_ref().map(|root| CheckpointDir::new(root, index));
+        if let Some(dir) = &checkpoints {
+            // The newest verified checkpoint wins; with every one corrupt the pserver refuses to start.
+            match dir.load_latest(&mut store)? {
+                Some(loaded) => {
+                    for (path, why) in &loaded.skipped {
+                        tracing::warn!(path = %path.display(), %why, "skipped a checkpoint");
+                    }
+                    tracing::info!(
+                        index,
+                        step = loaded.info.step,
+                        path = loaded.info.path,
+                        "restored checkpoint"
+                    );
+                }
+                None => tracing::info!(index, dir = %dir.path().display(), "no checkpoint; starting fresh"),
+            }
+        }
         let _ = shared.index.set(index);
         let _ = shared.store.set(Mutex::new(store));
         tracing::info!(index, addr = listener.local_addr(), mode = ?options.mode, "pserver serving");
@@ -138,7 +171,7 @@ impl Pserver {
         let departures = TrainerDepartures::watch(&*discovery, &keys).await?;
         let lease_lost = session.lost_signal();
         let guard = shared.clone();
-        let background = vec![
+        let mut background = vec![
             tokio::spawn(trainer_watcher(departures, shared.clone())),
             tokio::spawn(async move {
                 lease_lost.await;
@@ -147,7 +180,25 @@ impl Pserver {
                 guard.stepped.notify_waiters();
             }),
         ];
-        Ok(Pserver { shared, listener, session: Some(session), background, index })
+        if let Some(dir) = checkpoints.clone() {
+            background.push(tokio::spawn(checkpointer(
+                discovery.clone(),
+                keys.ps_checkpoint(index),
+                dir,
+                options.checkpoint_keep,
+                options.checkpoint_interval,
+                shared.clone(),
+            )));
+        }
+        Ok(Pserver {
+            shared,
+            listener,
+            session: Some(session),
+            background,
+            index,
+            checkpoints,
+            keep: options.checkpoint_keep,
+        })
     }
 
     /// The shard index this pserver claimed.
@@ -170,10 +221,19 @@ impl Pserver {
         self.shared.stopped.borrow().clone()
     }
 
-    /// Stop serving and release the index.
+    /// Write a checkpoint now (if checkpoints are configured).
+    pub async fn checkpoint(&self) -> Result<Option<CheckpointInfo>> {
+        let Some(dir) = self.checkpoints.clone() else { return Ok(None) };
+        save_checkpoint(dir, self.keep, self.shared.clone()).await.map(Some)
+    }
+
+    /// Stop serving, write a last checkpoint, and release the index.
     pub async fn shutdown(mut self) -> Result<()> {
         self.listener.close();
         self.background.iter().for_each(|t| t.abort());
+        if self.shared.stopped.borrow().is_none() {
+            self.checkpoint().await?;
+        }
         if let Some(session) = self.session.take() {
             session.close().await?;
         }
@@ -185,6 +245,60 @@ impl Drop for Pserver {
     fn drop(&mut self) {
         self.listener.close();
         self.background.iter().for_each(|t| t.abort());
+    }
+}
+
+/// Save the store under its lock, off the async threads. Pushes and pulls
+/// wait while a checkpoint is written (about 0.4 s per 10M floats with Adam
+/// here); the checkpoint is then exactly one step's state.
+async fn save_checkpoint(dir: CheckpointDir, keep: usize, shared: Arc<Shared>) -> Result<CheckpointInfo> {
+    tokio::task::spawn_blocking(move || {
+        let store = shared.store.get().ok_or_else(|| Error::Config("pserver is not started".into()))?;
+        let store = store.lock().unwrap_or_else(PoisonError::into_inner);
+        dir.save(&store, keep)
+    })
+    .await
+    .map_err(|e| Error::Protocol(format!("checkpoint task failed: {e}")))?
+}
+
+/// Write a checkpoint every `every` when the step moved, and record the
+/// latest one under `ps/<index>/checkpoint`.
+async fn checkpointer(
+    discovery: Arc<dyn Discovery>,
+    key: String,
+    dir: CheckpointDir,
+    keep: usize,
+    every: Duration,
+    shared: Arc<Shared>,
+) {
+    let mut interval = tokio::time::interval(every);
+    interval.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    interval.tick().await;
+    let mut saved_step = None;
+    loop {
+        interval.tick().await;
+        if shared.stopped.borrow().is_some() {
+            return;
+        }
+        let step = shared.store.get().map(|s| s.lock().unwrap_or_else(PoisonError::into_inner).step());
+        if step == saved_step {
+            continue;
+        }
+        match save_checkpoint(dir.clone(), keep, shared.clone()).await {
+            Ok(info) => {
+                saved_step = Some(info.step);
+                tracing::debug!(step = info.step, path = info.path, "checkpoint written");
+                match info.encode() {
+                    Ok(record) => {
+                        if let Err(e) = discovery.put(&key, record, None).await {
+                            tracing::warn!(error = %e, key, "could not record the checkpoint");
+                        }
+                    }
+                    Err(e) => tracing::warn!(error = %e, "could not encode the checkpoint record"),
+                }
+            }
+            Err(e) => tracing::error!(error = %e, "checkpoint failed; will retry"),
+        }
     }
 }
 

@@ -169,3 +169,51 @@ async fn a_pserver_that_lost_its_lease_stops_serving() {
     let err = client.pull(&mut params).await.unwrap_err();
     assert!(err.to_string().contains("away") || err.to_string().contains("stopped"), "{err}");
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_restarted_pserver_resumes_from_its_checkpoint_and_still_knows_applied_pushes() {
+    let env = Env::new();
+    let dir = tempfile::tempdir().unwrap();
+    let start = |env: &Env| {
+        let mut o = PserverOptions::new(JOB, specs(), 1, Mode::Async, OptimizerConfig::Sgd { lr: 0.5 });
+        o.block_size = 8;
+        o.checkpoint_dir = Some(dir.path().to_path_buf());
+        o.checkpoint_interval = Duration::from_millis(50);
+        Pserver::start(env.discovery.clone(), env.transport.clone(), "mem:0", o)
+    };
+    let ps = start(&env).await.unwrap();
+    let fp = env.placement.fingerprint();
+    raw_push(&env, &ps, 0, vec![1.0; total()], fp).await.unwrap();
+    raw_push(&env, &ps, 1, vec![2.0; total()], fp).await.unwrap();
+    let mut reader = env.client("reader", Duration::from_secs(5));
+    let mut before = ParamBuf::zeros(&specs());
+    reader.pull(&mut before).await.unwrap();
+
+    // The periodic checkpointer records the latest checkpoint in discovery.
+    let key = JobKeys::new(JOB).unwrap().ps_checkpoint(0);
+    tokio::time::timeout(Duration::from_secs(5), async {
+        loop {
+            if let Some(kv) = env.discovery.get(&key).await.unwrap() {
+                let info = oar_pserver::checkpoint::CheckpointInfo::decode(&kv.value).unwrap();
+                if info.step == 2 {
+                    break;
+                }
+            }
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    })
+    .await
+    .expect("a checkpoint of step 2 is recorded under ps/0/checkpoint");
+
+    ps.shutdown().await.unwrap();
+    let again = start(&env).await.unwrap();
+    assert_eq!(again.step(), 2, "the step comes back from the checkpoint");
+    let mut after = ParamBuf::zeros(&specs());
+    reader.pull(&mut after).await.unwrap();
+    assert_eq!(before.as_slice(), after.as_slice(), "the parameters come back exactly");
+    // A push retried across the restart is still recognised as applied.
+    assert_eq!(
+        raw_push(&env, &again, 1, vec![2.0; total()], fp).await.unwrap(),
+        PsReply::Pushed(PushOutcome::Duplicate)
+    );
+}
