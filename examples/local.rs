@@ -1,6 +1,8 @@
 //! A whole training job in one process: a master, P pservers and T trainers
-//! on the in-memory discovery. With no `--data` it generates a dataset with
-//! a known structure (Gaussian class clusters) and trains on that.
+//! on the in-memory discovery, talking over QUIC with mutual TLS on
+//! 127.0.0.1 (certificates from a development CA made at start-up). With no
+//! `--data` it generates a dataset with a known structure (Gaussian class
+//! clusters) and trains on that.
 //!
 //!     cargo run --release --example local
 //!     cargo run --release --example local -- --data testdata/a1a --test-data testdata/a1a.t \
@@ -19,7 +21,7 @@ use oar::{
         model::ModelConfig,
         reader::Format,
     },
-    transport::{MemNetwork, MemTransport},
+    transport::{DevCa, MemNetwork, MemTransport, QuicTransport, Transport},
 };
 use std::{process::ExitCode, sync::Arc};
 
@@ -83,6 +85,9 @@ struct Args {
     /// Seed of the generated data and the initial parameters.
     #[arg(long, default_value_t = 1)]
     seed: u64,
+    /// How the processes talk: QUIC on 127.0.0.1, or in-process calls.
+    #[arg(long, value_enum, default_value_t = TransportArg::Quic)]
+    transport: TransportArg,
     /// Log what the library does (to stderr).
     #[arg(long)]
     verbose: bool,
@@ -104,6 +109,11 @@ enum OptimizerArg {
     Momentum,
     Adagrad,
     Adam,
+}
+#[derive(Clone, Copy, Debug, ValueEnum)]
+enum TransportArg {
+    Quic,
+    Mem,
 }
 #[derive(Clone, Copy, Debug, ValueEnum)]
 enum ModeArg {
@@ -181,9 +191,16 @@ async fn run(args: Args) -> Result<bool, Box<dyn std::error::Error>> {
     config.chunk_bytes = args.chunk_bytes;
 
     let discovery = Arc::new(MemDiscovery::new());
-    let transport = Arc::new(MemTransport::new(MemNetwork::new()));
+    let (transport, listen): (Arc<dyn Transport>, _) = match args.transport {
+        TransportArg::Quic => {
+            // One identity for the whole process, signed by a CA made for this run.
+            let tls = DevCa::new()?.tls_config("local")?;
+            (Arc::new(QuicTransport::new(tls)?), "127.0.0.1:0")
+        }
+        TransportArg::Mem => (Arc::new(MemTransport::new(MemNetwork::new())), "mem:0"),
+    };
     let passes = config.passes;
-    let report = run_local(&config, args.trainers, discovery, transport, "mem:0", |p: &PassReport| {
+    let report = run_local(&config, args.trainers, discovery, transport, listen, |p: &PassReport| {
         println!(
             "pass {}/{passes}: train loss {:.4}, test loss {:.4}, test accuracy {:.2}%, tasks done {}, discarded {}",
             p.pass + 1,

@@ -1,11 +1,12 @@
 //! Softmax regression on the UCI Adult data (a1a / a1a.t) through the whole
-//! stack: master, 2 pservers and 3 trainers in one process.
+//! stack: master, 2 pservers and 3 trainers in one process, talking over
+//! QUIC with mutual TLS on 127.0.0.1.
 
 use oar::{
     discovery::MemDiscovery,
     pserver::{Mode, OptimizerConfig},
     trainer::{job::JobConfig, local::run_local, model::ModelConfig},
-    transport::{MemNetwork, MemTransport},
+    transport::{DevCa, QuicTransport},
 };
 use std::sync::Arc;
 
@@ -29,8 +30,8 @@ async fn train(config: JobConfig) -> oar::trainer::local::JobReport {
         &config,
         3,
         Arc::new(MemDiscovery::new()),
-        Arc::new(MemTransport::new(MemNetwork::new())),
-        "mem:0",
+        Arc::new(QuicTransport::new(DevCa::new().unwrap().tls_config("a1a").unwrap()).unwrap()),
+        "127.0.0.1:0",
         |p| passes.push(p.clone()),
     )
     .await

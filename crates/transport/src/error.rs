@@ -63,6 +63,108 @@ pub enum Error {
         /// Why it is not valid.
         reason: String,
     },
+    /// The bytes do not start with the frame magic: not an oar peer, or a corrupted stream.
+    #[error("not an oar frame: magic {got:02x?}, expected {expected:02x?}")]
+    BadMagic {
+        /// The magic this side expects.
+        expected: [u8; 4],
+        /// The first four bytes received.
+        got: [u8; 4],
+    },
+    /// The peer speaks another version of the wire protocol.
+    #[error(
+        "wire protocol version mismatch: this side speaks version {ours}, the peer sent version {theirs}"
+    )]
+    VersionMismatch {
+        /// The version this build speaks.
+        ours: u16,
+        /// The version in the received header.
+        theirs: u16,
+    },
+    /// A frame of a kind that does not belong here (unknown, or a request where a response was due).
+    #[error("frame kind {got} where {expected} was expected")]
+    BadKind {
+        /// What was acceptable here.
+        expected: &'static str,
+        /// The kind byte received.
+        got: u8,
+    },
+    /// A header field that must be zero was not.
+    #[error("frame header flags {got:#04x}, expected 0")]
+    BadFlags {
+        /// The flags byte received.
+        got: u8,
+    },
+    /// A frame whose declared size exceeds the configured maximum; refused before allocating.
+    #[error("frame declares {claimed} bytes ({meta} metadata + {payload} payload), more than the maximum of {max}")]
+    TooLarge {
+        /// Metadata bytes declared.
+        meta: u64,
+        /// Payload bytes declared.
+        payload: u64,
+        /// Total declared (saturating).
+        claimed: u64,
+        /// The configured maximum message size.
+        max: u64,
+    },
+    /// The stream ended before the frame was complete.
+    #[error("frame truncated in its {part}: expected {expected} bytes, got {got}")]
+    Truncated {
+        /// "header", "metadata" or "payload".
+        part: &'static str,
+        /// Bytes the header declared (or the header's size).
+        expected: u64,
+        /// Bytes received before the end.
+        got: u64,
+    },
+    /// A buffer of the declared (allowed) size could not be allocated.
+    #[error("cannot allocate {bytes} bytes for a frame")]
+    OutOfMemory {
+        /// The size asked for.
+        bytes: u64,
+    },
+    /// More bytes followed a complete frame on a stream that carries exactly one.
+    #[error("{extra} unexpected bytes after a complete frame")]
+    TrailingData {
+        /// How many extra bytes arrived (at least).
+        extra: u64,
+    },
+    /// A stream sent nothing for too long (a stalled or malicious peer).
+    #[error("stream from {addr} sent nothing for {after:?}")]
+    Stalled {
+        /// The peer's address.
+        addr: String,
+        /// The per-stream idle deadline that expired.
+        after: std::time::Duration,
+    },
+    /// The TLS handshake failed: a certificate the job's CA did not sign, or none.
+    #[error("TLS handshake with {addr} refused: {reason}")]
+    Refused {
+        /// The peer's address.
+        addr: String,
+        /// What TLS said.
+        reason: String,
+    },
+    /// Certificates, keys or TLS settings that cannot be used.
+    #[error("TLS configuration: {0}")]
+    Tls(String),
+    /// A socket or file operation failed.
+    #[error("cannot {what}: {source}")]
+    Io {
+        /// What was being done (which file, which address).
+        what: String,
+        /// The operating system's error.
+        #[source]
+        source: std::io::Error,
+    },
+    /// The peer broke the QUIC protocol or the connection failed for a reason not covered above.
+    #[error("connection to {addr} failed: {reason}")]
+    Protocol {
+        /// The peer's address.
+        addr: String,
+        /// What quinn reported.
+        reason: String,
+    },
 }
 
 /// The kind of failure a handler reports to its caller.
@@ -105,7 +207,16 @@ impl From<Error> for RemoteError {
     /// A transport error while decoding a request is the caller's fault.
     fn from(e: Error) -> Self {
         match e {
-            Error::Codec { .. } | Error::PayloadLength { .. } => RemoteError::bad_request(e),
+            Error::Codec { .. }
+            | Error::PayloadLength { .. }
+            | Error::BadMagic { .. }
+            | Error::VersionMismatch { .. }
+            | Error::BadKind { .. }
+            | Error::BadFlags { .. }
+            | Error::TooLarge { .. }
+            | Error::Truncated { .. }
+            | Error::TrailingData { .. }
+            | Error::Stalled { .. } => RemoteError::bad_request(e),
             other => RemoteError::internal(other),
         }
     }

@@ -6,10 +6,82 @@
 //! [`bytes::Bytes`], copied in bulk and never serialised element by element.
 //!
 //! The [`Transport`] trait is the seam: [`MemTransport`] connects endpoints
-//! inside one process (tests, single-machine runs); the QUIC transport maps
-//! each call onto one bidirectional stream, so a large transfer never blocks a
-//! small call. Servers implement [`Handler`]; clients get a [`Connection`].
-//! Every call takes a timeout and ends with a typed [`Error`], never a hang.
+//! inside one process (unit tests); [`QuicTransport`] runs over QUIC (quinn,
+//! rustls with ring, TLS 1.3) between processes. Servers implement
+//! [`Handler`]; clients get a [`Connection`]. Every call takes a timeout and
+//! ends with a typed [`Error`], never a hang.
+//!
+//! ## QUIC
+//!
+//! Each call is one bidirectional stream carrying one request frame and one
+//! reply frame, so a 400 MB tensor never blocks a small call. A client keeps
+//! one connection per peer address (with keep-alive and an idle timeout) and
+//! dials again when it died, e.g. because the peer restarted. A server
+//! serves each connection and each stream in a task of its own; a malformed,
+//! oversized or stalled request gets an error reply ([`RemoteErrorKind::BadRequest`])
+//! and costs nothing else. The frame layout and its checks are in [`wire`];
+//! tuning is in [`QuicOptions`].
+//!
+//! ## Who gets in
+//!
+//! Mutual TLS, always: a server requires a client certificate signed by the
+//! job's CA, and a client accepts only a server signed by the same CA. Every
+//! certificate must carry the DNS name `oar` ([`DEFAULT_SERVER_NAME`]) as a
+//! subject alternative name: clients verify that fixed name rather than a
+//! host name, so processes can call each other by IP address, and the
+//! identity that counts is "signed by this job's CA". Certificates also need
+//! the `serverAuth` and `clientAuth` extended key usages (every process is
+//! both).
+//!
+//! For tests and single-machine runs, [`DevCa`] makes a CA and certificates
+//! in memory. For a cluster, make one CA per job and one certificate per
+//! process, and give each process `ca.pem`, its `NAME.pem` and `NAME.key`
+//! ([`TlsConfig::from_pem_files`]); keep `ca.key` off the cluster. Either
+//! write them with [`DevCa::write_files`] (what `examples/certs.rs DIR NAME...`
+//! does), or with openssl:
+//!
+//! ```text
+//! openssl req -x509 -newkey ec -pkeyopt ec_paramgen_curve:prime256v1 -nodes \
+//!     -keyout ca.key -out ca.pem -days 3650 -subj "/CN=oar job CA" \
+//!     -addext "basicConstraints=critical,CA:TRUE" -addext "keyUsage=critical,keyCertSign,cRLSign"
+//! printf 'subjectAltName=DNS:oar\nextendedKeyUsage=serverAuth,clientAuth\nkeyUsage=critical,digitalSignature\n' > oar.ext
+//! for name in master pserver-0 pserver-1 trainer-0 trainer-1; do
+//!     openssl req -newkey ec -pkeyopt ec_paramgen_curve:prime256v1 -nodes \
+//!         -keyout $name.key -out $name.csr -subj "/CN=$name"
+//!     openssl x509 -req -in $name.csr -CA ca.pem -CAkey ca.key -CAcreateserial \
+//!         -days 365 -extfile oar.ext -out $name.pem
+//! done
+//! ```
+//!
+//! A certificate made without the `oar` name can still be used by verifying
+//! another name: [`TlsConfig::with_server_name`].
+//!
+//! ```
+//! use std::{sync::Arc, time::Duration};
+//! use async_trait::async_trait;
+//! use oar_transport::{DevCa, Frame, Handler, QuicTransport, RemoteError, Transport};
+//!
+//! struct Echo;
+//! #[async_trait]
+//! impl Handler for Echo {
+//!     async fn handle(&self, request: Frame) -> Result<Frame, RemoteError> {
+//!         Ok(request)
+//!     }
+//! }
+//!
+//! # tokio::runtime::Runtime::new().unwrap().block_on(async {
+//! let ca = DevCa::new()?;
+//! let server = QuicTransport::new(ca.tls_config("pserver-0")?)?;
+//! let listener = server.serve("127.0.0.1:0", Arc::new(Echo)).await?;
+//! let client = QuicTransport::new(ca.tls_config("trainer-0")?)?;
+//! let conn = client.connect(oar_transport::Listener::local_addr(&listener)).await?;
+//! let reply = conn.call(Frame::new(1, "hello", oar_transport::f32s_to_bytes(&[1.0]))?, Duration::from_secs(5)).await?;
+//! assert_eq!(reply.meta::<String>()?, "hello");
+//! # Ok::<(), oar_transport::Error>(())
+//! # }).unwrap();
+//! ```
+//!
+//! Inside one process, over [`MemTransport`]:
 //!
 //! ```
 //! use std::{sync::Arc, time::Duration};
@@ -43,12 +115,17 @@
 mod error;
 mod frame;
 mod mem;
+mod quic;
 mod retry;
+mod tls;
+pub mod wire;
 
 pub use error::{Error, RemoteError, RemoteErrorKind, Result};
 pub use frame::{bytes_to_f32s, copy_f32s_from_bytes, f32s_to_bytes, put_f32s, Frame};
 pub use mem::{MemNetwork, MemTransport};
+pub use quic::{PathTuning, QuicListener, QuicOptions, QuicTransport};
 pub use retry::{RetryPolicy, Transient};
+pub use tls::{Cipher, DevCa, Issued, TlsConfig, ALPN, DEFAULT_SERVER_NAME};
 
 use async_trait::async_trait;
 use serde::{de::DeserializeOwned, Serialize};

@@ -1,0 +1,823 @@
+//! The QUIC transport: quinn with mutual TLS, one bidirectional stream per
+//! call, one connection per peer address.
+
+use crate::{
+    tls::TlsConfig,
+    wire::{self, Expect, Kind},
+    Connection, Error, Frame, Handler, Listener, RemoteError, Result, Transport,
+};
+use async_trait::async_trait;
+use bytes::Bytes;
+use quinn::{crypto::rustls::QuicClientConfig, crypto::rustls::QuicServerConfig, VarInt};
+use std::{
+    collections::HashMap,
+    future::Future,
+    net::SocketAddr,
+    pin::Pin,
+    sync::{Arc, Mutex, PoisonError},
+    task::{Context, Poll},
+    time::Duration,
+};
+use tokio::{
+    sync::{mpsc, watch, OnceCell},
+    time::{timeout, timeout_at, Instant},
+};
+
+/// Stream error code: the caller gave up (timeout) on this call.
+const CODE_CANCELLED: u32 = 1;
+/// Stream error code: the request frame was malformed; the error reply says why.
+const CODE_BAD_FRAME: u32 = 2;
+/// Stream error code: the reply could not be written in time.
+const CODE_STALLED: u32 = 3;
+/// Connection close code: the endpoint is shutting down.
+const CODE_SHUTDOWN: u32 = 0;
+
+/// How a path is tuned: loopback and real networks want different settings.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct PathTuning {
+    /// A fixed UDP payload size (no MTU discovery), or `None` to start at
+    /// 1200 bytes and discover the path's MTU.
+    pub mtu: Option<u16>,
+    /// Let the kernel segment batches of datagrams (UDP GSO).
+    pub segmentation_offload: bool,
+}
+
+/// Tuning and limits of a [`QuicTransport`]. The defaults suit a cluster on
+/// one LAN; see BENCHMARKS.md for what each setting gave on loopback.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct QuicOptions {
+    /// Largest metadata plus payload of one frame, checked before anything
+    /// is allocated, on both sides.
+    pub max_message: u64,
+    /// How long to wait for a QUIC handshake (also bounded by the call's timeout).
+    pub connect_timeout: Duration,
+    /// A connection with no packet for this long is dead.
+    pub idle_timeout: Duration,
+    /// Ping an idle connection this often so it stays open (and a dead peer is noticed).
+    pub keep_alive: Duration,
+    /// A server drops a request stream that sends nothing for this long,
+    /// and a reply the client does not read for this long.
+    pub stream_idle_timeout: Duration,
+    /// After [`Listener::close`], how long running calls may go on before
+    /// the connections are closed anyway.
+    pub close_grace: Duration,
+    /// Calls in flight per connection; more wait for a free stream.
+    pub max_concurrent_streams: u32,
+    /// Per-stream receive window, bytes.
+    pub stream_window: u32,
+    /// Per-connection receive window, bytes.
+    pub connection_window: u64,
+    /// Unacknowledged bytes a connection may have in flight.
+    pub send_window: u64,
+    /// Requested UDP socket send and receive buffers (capped by the kernel's
+    /// `net.core.rmem_max` / `wmem_max`).
+    pub socket_buffer: usize,
+    /// Tuning when the peer is a loopback address.
+    pub loopback: PathTuning,
+    /// Tuning for every other peer.
+    pub network: PathTuning,
+}
+
+impl Default for QuicOptions {
+    fn default() -> Self {
+        QuicOptions {
+            max_message: wire::DEFAULT_MAX_MESSAGE,
+            connect_timeout: Duration::from_secs(5),
+            idle_timeout: Duration::from_secs(15),
+            keep_alive: Duration::from_secs(3),
+            stream_idle_timeout: Duration::from_secs(10),
+            close_grace: Duration::from_secs(10),
+            max_concurrent_streams: 256,
+            stream_window: 8 << 20,
+            connection_window: 64 << 20,
+            send_window: 16 << 20,
+            socket_buffer: 4 << 20,
+            loopback: PathTuning { mtu: Some(8952), segmentation_offload: false },
+            network: PathTuning { mtu: None, segmentation_offload: true },
+        }
+    }
+}
+
+/// Everything built once from the TLS identity and the options.
+struct Config {
+    tls: TlsConfig,
+    options: QuicOptions,
+    client_loopback: quinn::ClientConfig,
+    client_network: quinn::ClientConfig,
+    server_loopback: Arc<quinn::ServerConfig>,
+    server_network: Arc<quinn::ServerConfig>,
+}
+
+fn config_error(what: &str, e: impl std::fmt::Display) -> Error {
+    Error::Tls(format!("{what}: {e}"))
+}
+
+impl Config {
+    fn new(tls: TlsConfig, options: QuicOptions) -> Result<Config> {
+        let client_crypto = Arc::new(
+            QuicClientConfig::try_from(tls.rustls_client_config()?)
+                .map_err(|e| config_error("QUIC client TLS", e))?,
+        );
+        let server_crypto = Arc::new(
+            QuicServerConfig::try_from(tls.rustls_server_config()?)
+                .map_err(|e| config_error("QUIC server TLS", e))?,
+        );
+        let loopback = Arc::new(transport_config(&options, &options.loopback)?);
+        let network = Arc::new(transport_config(&options, &options.network)?);
+        let client = |t: &Arc<quinn::TransportConfig>| {
+            let mut c = quinn::ClientConfig::new(client_crypto.clone());
+            c.transport_config(t.clone());
+            c
+        };
+        let server = |t: &Arc<quinn::TransportConfig>| {
+            let mut s = quinn::ServerConfig::with_crypto(server_crypto.clone());
+            s.transport_config(t.clone());
+            // Peers are on the job's network: skip the address-validation round trip.
+            Arc::new(s)
+        };
+        Ok(Config {
+            client_loopback: client(&loopback),
+            client_network: client(&network),
+            server_loopback: server(&loopback),
+            server_network: server(&network),
+            tls,
+            options,
+        })
+    }
+
+    /// The endpoint configuration; a server passes its restart secret (see
+    /// [`TlsConfig::restart_secret`]) so that its reset tokens and
+    /// connection IDs survive a restart.
+    fn endpoint_config(&self, restart_secret: Option<[u8; 32]>) -> Result<quinn::EndpointConfig> {
+        let mut config = match restart_secret {
+            Some(secret) => {
+                let mut config = quinn::EndpointConfig::new(Arc::new(ring::hmac::Key::new(
+                    ring::hmac::HMAC_SHA256,
+                    &secret,
+                )));
+                let mut cid_key = [0u8; 8];
+                cid_key.copy_from_slice(&secret[..8]);
+                let cid_key = u64::from_le_bytes(cid_key);
+                config.cid_generator(move || {
+                    Box::new(quinn_proto::HashedConnectionIdGenerator::from_key(cid_key))
+                });
+                config
+            }
+            None => quinn::EndpointConfig::default(),
+        };
+        let largest = [self.options.loopback.mtu, self.options.network.mtu].into_iter().flatten().max();
+        let payload = largest.unwrap_or(1472).clamp(1472, 65_527);
+        config.max_udp_payload_size(payload).map_err(|e| config_error("max UDP payload size", e))?;
+        Ok(config)
+    }
+}
+
+fn transport_config(options: &QuicOptions, path: &PathTuning) -> Result<quinn::TransportConfig> {
+    let mut t = quinn::TransportConfig::default();
+    let idle =
+        quinn::IdleTimeout::try_from(options.idle_timeout).map_err(|e| config_error("idle timeout", e))?;
+    let window = |what, v: u64| VarInt::from_u64(v).map_err(|e| config_error(what, e));
+    t.max_concurrent_bidi_streams(VarInt::from_u32(options.max_concurrent_streams))
+        .max_concurrent_uni_streams(VarInt::from_u32(0))
+        .max_idle_timeout(Some(idle))
+        .keep_alive_interval(Some(options.keep_alive))
+        .stream_receive_window(VarInt::from_u32(options.stream_window))
+        .receive_window(window("connection window", options.connection_window)?)
+        .send_window(options.send_window)
+        .datagram_receive_buffer_size(None)
+        .enable_segmentation_offload(path.segmentation_offload);
+    if let Some(mtu) = path.mtu {
+        let mtu = mtu.clamp(1200, 65_527);
+        // Initial datagrams are padded to min_mtu, and a long-header packet's
+        // length must stay below 2^14: quinn panics beyond. Short-header
+        // (data) packets use the full fixed MTU.
+        t.initial_mtu(mtu).min_mtu(mtu.min(16_000)).mtu_discovery_config(None);
+        // Cubic's default initial window (14720 bytes) is less than one
+        // datagram of a large fixed MTU: the handshake could never start.
+        let mut cubic = quinn::congestion::CubicConfig::default();
+        cubic.initial_window((10 * u64::from(mtu)).max(14_720));
+        t.congestion_controller_factory(Arc::new(cubic));
+    }
+    Ok(t)
+}
+
+/// A UDP socket with the requested buffers, bound to `addr`.
+fn udp_socket(addr: SocketAddr, buffer: usize) -> Result<std::net::UdpSocket> {
+    use socket2::{Domain, Protocol, Socket, Type};
+    let io = |what: &str, source| Error::Io { what: format!("{what} for {addr}"), source };
+    let socket = Socket::new(Domain::for_address(addr), Type::DGRAM, Some(Protocol::UDP))
+        .map_err(|e| io("open UDP socket", e))?;
+    if addr.is_ipv6() {
+        // Dual stack where the system allows it; not an error where it does not.
+        let _ = socket.set_only_v6(false);
+    }
+    // Best effort: the kernel caps these at net.core.{r,w}mem_max.
+    let _ = socket.set_recv_buffer_size(buffer);
+    let _ = socket.set_send_buffer_size(buffer);
+    if let Ok(got) = socket.recv_buffer_size() {
+        if got < buffer {
+            tracing::debug!(asked = buffer, got, "UDP receive buffer capped; raise net.core.rmem_max");
+        }
+    }
+    socket.bind(&addr.into()).map_err(|e| match e.kind() {
+        std::io::ErrorKind::AddrInUse => Error::AddrInUse(addr.to_string()),
+        _ => io("bind", e),
+    })?;
+    Ok(socket.into())
+}
+
+async fn resolve(addr: &str) -> Result<SocketAddr> {
+    if let Ok(a) = addr.parse::<SocketAddr>() {
+        return Ok(a);
+    }
+    let invalid = |reason: String| Error::InvalidAddress { addr: addr.to_string(), reason };
+    let mut found =
+        tokio::net::lookup_host(addr).await.map_err(|e| invalid(format!("expected HOST:PORT ({e})")))?;
+    found.next().ok_or_else(|| invalid("the name resolves to no address".into()))
+}
+
+/// Whether a QUIC error code is a TLS alert (certificate refused, no certificate, ...).
+fn is_crypto(code: quinn::TransportErrorCode) -> bool {
+    (0x100..0x200).contains(&u64::from(code))
+}
+
+/// A connection-level failure, typed for the caller.
+fn connection_error(addr: &str, e: &quinn::ConnectionError) -> Error {
+    use quinn::ConnectionError as E;
+    let addr = addr.to_string();
+    match e {
+        E::ApplicationClosed(_) | E::Reset | E::TimedOut | E::LocallyClosed => Error::Closed { addr },
+        E::ConnectionClosed(c) if is_crypto(c.error_code) => Error::Refused { addr, reason: e.to_string() },
+        E::TransportError(t) if is_crypto(t.code) => Error::Refused { addr, reason: e.to_string() },
+        other => Error::Protocol { addr, reason: other.to_string() },
+    }
+}
+
+fn read_error(addr: &str, e: quinn::ReadError) -> Error {
+    match e {
+        quinn::ReadError::ConnectionLost(c) => connection_error(addr, &c),
+        other => Error::Protocol { addr: addr.to_string(), reason: format!("reading the stream: {other}") },
+    }
+}
+
+/// Read one frame from `recv` until the stream ends. With `idle`, a stream
+/// that sends nothing for that long fails with [`Error::Stalled`].
+async fn read_frame(
+    recv: &mut quinn::RecvStream,
+    expect: Expect,
+    max_message: u64,
+    idle: Option<Duration>,
+    peer: &str,
+) -> Result<(Kind, Frame)> {
+    let mut decoder = wire::Decoder::new(expect, max_message);
+    loop {
+        let next = recv.read_chunk(usize::MAX, true);
+        let chunk = match idle {
+            Some(after) => {
+                timeout(after, next).await.map_err(|_| Error::Stalled { addr: peer.to_string(), after })?
+            }
+            None => next.await,
+        };
+        match chunk.map_err(|e| read_error(peer, e))? {
+            Some(chunk) => decoder.feed(&chunk.bytes)?,
+            None => return decoder.finish(),
+        }
+    }
+}
+
+/// Write all of `bufs`, failing with [`Error::Stalled`] when the peer takes
+/// nothing for `idle` (it stopped reading).
+async fn write_idle(
+    send: &mut quinn::SendStream,
+    mut bufs: &mut [Bytes],
+    idle: Duration,
+    peer: &str,
+) -> Result<()> {
+    while !bufs.is_empty() {
+        let written = timeout(idle, send.write_chunks(bufs))
+            .await
+            .map_err(|_| Error::Stalled { addr: peer.to_string(), after: idle })?
+            .map_err(|e| Error::Protocol {
+                addr: peer.to_string(),
+                reason: format!("writing the reply: {e}"),
+            })?;
+        bufs = &mut bufs[written.chunks..];
+    }
+    Ok(())
+}
+
+/// The transport over QUIC. Cheap to clone; clones share connections.
+///
+/// Client side: one connection per peer address, opened on the first call
+/// and reused; a dead connection (closed by the peer, reset by a restarted
+/// peer, idle-timed-out, or silent through a whole call) is dropped and the
+/// next call dials again. Server side: see [`QuicTransport::serve`].
+#[derive(Clone)]
+pub struct QuicTransport {
+    inner: Arc<Inner>,
+}
+
+struct Inner {
+    config: Arc<Config>,
+    client_v4: OnceCell<quinn::Endpoint>,
+    client_v6: OnceCell<quinn::Endpoint>,
+    peers: Mutex<HashMap<SocketAddr, Arc<Peer>>>,
+}
+
+/// The connection to one peer address, shared by every [`Connection`] to it.
+struct Peer {
+    addr: SocketAddr,
+    addr_text: String,
+    current: Mutex<Option<quinn::Connection>>,
+    dialing: tokio::sync::Mutex<()>,
+}
+
+impl Peer {
+    fn live(&self) -> Option<quinn::Connection> {
+        let current = self.current.lock().unwrap_or_else(PoisonError::into_inner);
+        current.as_ref().filter(|c| c.close_reason().is_none()).cloned()
+    }
+
+    /// Drop `conn` from the cache (unless a newer one already replaced it).
+    fn forget(&self, conn: &quinn::Connection) {
+        let mut current = self.current.lock().unwrap_or_else(PoisonError::into_inner);
+        if current.as_ref().is_some_and(|c| c.stable_id() == conn.stable_id()) {
+            *current = None;
+        }
+    }
+}
+
+impl std::fmt::Debug for QuicTransport {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("QuicTransport").field("options", &self.inner.config.options).finish_non_exhaustive()
+    }
+}
+
+impl QuicTransport {
+    /// A transport with identity `tls` and default options.
+    pub fn new(tls: TlsConfig) -> Result<QuicTransport> {
+        QuicTransport::with_options(tls, QuicOptions::default())
+    }
+
+    /// A transport with identity `tls` and `options`.
+    pub fn with_options(tls: TlsConfig, options: QuicOptions) -> Result<QuicTransport> {
+        let config = Arc::new(Config::new(tls, options)?);
+        Ok(QuicTransport {
+            inner: Arc::new(Inner {
+                config,
+                client_v4: OnceCell::new(),
+                client_v6: OnceCell::new(),
+                peers: Mutex::new(HashMap::new()),
+            }),
+        })
+    }
+
+    /// How many peers this transport holds a live client connection to.
+    pub fn live_connections(&self) -> usize {
+        let peers = self.inner.peers.lock().unwrap_or_else(PoisonError::into_inner);
+        peers.values().filter(|p| p.live().is_some()).count()
+    }
+
+    /// The options in force.
+    pub fn options(&self) -> &QuicOptions {
+        &self.inner.config.options
+    }
+
+    /// Serve `handler` at `addr` ("IP:PORT", port 0 for any): the concrete
+    /// listener, whose [`QuicListener::wait_closed`] waits for a graceful close.
+    ///
+    /// Each connection and each stream is served by its own task; a request
+    /// that is malformed, too large or stalls longer than
+    /// [`QuicOptions::stream_idle_timeout`] gets an error reply and costs
+    /// nothing else. Handler errors go back as [`RemoteError`]s, and a
+    /// handler that panics is reported as an internal error.
+    pub async fn serve(&self, addr: &str, handler: Arc<dyn Handler>) -> Result<QuicListener> {
+        let config = self.inner.config.clone();
+        let bind = resolve(addr).await?;
+        let socket = udp_socket(bind, config.options.socket_buffer)?;
+        let local = socket
+            .local_addr()
+            .map_err(|source| Error::Io { what: format!("read the address of {addr}"), source })?;
+        let local_text = local.to_string();
+        let endpoint_config = config.endpoint_config(Some(config.tls.restart_secret(&local_text)))?;
+        let endpoint = quinn::Endpoint::new(
+            endpoint_config,
+            Some((*config.server_network).clone()),
+            socket,
+            Arc::new(quinn::TokioRuntime),
+        )
+        .map_err(|source| Error::Io { what: format!("start a QUIC endpoint at {local}"), source })?;
+        let (shutdown_tx, shutdown_rx) = watch::channel(false);
+        let (done_tx, done_rx) = watch::channel(false);
+        tokio::spawn(accept_loop(endpoint, handler, config, shutdown_rx, done_tx));
+        tracing::debug!(addr = %local_text, "QUIC listener started");
+        Ok(QuicListener { local_addr: local_text, shutdown: shutdown_tx, done: done_rx })
+    }
+
+    /// Close every client connection of this transport (calls in flight fail
+    /// with [`Error::Closed`]); later calls dial again.
+    pub fn close(&self) {
+        let peers: Vec<Arc<Peer>> = {
+            let peers = self.inner.peers.lock().unwrap_or_else(PoisonError::into_inner);
+            peers.values().cloned().collect()
+        };
+        for peer in peers {
+            if let Some(conn) = peer.current.lock().unwrap_or_else(PoisonError::into_inner).take() {
+                conn.close(VarInt::from_u32(CODE_SHUTDOWN), b"client closing");
+            }
+        }
+    }
+
+    /// Close, then wait (at most `limit`) until the peers have been told.
+    pub async fn close_and_wait(&self, limit: Duration) {
+        self.close();
+        let wait = async {
+            for cell in [&self.inner.client_v4, &self.inner.client_v6] {
+                if let Some(endpoint) = cell.get() {
+                    endpoint.wait_idle().await;
+                }
+            }
+        };
+        let _ = timeout(limit, wait).await;
+    }
+
+    async fn client_endpoint(&self, ipv4: bool) -> Result<quinn::Endpoint> {
+        let (cell, bind): (_, SocketAddr) = if ipv4 {
+            (&self.inner.client_v4, (std::net::Ipv4Addr::UNSPECIFIED, 0).into())
+        } else {
+            (&self.inner.client_v6, (std::net::Ipv6Addr::UNSPECIFIED, 0).into())
+        };
+        let config = &self.inner.config;
+        cell.get_or_try_init(|| async {
+            let socket = udp_socket(bind, config.options.socket_buffer)?;
+            quinn::Endpoint::new(config.endpoint_config(None)?, None, socket, Arc::new(quinn::TokioRuntime))
+                .map_err(|source| Error::Io { what: "start the QUIC client endpoint".into(), source })
+        })
+        .await
+        .cloned()
+    }
+
+    fn peer(&self, addr: SocketAddr) -> Arc<Peer> {
+        let mut peers = self.inner.peers.lock().unwrap_or_else(PoisonError::into_inner);
+        peers
+            .entry(addr)
+            .or_insert_with(|| {
+                Arc::new(Peer {
+                    addr,
+                    addr_text: addr.to_string(),
+                    current: Mutex::new(None),
+                    dialing: tokio::sync::Mutex::new(()),
+                })
+            })
+            .clone()
+    }
+
+    /// The live connection to `peer`, dialing one if needed, by `deadline`.
+    async fn connection(&self, peer: &Peer, deadline: Instant) -> Result<quinn::Connection> {
+        if let Some(conn) = peer.live() {
+            return Ok(conn);
+        }
+        let unreachable = || Error::Unreachable { addr: peer.addr_text.clone() };
+        let _dialing = timeout_at(deadline, peer.dialing.lock()).await.map_err(|_| unreachable())?;
+        if let Some(conn) = peer.live() {
+            return Ok(conn);
+        }
+        let config = &self.inner.config;
+        let endpoint = self.client_endpoint(peer.addr.is_ipv4()).await?;
+        let client_config = if peer.addr.ip().is_loopback() {
+            config.client_loopback.clone()
+        } else {
+            config.client_network.clone()
+        };
+        let connecting = endpoint
+            .connect_with(client_config, peer.addr, config.tls.server_name())
+            .map_err(|e| Error::Protocol { addr: peer.addr_text.clone(), reason: e.to_string() })?;
+        let limit = deadline.min(Instant::now() + config.options.connect_timeout);
+        let conn = match timeout_at(limit, connecting).await {
+            Err(_) => return Err(unreachable()),
+            Ok(Err(e)) => return Err(connection_error(&peer.addr_text, &e)),
+            Ok(Ok(conn)) => conn,
+        };
+        tracing::debug!(peer = %peer.addr_text, "QUIC connection established");
+        *peer.current.lock().unwrap_or_else(PoisonError::into_inner) = Some(conn.clone());
+        Ok(conn)
+    }
+}
+
+/// A client's handle on one peer address.
+struct QuicConnection {
+    transport: QuicTransport,
+    peer: Arc<Peer>,
+}
+
+impl QuicConnection {
+    /// One exchange on a fresh stream of `conn`.
+    async fn exchange(
+        &self,
+        send: &mut quinn::SendStream,
+        recv: &mut quinn::RecvStream,
+        request: [Bytes; 2],
+    ) -> Result<Frame> {
+        let addr = &self.peer.addr_text;
+        let mut bufs = request;
+        match send.write_all_chunks(&mut bufs).await {
+            Ok(()) => {
+                let _ = send.finish();
+            }
+            // The server stopped reading (it refused the request early): its
+            // error reply, if any, is still to be read.
+            Err(quinn::WriteError::Stopped(_)) => {}
+            Err(quinn::WriteError::ConnectionLost(e)) => return Err(connection_error(addr, &e)),
+            Err(e) => {
+                return Err(Error::Protocol {
+                    addr: addr.clone(),
+                    reason: format!("sending the request: {e}"),
+                })
+            }
+        }
+        let max = self.transport.inner.config.options.max_message;
+        let (kind, frame) = read_frame(recv, Expect::Reply, max, None, addr).await?;
+        match kind {
+            Kind::Response => Ok(frame),
+            Kind::Error => Err(Error::Remote { addr: addr.clone(), error: frame.meta::<RemoteError>()? }),
+            Kind::Request => Err(Error::BadKind { expected: "a reply", got: Kind::Request as u8 }),
+        }
+    }
+}
+
+#[async_trait]
+impl Connection for QuicConnection {
+    async fn call(&self, request: Frame, call_timeout: Duration) -> Result<Frame> {
+        let deadline = Instant::now() + call_timeout;
+        let addr = &self.peer.addr_text;
+        let max = self.transport.inner.config.options.max_message;
+        let size = request.meta.len() as u64 + request.payload.len() as u64;
+        if size > max {
+            return Err(Error::TooLarge {
+                meta: request.meta.len() as u64,
+                payload: request.payload.len() as u64,
+                claimed: size,
+                max,
+            });
+        }
+        let bufs = wire::encode(Kind::Request, &request)?;
+        // A cached connection found dead when opening the stream is replaced
+        // once: nothing was sent on it, so dialing again is safe.
+        let mut attempt = 0;
+        let (conn, mut send, mut recv) = loop {
+            attempt += 1;
+            let conn = self.transport.connection(&self.peer, deadline).await?;
+            match timeout_at(deadline, conn.open_bi()).await {
+                Err(_) => return Err(Error::Timeout { addr: addr.clone(), after: call_timeout }),
+                Ok(Ok((send, recv))) => break (conn, send, recv),
+                Ok(Err(e)) => {
+                    self.peer.forget(&conn);
+                    if attempt >= 2 {
+                        return Err(connection_error(addr, &e));
+                    }
+                }
+            }
+        };
+        let rx_before = conn.stats().udp_rx.datagrams;
+        let started = Instant::now();
+        let result = timeout_at(deadline, self.exchange(&mut send, &mut recv, bufs)).await;
+        match result {
+            Ok(Ok(frame)) => Ok(frame),
+            Ok(Err(e)) => {
+                if conn.close_reason().is_some() {
+                    self.peer.forget(&conn);
+                }
+                Err(e)
+            }
+            Err(_) => {
+                let _ = send.reset(VarInt::from_u32(CODE_CANCELLED));
+                let _ = recv.stop(VarInt::from_u32(CODE_CANCELLED));
+                // Nothing at all came back during a whole call (not even an
+                // acknowledgement): the peer is gone, e.g. restarted with
+                // another key. Dial afresh next time instead of waiting for
+                // the idle timeout.
+                let silent = conn.stats().udp_rx.datagrams == rx_before;
+                if silent && started.elapsed() >= Duration::from_millis(200) {
+                    tracing::debug!(peer = %addr, "peer silent for a whole call; dropping the connection");
+                    self.peer.forget(&conn);
+                    conn.close(VarInt::from_u32(CODE_SHUTDOWN), b"peer silent");
+                }
+                Err(Error::Timeout { addr: addr.clone(), after: call_timeout })
+            }
+        }
+    }
+
+    fn peer(&self) -> &str {
+        &self.peer.addr_text
+    }
+}
+
+#[async_trait]
+impl Transport for QuicTransport {
+    async fn connect(&self, addr: &str) -> Result<Arc<dyn Connection>> {
+        let addr = resolve(addr).await?;
+        Ok(Arc::new(QuicConnection { transport: self.clone(), peer: self.peer(addr) }))
+    }
+
+    async fn listen(&self, addr: &str, handler: Arc<dyn Handler>) -> Result<Box<dyn Listener>> {
+        Ok(Box::new(self.serve(addr, handler).await?))
+    }
+}
+
+/// A QUIC server endpoint. [`Listener::close`] (or dropping it) stops
+/// accepting connections and streams; calls already running finish
+/// (for at most [`QuicOptions::close_grace`] after the close), then
+/// connections are closed and the port is released.
+pub struct QuicListener {
+    local_addr: String,
+    shutdown: watch::Sender<bool>,
+    done: watch::Receiver<bool>,
+}
+
+impl std::fmt::Debug for QuicListener {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("QuicListener").field("local_addr", &self.local_addr).finish_non_exhaustive()
+    }
+}
+
+impl QuicListener {
+    /// Wait until a close has finished: running calls done, peers told, socket released.
+    pub async fn wait_closed(&self) {
+        let mut done = self.done.clone();
+        let _ = done.wait_for(|d| *d).await;
+    }
+}
+
+impl Listener for QuicListener {
+    fn local_addr(&self) -> &str {
+        &self.local_addr
+    }
+
+    fn close(&self) {
+        self.shutdown.send_replace(true);
+    }
+}
+
+impl Drop for QuicListener {
+    fn drop(&mut self) {
+        self.close();
+    }
+}
+
+/// Accept connections until shutdown, then drain and close.
+async fn accept_loop(
+    endpoint: quinn::Endpoint,
+    handler: Arc<dyn Handler>,
+    config: Arc<Config>,
+    shutdown: watch::Receiver<bool>,
+    done: watch::Sender<bool>,
+) {
+    // Every connection and stream task holds a clone; when all are gone, the drain is over.
+    let (tracker, mut drained) = mpsc::channel::<()>(1);
+    let mut stop = shutdown.clone();
+    loop {
+        tokio::select! {
+            _ = stop.wait_for(|s| *s) => break,
+            incoming = endpoint.accept() => match incoming {
+                None => break,
+                Some(incoming) => {
+                    let task = serve_connection(incoming, handler.clone(), config.clone(), shutdown.clone(), tracker.clone());
+                    tokio::spawn(task);
+                }
+            },
+        }
+    }
+    endpoint.set_server_config(None);
+    drop(tracker);
+    let grace = config.options.close_grace;
+    if timeout(grace, drained.recv()).await.is_err() {
+        tracing::warn!("calls still running {grace:?} after close; closing anyway");
+    }
+    endpoint.close(VarInt::from_u32(CODE_SHUTDOWN), b"server closing");
+    let _ = timeout(Duration::from_secs(1), endpoint.wait_idle()).await;
+    drop(endpoint);
+    done.send_replace(true);
+}
+
+async fn serve_connection(
+    incoming: quinn::Incoming,
+    handler: Arc<dyn Handler>,
+    config: Arc<Config>,
+    mut shutdown: watch::Receiver<bool>,
+    tracker: mpsc::Sender<()>,
+) {
+    let remote = incoming.remote_address();
+    let server_config = if remote.ip().is_loopback() {
+        config.server_loopback.clone()
+    } else {
+        config.server_network.clone()
+    };
+    let connecting = match incoming.accept_with(server_config) {
+        Ok(c) => c,
+        Err(e) => {
+            tracing::debug!(%remote, "incoming connection failed: {e}");
+            return;
+        }
+    };
+    let conn = match timeout(config.options.connect_timeout, connecting).await {
+        Ok(Ok(conn)) => conn,
+        Ok(Err(e)) => {
+            // Most often a peer without a certificate from the job's CA.
+            tracing::warn!(%remote, "QUIC handshake failed: {e}");
+            return;
+        }
+        Err(_) => {
+            tracing::debug!(%remote, "QUIC handshake timed out");
+            return;
+        }
+    };
+    let peer = remote.to_string();
+    loop {
+        tokio::select! {
+            _ = shutdown.wait_for(|s| *s) => break,
+            stream = conn.accept_bi() => match stream {
+                Ok((send, recv)) => {
+                    let task = serve_stream(send, recv, handler.clone(), config.clone(), peer.clone(), tracker.clone());
+                    tokio::spawn(task);
+                }
+                Err(e) => {
+                    tracing::debug!(%peer, "connection ended: {e}");
+                    break;
+                }
+            },
+        }
+    }
+}
+
+async fn serve_stream(
+    mut send: quinn::SendStream,
+    mut recv: quinn::RecvStream,
+    handler: Arc<dyn Handler>,
+    config: Arc<Config>,
+    peer: String,
+    _tracker: mpsc::Sender<()>,
+) {
+    let options = &config.options;
+    let idle = options.stream_idle_timeout;
+    let request = read_frame(&mut recv, Expect::Request, options.max_message, Some(idle), &peer).await;
+    let (kind, reply) = match request {
+        Ok((_, request)) => {
+            let method = request.method;
+            match CatchUnwind(handler.handle(request)).await {
+                Ok(Ok(reply)) => (Kind::Response, reply),
+                Ok(Err(error)) => (Kind::Error, error_frame(method, &error)),
+                Err(()) => (Kind::Error, error_frame(method, &RemoteError::internal("the handler panicked"))),
+            }
+        }
+        Err(e) => {
+            tracing::debug!(%peer, "bad request: {e}");
+            let _ = recv.stop(VarInt::from_u32(CODE_BAD_FRAME));
+            (Kind::Error, error_frame(0, &RemoteError::from(e)))
+        }
+    };
+    let mut bufs = match wire::encode(kind, &reply) {
+        Ok(bufs) => bufs,
+        Err(e) => {
+            let error = RemoteError::internal(format!("cannot encode the reply: {e}"));
+            let Ok(bufs) = wire::encode(Kind::Error, &error_frame(reply.method, &error)) else { return };
+            bufs
+        }
+    };
+    match write_idle(&mut send, &mut bufs, idle, &peer).await {
+        Ok(()) => {
+            let _ = send.finish();
+            // Keep the stream (and the handler's reply) until the peer has it
+            // or is gone, within the idle deadline.
+            let _ = timeout(idle, send.stopped()).await;
+        }
+        Err(e) => {
+            tracing::debug!(%peer, "reply not delivered: {e}");
+            let _ = send.reset(VarInt::from_u32(CODE_STALLED));
+        }
+    }
+}
+
+fn error_frame(method: u16, error: &RemoteError) -> Frame {
+    // Encoding a RemoteError cannot fail; an empty metadata would be decoded as an error anyway.
+    Frame::new(method, error, Bytes::new()).unwrap_or(Frame {
+        method,
+        meta: Bytes::new(),
+        payload: Bytes::new(),
+    })
+}
+
+/// Turns a panic while polling the handler's future into an error reply.
+struct CatchUnwind<F>(F);
+
+impl<F: Future + Unpin> Future for CatchUnwind<F> {
+    type Output = std::result::Result<F::Output, ()>;
+
+    fn poll(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
+        let inner = &mut self.0;
+        match std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| Pin::new(inner).poll(cx))) {
+            Ok(Poll::Pending) => Poll::Pending,
+            Ok(Poll::Ready(v)) => Poll::Ready(Ok(v)),
+            Err(_) => Poll::Ready(Err(())),
+        }
+    }
+}

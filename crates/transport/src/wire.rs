@@ -1,0 +1,468 @@
+//! The wire format: how one [`Frame`] travels on one QUIC stream. Pure code,
+//! no I/O, so it can be tested exhaustively and fuzzed.
+//!
+//! Each direction of a stream carries exactly one frame and then ends:
+//!
+//! ```text
+//! offset size  field
+//!      0    4  magic "OARF"
+//!      4    2  protocol version, u16 little-endian (PROTOCOL_VERSION)
+//!      6    1  kind: 1 request, 2 response, 3 error (metadata = postcard RemoteError)
+//!      7    1  flags, must be 0 (reserved)
+//!      8    2  method, u16 little-endian
+//!     10    4  metadata length, u32 little-endian
+//!     14    8  payload length, u64 little-endian
+//!     22    …  metadata bytes, then payload bytes (raw little-endian f32 by convention)
+//! ```
+//!
+//! The [`Decoder`] checks magic, version, kind, flags and both lengths
+//! against the maximum message size as soon as the 22 header bytes are in,
+//! *before* allocating anything; then it allocates the metadata and the
+//! payload buffers once each, at their declared (already checked) sizes,
+//! copies received chunks into them and freezes them into the frame's
+//! [`Bytes`]. A payload is never decoded element by element.
+
+use crate::{Error, Frame, Result};
+use bytes::{Bytes, BytesMut};
+
+/// The first four bytes of every frame.
+pub const MAGIC: [u8; 4] = *b"OARF";
+/// The version of this wire format; a peer with another version is refused
+/// with [`Error::VersionMismatch`], which names both.
+pub const PROTOCOL_VERSION: u16 = 1;
+/// Size of the fixed header.
+pub const HEADER_LEN: usize = 22;
+/// Default maximum of metadata plus payload bytes in one frame (1 GiB,
+/// room for a 256M-float tensor).
+pub const DEFAULT_MAX_MESSAGE: u64 = 1 << 30;
+
+/// What a frame is.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+#[repr(u8)]
+pub enum Kind {
+    /// A call's request.
+    Request = 1,
+    /// A successful answer.
+    Response = 2,
+    /// A failed answer: the metadata is a postcard-encoded [`crate::RemoteError`].
+    Error = 3,
+}
+
+impl Kind {
+    fn from_byte(b: u8) -> Option<Kind> {
+        match b {
+            1 => Some(Kind::Request),
+            2 => Some(Kind::Response),
+            3 => Some(Kind::Error),
+            _ => None,
+        }
+    }
+}
+
+/// Which frames a reader accepts: a server reads requests, a client replies.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Expect {
+    /// Only [`Kind::Request`].
+    Request,
+    /// [`Kind::Response`] or [`Kind::Error`].
+    Reply,
+}
+
+impl Expect {
+    fn allows(self, kind: Kind) -> bool {
+        match self {
+            Expect::Request => kind == Kind::Request,
+            Expect::Reply => kind != Kind::Request,
+        }
+    }
+
+    fn describe(self) -> &'static str {
+        match self {
+            Expect::Request => "a request (1)",
+            Expect::Reply => "a response (2) or an error (3)",
+        }
+    }
+}
+
+/// The fixed header of a frame.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Header {
+    /// What the frame is.
+    pub kind: Kind,
+    /// The method number.
+    pub method: u16,
+    /// Metadata bytes following the header.
+    pub meta_len: u32,
+    /// Payload bytes following the metadata.
+    pub payload_len: u64,
+}
+
+impl Header {
+    /// The header of `frame` sent as `kind`; fails if the metadata does not fit a u32 length.
+    pub fn of(kind: Kind, frame: &Frame) -> Result<Header> {
+        let meta_len = u32::try_from(frame.meta.len()).map_err(|_| Error::TooLarge {
+            meta: frame.meta.len() as u64,
+            payload: frame.payload.len() as u64,
+            claimed: (frame.meta.len() as u64).saturating_add(frame.payload.len() as u64),
+            max: u64::from(u32::MAX),
+        })?;
+        Ok(Header { kind, method: frame.method, meta_len, payload_len: frame.payload.len() as u64 })
+    }
+
+    /// Metadata plus payload bytes (saturating).
+    pub fn body_len(&self) -> u64 {
+        u64::from(self.meta_len).saturating_add(self.payload_len)
+    }
+
+    /// The header's bytes, stamped with [`MAGIC`] and [`PROTOCOL_VERSION`].
+    pub fn to_bytes(&self) -> [u8; HEADER_LEN] {
+        let mut b = [0u8; HEADER_LEN];
+        b[0..4].copy_from_slice(&MAGIC);
+        b[4..6].copy_from_slice(&PROTOCOL_VERSION.to_le_bytes());
+        b[6] = self.kind as u8;
+        b[7] = 0;
+        b[8..10].copy_from_slice(&self.method.to_le_bytes());
+        b[10..14].copy_from_slice(&self.meta_len.to_le_bytes());
+        b[14..22].copy_from_slice(&self.payload_len.to_le_bytes());
+        b
+    }
+
+    /// Parse and check a header: magic, version, kind against `expect`,
+    /// flags, and the declared lengths against `max_message`. Allocates nothing.
+    pub fn parse(b: &[u8; HEADER_LEN], expect: Expect, max_message: u64) -> Result<Header> {
+        let magic = [b[0], b[1], b[2], b[3]];
+        if magic != MAGIC {
+            return Err(Error::BadMagic { expected: MAGIC, got: magic });
+        }
+        let version = u16::from_le_bytes([b[4], b[5]]);
+        if version != PROTOCOL_VERSION {
+            return Err(Error::VersionMismatch { ours: PROTOCOL_VERSION, theirs: version });
+        }
+        let kind = Kind::from_byte(b[6])
+            .filter(|k| expect.allows(*k))
+            .ok_or(Error::BadKind { expected: expect.describe(), got: b[6] })?;
+        if b[7] != 0 {
+            return Err(Error::BadFlags { got: b[7] });
+        }
+        let header = Header {
+            kind,
+            method: u16::from_le_bytes([b[8], b[9]]),
+            meta_len: u32::from_le_bytes([b[10], b[11], b[12], b[13]]),
+            payload_len: u64::from_le_bytes([b[14], b[15], b[16], b[17], b[18], b[19], b[20], b[21]]),
+        };
+        if header.body_len() > max_message {
+            return Err(Error::TooLarge {
+                meta: u64::from(header.meta_len),
+                payload: header.payload_len,
+                claimed: header.body_len(),
+                max: max_message,
+            });
+        }
+        Ok(header)
+    }
+}
+
+/// The bytes to send for `frame` as `kind`: a small buffer with the header
+/// and the metadata, and the payload [`Bytes`] itself (shared, not copied).
+pub fn encode(kind: Kind, frame: &Frame) -> Result<[Bytes; 2]> {
+    let header = Header::of(kind, frame)?;
+    let mut head = BytesMut::with_capacity(HEADER_LEN + frame.meta.len());
+    head.extend_from_slice(&header.to_bytes());
+    head.extend_from_slice(&frame.meta);
+    Ok([head.freeze(), frame.payload.clone()])
+}
+
+/// One buffer of exactly `len` bytes' capacity, or an error instead of an
+/// abort when memory is short.
+fn alloc_exact(len: u64) -> Result<BytesMut> {
+    let n = usize::try_from(len).map_err(|_| Error::OutOfMemory { bytes: len })?;
+    if n == 0 {
+        return Ok(BytesMut::new());
+    }
+    let mut v: Vec<u8> = Vec::new();
+    v.try_reserve_exact(n).map_err(|_| Error::OutOfMemory { bytes: len })?;
+    // Zero-copy: the Vec's allocation (and capacity) becomes the BytesMut's.
+    Ok(BytesMut::from(Bytes::from(v)))
+}
+
+/// Incremental decoder of one frame, fed with the chunks a stream delivers.
+///
+/// After [`Decoder::feed`] returns an error the decoder is spent: drop it.
+#[derive(Debug)]
+pub struct Decoder {
+    expect: Expect,
+    max_message: u64,
+    head: [u8; HEADER_LEN],
+    head_filled: usize,
+    header: Option<Header>,
+    meta: BytesMut,
+    payload: BytesMut,
+}
+
+impl Decoder {
+    /// A decoder accepting `expect` frames of at most `max_message` bytes of metadata plus payload.
+    pub fn new(expect: Expect, max_message: u64) -> Decoder {
+        Decoder {
+            expect,
+            max_message,
+            head: [0; HEADER_LEN],
+            head_filled: 0,
+            header: None,
+            meta: BytesMut::new(),
+            payload: BytesMut::new(),
+        }
+    }
+
+    /// The header, once its bytes are in and checked.
+    pub fn header(&self) -> Option<&Header> {
+        self.header.as_ref()
+    }
+
+    /// Bytes still missing before the frame is complete (0 when it is).
+    pub fn remaining(&self) -> u64 {
+        match &self.header {
+            None => (HEADER_LEN - self.head_filled) as u64,
+            Some(h) => {
+                let meta_left = u64::from(h.meta_len) - self.meta.len() as u64;
+                let payload_left = h.payload_len - self.payload.len() as u64;
+                meta_left + payload_left
+            }
+        }
+    }
+
+    /// Whether a whole frame has been received.
+    pub fn is_complete(&self) -> bool {
+        self.header.is_some() && self.remaining() == 0
+    }
+
+    /// Take in the next bytes of the stream. Checks the header as soon as it
+    /// is complete; bytes beyond the end of the frame are an error.
+    pub fn feed(&mut self, mut input: &[u8]) -> Result<()> {
+        if self.header.is_none() {
+            let take = (HEADER_LEN - self.head_filled).min(input.len());
+            self.head[self.head_filled..self.head_filled + take].copy_from_slice(&input[..take]);
+            self.head_filled += take;
+            input = &input[take..];
+            if self.head_filled < HEADER_LEN {
+                return Ok(());
+            }
+            let header = Header::parse(&self.head, self.expect, self.max_message)?;
+            // Lengths are checked: now allocate each buffer once, at its size.
+            self.meta = alloc_exact(u64::from(header.meta_len))?;
+            self.payload = alloc_exact(header.payload_len)?;
+            self.header = Some(header);
+        }
+        let Some(header) = self.header else { return Ok(()) };
+        let meta_left = header.meta_len as usize - self.meta.len();
+        let take = meta_left.min(input.len());
+        self.meta.extend_from_slice(&input[..take]);
+        input = &input[take..];
+        let payload_left = header.payload_len - self.payload.len() as u64;
+        let take = usize::try_from(payload_left).unwrap_or(usize::MAX).min(input.len());
+        self.payload.extend_from_slice(&input[..take]);
+        input = &input[take..];
+        if !input.is_empty() {
+            return Err(Error::TrailingData { extra: input.len() as u64 });
+        }
+        Ok(())
+    }
+
+    /// The stream has ended: the complete frame, or [`Error::Truncated`]
+    /// naming the part that was cut short.
+    pub fn finish(self) -> Result<(Kind, Frame)> {
+        let Some(header) = self.header else {
+            return Err(Error::Truncated {
+                part: "header",
+                expected: HEADER_LEN as u64,
+                got: self.head_filled as u64,
+            });
+        };
+        if self.meta.len() < header.meta_len as usize {
+            return Err(Error::Truncated {
+                part: "metadata",
+                expected: u64::from(header.meta_len),
+                got: self.meta.len() as u64,
+            });
+        }
+        if (self.payload.len() as u64) < header.payload_len {
+            return Err(Error::Truncated {
+                part: "payload",
+                expected: header.payload_len,
+                got: self.payload.len() as u64,
+            });
+        }
+        let frame = Frame { method: header.method, meta: self.meta.freeze(), payload: self.payload.freeze() };
+        Ok((header.kind, frame))
+    }
+}
+
+/// Decode one whole frame from `bytes` (the complete content of a stream).
+pub fn decode(bytes: &[u8], expect: Expect, max_message: u64) -> Result<(Kind, Frame)> {
+    let mut decoder = Decoder::new(expect, max_message);
+    decoder.feed(bytes)?;
+    decoder.finish()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use proptest::prelude::*;
+
+    fn sample() -> Frame {
+        Frame::new(7, &("meta", 42u32), crate::f32s_to_bytes(&[1.0, -2.5, 3.25])).unwrap()
+    }
+
+    fn bytes_of(kind: Kind, frame: &Frame) -> Vec<u8> {
+        encode(kind, frame).unwrap().concat()
+    }
+
+    #[test]
+    fn round_trip_and_payload_is_shared_not_copied() {
+        let frame = sample();
+        let [head, payload] = encode(Kind::Request, &frame).unwrap();
+        assert_eq!(head.len(), HEADER_LEN + frame.meta.len());
+        assert_eq!(payload.as_ptr(), frame.payload.as_ptr(), "payload must be sent as is");
+        let (kind, back) = decode(&bytes_of(Kind::Request, &frame), Expect::Request, 1024).unwrap();
+        assert_eq!(kind, Kind::Request);
+        assert_eq!(back, frame);
+    }
+
+    #[test]
+    fn header_layout_is_fixed() {
+        let h = Header { kind: Kind::Response, method: 0x0102, meta_len: 3, payload_len: 0x0a0b };
+        let b = h.to_bytes();
+        assert_eq!(&b[0..4], b"OARF");
+        assert_eq!(&b[4..6], &PROTOCOL_VERSION.to_le_bytes());
+        assert_eq!(b[6], 2);
+        assert_eq!(b[7], 0);
+        assert_eq!(&b[8..10], &[0x02, 0x01]);
+        assert_eq!(&b[10..14], &[3, 0, 0, 0]);
+        assert_eq!(&b[14..22], &[0x0b, 0x0a, 0, 0, 0, 0, 0, 0]);
+    }
+
+    #[test]
+    fn wrong_version_names_both_versions() {
+        let mut b = bytes_of(Kind::Request, &sample());
+        b[4..6].copy_from_slice(&9u16.to_le_bytes());
+        let err = decode(&b, Expect::Request, 1024).unwrap_err();
+        assert!(matches!(err, Error::VersionMismatch { ours: PROTOCOL_VERSION, theirs: 9 }), "{err}");
+        let text = err.to_string();
+        assert!(text.contains("version 1") && text.contains("version 9"), "{text}");
+    }
+
+    #[test]
+    fn bad_magic_kind_and_flags_are_refused() {
+        let good = bytes_of(Kind::Request, &sample());
+        let mut b = good.clone();
+        b[0] = b'X';
+        assert!(matches!(decode(&b, Expect::Request, 1024), Err(Error::BadMagic { .. })));
+        let mut b = good.clone();
+        b[6] = 0;
+        assert!(matches!(decode(&b, Expect::Request, 1024), Err(Error::BadKind { got: 0, .. })));
+        // A request where a reply is due is refused too.
+        assert!(matches!(decode(&good, Expect::Reply, 1024), Err(Error::BadKind { got: 1, .. })));
+        let mut b = good;
+        b[7] = 0x80;
+        assert!(matches!(decode(&b, Expect::Request, 1024), Err(Error::BadFlags { got: 0x80 })));
+    }
+
+    #[test]
+    fn a_huge_claim_fails_from_the_header_alone_without_allocating() {
+        let h = Header { kind: Kind::Request, method: 1, meta_len: u32::MAX, payload_len: u64::MAX };
+        let mut d = Decoder::new(Expect::Request, DEFAULT_MAX_MESSAGE);
+        // Only the 22 header bytes: the error comes before any body byte and
+        // before the decoder owns any buffer.
+        let err = d.feed(&h.to_bytes()).unwrap_err();
+        assert!(matches!(err, Error::TooLarge { claimed: u64::MAX, max: DEFAULT_MAX_MESSAGE, .. }), "{err}");
+        assert_eq!(d.meta.capacity(), 0);
+        assert_eq!(d.payload.capacity(), 0);
+        // One byte over the limit is refused; exactly the limit is accepted.
+        let over = Header { kind: Kind::Request, method: 1, meta_len: 10, payload_len: 91 };
+        assert!(matches!(Header::parse(&over.to_bytes(), Expect::Request, 100), Err(Error::TooLarge { .. })));
+        let at = Header { kind: Kind::Request, method: 1, meta_len: 10, payload_len: 90 };
+        assert_eq!(Header::parse(&at.to_bytes(), Expect::Request, 100).unwrap(), at);
+    }
+
+    #[test]
+    fn payload_buffer_is_allocated_once_at_the_declared_size() {
+        let frame = Frame { method: 3, meta: Bytes::new(), payload: Bytes::from(vec![5u8; 1000]) };
+        let b = bytes_of(Kind::Response, &frame);
+        let mut d = Decoder::new(Expect::Reply, 4096);
+        for chunk in b.chunks(7) {
+            d.feed(chunk).unwrap();
+            if d.header().is_some() {
+                assert_eq!(d.payload.capacity(), 1000, "no growth while feeding");
+            }
+        }
+        assert!(d.is_complete());
+        assert_eq!(d.finish().unwrap().1, frame);
+    }
+
+    #[test]
+    fn truncation_names_the_part() {
+        let b = bytes_of(Kind::Request, &sample());
+        let meta_len = sample().meta.len();
+        let cases = [(10, "header"), (HEADER_LEN + 1, "metadata"), (HEADER_LEN + meta_len + 5, "payload")];
+        for (cut, part) in cases {
+            match decode(&b[..cut], Expect::Request, 1024) {
+                Err(Error::Truncated { part: p, .. }) => assert_eq!(p, part),
+                other => panic!("cut at {cut}: {other:?}"),
+            }
+        }
+        assert!(matches!(decode(&[], Expect::Request, 1024), Err(Error::Truncated { got: 0, .. })));
+    }
+
+    #[test]
+    fn trailing_bytes_are_refused() {
+        let mut b = bytes_of(Kind::Request, &sample());
+        b.extend_from_slice(b"xyz");
+        assert!(matches!(decode(&b, Expect::Request, 1024), Err(Error::TrailingData { extra: 3 })));
+    }
+
+    proptest! {
+        #[test]
+        fn any_split_decodes_the_same(
+            method: u16,
+            meta in proptest::collection::vec(any::<u8>(), 0..50),
+            payload in proptest::collection::vec(any::<u8>(), 0..300),
+            cuts in proptest::collection::vec(0usize..400, 0..6),
+        ) {
+            let frame = Frame { method, meta: Bytes::from(meta), payload: Bytes::from(payload) };
+            let b = bytes_of(Kind::Error, &frame);
+            let mut cuts: Vec<usize> = cuts.into_iter().map(|c| c.min(b.len())).collect();
+            cuts.sort_unstable();
+            let mut d = Decoder::new(Expect::Reply, 1024);
+            let mut at = 0;
+            for c in cuts.into_iter().chain([b.len()]) {
+                d.feed(&b[at..c]).unwrap();
+                at = c;
+            }
+            let (kind, back) = d.finish().unwrap();
+            prop_assert_eq!(kind, Kind::Error);
+            prop_assert_eq!(back, frame);
+        }
+
+        #[test]
+        fn random_bytes_never_panic(b in proptest::collection::vec(any::<u8>(), 0..200), max in 0u64..300) {
+            let _ = decode(&b, Expect::Request, max);
+            let _ = decode(&b, Expect::Reply, max);
+        }
+
+        #[test]
+        fn random_bodies_after_a_valid_header_never_panic(
+            meta_len in 0u32..64, payload_len in 0u64..64, body in proptest::collection::vec(any::<u8>(), 0..200),
+        ) {
+            let h = Header { kind: Kind::Request, method: 0, meta_len, payload_len };
+            let mut b = h.to_bytes().to_vec();
+            b.extend_from_slice(&body);
+            let result = decode(&b, Expect::Request, 1 << 20);
+            let whole = u64::from(meta_len) + payload_len;
+            match result {
+                Ok((_, f)) => prop_assert_eq!(f.meta.len() as u64 + f.payload.len() as u64, whole),
+                Err(Error::Truncated { .. }) => prop_assert!((body.len() as u64) < whole),
+                Err(Error::TrailingData { .. }) => prop_assert!((body.len() as u64) > whole),
+                Err(e) => prop_assert!(false, "unexpected {}", e),
+            }
+        }
+    }
+}

@@ -1,0 +1,284 @@
+//! QuicTransport end to end on 127.0.0.1: calls, errors, deadlines,
+//! reconnection after a restart, graceful close.
+
+mod common;
+
+use common::*;
+use oar_transport::{
+    bytes_to_f32s, call, f32s_to_bytes, DevCa, Error, Frame, Listener, RemoteErrorKind, RetryPolicy,
+    Transport,
+};
+use std::{sync::atomic::Ordering, sync::Arc, time::Duration};
+
+#[tokio::test]
+async fn calls_round_trip_and_share_one_connection() {
+    let ca = DevCa::new().unwrap();
+    let server = start_server(&ca).await;
+    let addr = server.addr();
+    let (ip, port) = addr.rsplit_once(':').unwrap();
+    assert_eq!(ip, "127.0.0.1");
+    assert_ne!(port.parse::<u16>().unwrap(), 0, "port 0 resolved");
+
+    let client = client(&ca, "trainer-0");
+    let a = client.connect(&addr).await.unwrap();
+    let b = client.connect(&addr).await.unwrap();
+    assert_eq!(a.peer(), addr);
+    let (note, payload): (String, _) =
+        call(a.as_ref(), ECHO, "hello", f32s_to_bytes(&[1.5, 2.5]), Duration::from_secs(5)).await.unwrap();
+    assert_eq!(note, "hello");
+    assert_eq!(bytes_to_f32s(&payload).unwrap(), vec![1.5, 2.5]);
+    let calls = (0..40).map(|i| {
+        let conn = if i % 2 == 0 { a.clone() } else { b.clone() };
+        async move { echo_ok(conn.as_ref(), i).await }
+    });
+    futures_join_all(calls).await;
+    assert_eq!(client.live_connections(), 1, "both handles use one connection");
+    assert_eq!(server.service.answered.load(Ordering::SeqCst), 41);
+}
+
+/// Join without the futures crate: spawn each and await them in order.
+async fn futures_join_all<F: std::future::Future<Output = ()> + Send + 'static>(fs: impl Iterator<Item = F>) {
+    let handles: Vec<_> = fs.map(tokio::spawn).collect();
+    for h in handles {
+        h.await.unwrap();
+    }
+}
+
+#[tokio::test]
+async fn a_large_payload_arrives_intact() {
+    let ca = DevCa::new().unwrap();
+    let server = start_server(&ca).await;
+    let client = client(&ca, "c");
+    let conn = client.connect(&server.addr()).await.unwrap();
+    let values: Vec<f32> = (0..3_000_000).map(|i| i as f32 * 0.25).collect();
+    let reply = conn
+        .call(Frame::new(ECHO, &(), f32s_to_bytes(&values)).unwrap(), Duration::from_secs(30))
+        .await
+        .unwrap();
+    assert_eq!(bytes_to_f32s(&reply.payload).unwrap(), values);
+}
+
+#[tokio::test]
+async fn a_small_call_completes_while_a_large_one_is_in_flight() {
+    let ca = DevCa::new().unwrap();
+    let server = start_server(&ca).await;
+    let client = client(&ca, "c");
+    let conn = client.connect(&server.addr()).await.unwrap();
+    let big = {
+        let conn = conn.clone();
+        tokio::spawn(async move {
+            let payload = bytes::Bytes::from(vec![7u8; 8 << 20]);
+            conn.call(Frame { method: GATED, meta: Default::default(), payload }, Duration::from_secs(30))
+                .await
+        })
+    };
+    // The big call is held open by the gate until the small one has succeeded.
+    echo_ok(conn.as_ref(), 1).await;
+    assert!(!big.is_finished());
+    while !big.is_finished() {
+        server.service.gate.notify_waiters();
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    assert_eq!(big.await.unwrap().unwrap().payload.len(), 8 << 20);
+}
+
+#[tokio::test]
+async fn handler_errors_and_panics_reach_the_caller_typed() {
+    let ca = DevCa::new().unwrap();
+    let server = start_server(&ca).await;
+    let client = client(&ca, "c");
+    let conn = client.connect(&server.addr()).await.unwrap();
+    match conn.call(Frame { method: FAIL, ..Frame::default() }, Duration::from_secs(5)).await {
+        Err(Error::Remote { addr, error }) => {
+            assert_eq!(addr, server.addr());
+            assert_eq!(error.kind, RemoteErrorKind::BadRequest);
+            assert!(error.message.contains("always fails"), "{}", error.message);
+        }
+        other => panic!("expected a remote error, got {other:?}"),
+    }
+    match conn.call(Frame { method: PANIC, ..Frame::default() }, Duration::from_secs(5)).await {
+        Err(Error::Remote { error, .. }) => {
+            assert_eq!(error.kind, RemoteErrorKind::Internal);
+            assert!(error.message.contains("panicked"), "{}", error.message);
+        }
+        other => panic!("expected a remote error, got {other:?}"),
+    }
+    echo_ok(conn.as_ref(), 3).await;
+}
+
+#[tokio::test]
+async fn a_call_past_its_deadline_times_out_and_the_next_call_works() {
+    let ca = DevCa::new().unwrap();
+    let server = start_server(&ca).await;
+    let client = client(&ca, "c");
+    let conn = client.connect(&server.addr()).await.unwrap();
+    echo_ok(conn.as_ref(), 0).await;
+    let err =
+        conn.call(Frame { method: SLEEP_FOREVER, ..Frame::default() }, Duration::from_millis(300)).await;
+    assert!(
+        matches!(err, Err(Error::Timeout { ref addr, after }) if *addr == server.addr() && after == Duration::from_millis(300)),
+        "{err:?}"
+    );
+    echo_ok(conn.as_ref(), 1).await;
+}
+
+#[tokio::test]
+async fn nothing_listening_is_unreachable_within_the_timeout() {
+    let ca = DevCa::new().unwrap();
+    let port = std::net::UdpSocket::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
+    let client = client(&ca, "c");
+    let conn = client.connect(&format!("127.0.0.1:{port}")).await.unwrap();
+    let err = conn.call(Frame::default(), Duration::from_millis(400)).await.unwrap_err();
+    assert!(matches!(err, Error::Unreachable { .. }), "{err}");
+}
+
+#[tokio::test]
+async fn messages_over_the_maximum_are_refused_before_sending() {
+    let ca = DevCa::new().unwrap();
+    let server = start_server(&ca).await;
+    let client = client(&ca, "c");
+    let conn = client.connect(&server.addr()).await.unwrap();
+    let too_big = bytes::Bytes::from(vec![0u8; (64 << 20) + 1]);
+    let err = conn
+        .call(Frame { method: ECHO, meta: Default::default(), payload: too_big }, Duration::from_secs(5))
+        .await;
+    assert!(matches!(err, Err(Error::TooLarge { max, .. }) if max == 64 << 20), "{err:?}");
+    assert_eq!(server.service.answered.load(Ordering::SeqCst), 0);
+    // A reply larger than the client's maximum is refused by the client.
+    let err =
+        call::<_, ()>(conn.as_ref(), BIG_REPLY, &(17u64 << 20), Default::default(), Duration::from_secs(20))
+            .await;
+    assert!(matches!(err, Err(Error::TooLarge { .. })), "{err:?}");
+    echo_ok(conn.as_ref(), 1).await;
+}
+
+#[tokio::test]
+async fn bad_addresses_and_ports_in_use_are_typed_errors() {
+    let ca = DevCa::new().unwrap();
+    let server = start_server(&ca).await;
+    let t = client(&ca, "c");
+    assert!(matches!(t.connect("mem:1").await.err().unwrap(), Error::InvalidAddress { .. }));
+    let err = t.listen(&server.addr(), Arc::new(TestService::default())).await.err().unwrap();
+    assert!(matches!(err, Error::AddrInUse(ref a) if *a == server.addr()), "{err}");
+}
+
+/// Runs a server on a runtime of its own, so that the test can kill it the
+/// way a crash would: no goodbye to the clients.
+fn server_on_own_runtime(tls: oar_transport::TlsConfig, addr: &str) -> (tokio::runtime::Runtime, Server) {
+    let addr = addr.to_string();
+    std::thread::spawn(move || {
+        let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(1).enable_all().build().unwrap();
+        let server = rt.block_on(start_server_with(tls, &addr));
+        (rt, server)
+    })
+    .join()
+    .unwrap()
+}
+
+async fn crash(rt: tokio::runtime::Runtime, server: Server) {
+    // Dropping the runtime first drops every task, endpoint driver included:
+    // the socket closes and clients are told nothing.
+    std::thread::spawn(move || {
+        rt.shutdown_background();
+        // Its close signal goes nowhere: the accept task died with the runtime.
+        drop(server);
+    })
+    .join()
+    .unwrap();
+}
+
+async fn rebind(tls: oar_transport::TlsConfig, addr: &str) -> Server {
+    for _ in 0..100 {
+        let transport = oar_transport::QuicTransport::with_options(tls.clone(), test_options()).unwrap();
+        let service = Arc::new(TestService::default());
+        match transport.serve(addr, service.clone()).await {
+            Ok(listener) => return Server { transport, listener, service, tls },
+            Err(Error::AddrInUse(_)) => tokio::time::sleep(Duration::from_millis(20)).await,
+            Err(e) => panic!("{e}"),
+        }
+    }
+    panic!("{addr} stayed in use");
+}
+
+#[tokio::test]
+async fn a_peer_restarted_at_the_same_address_with_the_same_identity_is_reached_again() {
+    let ca = DevCa::new().unwrap();
+    let tls = ca.tls_config("pserver-0").unwrap();
+    let (rt, old) = server_on_own_runtime(tls.clone(), "127.0.0.1:0");
+    let addr = old.addr();
+    let client = client(&ca, "trainer");
+    let conn = client.connect(&addr).await.unwrap();
+    echo_ok(conn.as_ref(), 0).await;
+    crash(rt, old).await;
+    let new = rebind(tls, &addr).await;
+    // The restarted server answers the old connection with a stateless reset:
+    // the first call fails at once (typed, transient: not a timeout), the
+    // next dials again.
+    // (The call's 3 s deadline is below the 5 s idle timeout: a Closed here
+    // comes from the reset, not from the connection timing out.)
+    let first = conn.call(Frame::new(ECHO, &6u32, Default::default()).unwrap(), Duration::from_secs(3)).await;
+    assert!(matches!(first, Err(Error::Closed { .. })), "{first:?}");
+    let policy = RetryPolicy { give_up_after: Duration::from_secs(10), ..RetryPolicy::default() };
+    let frame = Frame::new(ECHO, &7u32, Default::default()).unwrap();
+    let reply = policy.run(|| conn.call(frame.clone(), Duration::from_secs(2))).await.unwrap();
+    assert_eq!(reply.meta::<u32>().unwrap(), 7);
+    assert_eq!(new.service.answered.load(Ordering::SeqCst), 1, "the new server answered");
+}
+
+#[tokio::test]
+async fn a_peer_restarted_with_a_new_identity_is_reached_again_after_a_timed_out_call() {
+    let ca = DevCa::new().unwrap();
+    let (rt, old) = server_on_own_runtime(ca.tls_config("pserver-0").unwrap(), "127.0.0.1:0");
+    let addr = old.addr();
+    let client = client(&ca, "trainer");
+    let conn = client.connect(&addr).await.unwrap();
+    echo_ok(conn.as_ref(), 0).await;
+    crash(rt, old).await;
+    // New key: no stateless reset is possible; the silent connection is
+    // dropped after one timed-out call.
+    let new = rebind(ca.tls_config("pserver-0").unwrap(), &addr).await;
+    let policy = RetryPolicy { give_up_after: Duration::from_secs(10), ..RetryPolicy::default() };
+    let frame = Frame::new(ECHO, &8u32, Default::default()).unwrap();
+    let reply = policy.run(|| conn.call(frame.clone(), Duration::from_millis(500))).await.unwrap();
+    assert_eq!(reply.meta::<u32>().unwrap(), 8);
+    assert_eq!(new.service.answered.load(Ordering::SeqCst), 1);
+}
+
+#[tokio::test]
+async fn close_lets_running_calls_finish_then_releases_the_port() {
+    let ca = DevCa::new().unwrap();
+    let server = start_server(&ca).await;
+    let addr = server.addr();
+    let client = client(&ca, "c");
+    let conn = client.connect(&addr).await.unwrap();
+    echo_ok(conn.as_ref(), 0).await;
+    let gated = {
+        let conn = conn.clone();
+        tokio::spawn(async move {
+            conn.call(Frame::new(GATED, &9u32, Default::default()).unwrap(), Duration::from_secs(10)).await
+        })
+    };
+    while server.service.entered.load(Ordering::SeqCst) < 2 {
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    server.listener.close();
+    // Closed to new calls, while the running one is still held by the gate.
+    let err =
+        conn.call(Frame::new(ECHO, &1u32, Default::default()).unwrap(), Duration::from_millis(500)).await;
+    assert!(err.is_err(), "a call after close must fail: {err:?}");
+    while !gated.is_finished() {
+        server.service.gate.notify_waiters();
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    let reply = gated.await.unwrap().unwrap();
+    assert_eq!(reply.meta::<u32>().unwrap(), 9, "the running call finished");
+    tokio::time::timeout(Duration::from_secs(10), server.listener.wait_closed()).await.unwrap();
+    let err =
+        conn.call(Frame::new(ECHO, &1u32, Default::default()).unwrap(), Duration::from_millis(500)).await;
+    assert!(matches!(err, Err(Error::Closed { .. } | Error::Unreachable { .. })), "{err:?}");
+    assert_eq!(server.service.answered.load(Ordering::SeqCst), 2, "nothing served after close");
+    drop(server);
+    let again = rebind(ca.tls_config("server").unwrap(), &addr).await;
+    echo_ok(conn.as_ref(), 2).await;
+    assert_eq!(again.service.answered.load(Ordering::SeqCst), 1);
+}
