@@ -3,12 +3,12 @@
 //!
 //! ```text
 //! cargo run --release -p oar-transport --example bench_transport -- [options]
-//!   --mtu N            fixed UDP payload size on loopback (0: MTU discovery)   [8952]
+//!   --mtu N            fixed UDP payload size on loopback (0: MTU discovery)   [65000]
 //!   --gso              UDP segmentation offload on loopback                    [off]
 //!   --buffer BYTES     UDP socket buffers                                      [4 MiB]
 //!   --stream-window B  per-stream receive window                               [8 MiB]
 //!   --conn-window B    per-connection receive window                           [64 MiB]
-//!   --send-window B    send window                                             [16 MiB]
+//!   --send-window B    send window                                             [4 MiB]
 //!   --cipher C         aes128 | aes256 | chacha                                [aes128]
 //!   --streams K        also split the largest tensor over K concurrent calls   [4]
 //!   --reps R           repetitions per large size (median reported)            [5]
@@ -334,7 +334,6 @@ async fn run(args: Args) -> Result<(), Box<dyn std::error::Error>> {
 }
 
 fn main() {
-    tracing_subscriber::fmt().with_env_filter(tracing_subscriber::EnvFilter::from_default_env()).init();
     let args = match parse_args() {
         Ok(a) => a,
         Err(e) => {
