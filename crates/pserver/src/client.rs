@@ -111,6 +111,13 @@ impl PserverClient {
     }
 
     /// Join the sync barrier of every shard.
+    ///
+    /// Each shard counts steps on its own. A trainer that joins while
+    /// others are mid-step may enter shard 0 at step s and shard 1 at s+1
+    /// (a step completed between the two joins); its first gradient then
+    /// lands in those steps. The equivalence with one process on the union
+    /// of the batches holds for every step whose membership was fixed, which
+    /// is every step while no trainer joins or leaves.
     pub async fn join(&mut self) -> Result<()> {
         let trainer = self.inner.trainer.clone();
         self.on_all(|_| (PsRequest::Join { trainer: trainer.clone() }, Bytes::new())).await?;
