@@ -45,12 +45,7 @@ async fn truncated_frames_get_an_error_naming_the_part() {
     let mut b = request_header(0, 3).to_vec();
     b.extend_from_slice(&[9u8; 10]);
     assert_bad_request(raw_exchange(&conn, &b, true).await, "unexpected bytes after a complete frame");
-    let calls = good.finish().await;
-    assert_eq!(
-        server.service.entered.load(Ordering::SeqCst) as u32,
-        calls + 1,
-        "no bad stream reached the handler"
-    );
+    good.finish_as_the_only_caller_of(&server).await;
 }
 
 #[tokio::test]
@@ -89,12 +84,7 @@ async fn a_length_over_the_maximum_is_refused_from_the_header_alone() {
         let reply = raw_exchange(&conn, &request_header(10, claimed), false).await;
         assert_bad_request(reply, "more than the maximum of 67108864");
     }
-    let calls = good.finish().await;
-    assert_eq!(
-        server.service.entered.load(Ordering::SeqCst) as u32,
-        calls + 1,
-        "no bad stream reached the handler"
-    );
+    good.finish_as_the_only_caller_of(&server).await;
 }
 
 #[test]
@@ -134,12 +124,7 @@ async fn random_bytes_get_an_error_for_that_stream_only() {
             Err(e) => assert!(!e.contains("undecodable"), "seed {seed}: {e}"),
         }
     }
-    let calls = good.finish().await;
-    assert_eq!(
-        server.service.entered.load(Ordering::SeqCst) as u32,
-        calls + 1,
-        "no bad stream reached the handler"
-    );
+    good.finish_as_the_only_caller_of(&server).await;
 }
 
 #[tokio::test]
@@ -228,12 +213,7 @@ async fn a_client_with_a_certificate_from_another_ca_is_refused() {
             conn.call(Frame::new(ECHO, &1u32, Default::default()).unwrap(), Duration::from_secs(5)).await;
         assert!(matches!(err, Err(ref e) if is_refusal(e)), "{err:?}");
     }
-    let calls = good.finish().await;
-    assert_eq!(
-        server.service.entered.load(Ordering::SeqCst) as u32,
-        calls + 1,
-        "no bad stream reached the handler"
-    );
+    good.finish_as_the_only_caller_of(&server).await;
 }
 
 #[tokio::test]

@@ -157,6 +157,17 @@ impl GoodClient {
         assert!(calls >= 4, "the good client made {calls} calls");
         calls
     }
+
+    /// Stop, and check that the good client's calls (and its first one) are
+    /// the only ones that reached `server`'s handler: no bad stream did.
+    pub async fn finish_as_the_only_caller_of(self, server: &Server) {
+        let calls = self.finish().await;
+        assert_eq!(
+            server.service.entered.load(std::sync::atomic::Ordering::SeqCst) as u32,
+            calls + 1,
+            "no bad stream reached the handler"
+        );
+    }
 }
 
 /// A raw quinn client endpoint on 127.0.0.1 with the given TLS settings.
