@@ -175,7 +175,6 @@ impl Master {
 
         let status = MasterStatus { queue: queue.status(), passes: Vec::new(), discarded: Vec::new() };
         let (status_tx, status_rx) = watch::channel(status);
-        let version = queue.version();
         let shared = Arc::new(Shared {
             queue: Mutex::new(Core { queue, passes: Vec::new(), discarded: Vec::new() }),
             dirty: Notify::new(),
@@ -184,8 +183,7 @@ impl Master {
             status: status_tx,
         });
         // Store the starting state before serving, so a restore never goes back.
-        persist(&*discovery, &fence, &keys, &shared).await?;
-        debug_assert!(*shared.persisted.borrow() >= version);
+        persist(&*discovery, &fence, &keys, &shared, true).await?;
 
         let handler = Arc::new(MasterHandler {
             shared: shared.clone(),
@@ -269,13 +267,21 @@ impl Drop for Master {
     }
 }
 
-/// Store the queue's current snapshot through the fence.
-async fn persist(discovery: &dyn Discovery, fence: &Fence, keys: &JobKeys, shared: &Shared) -> Result<()> {
+/// Store the queue's current snapshot through the fence, unless a snapshot
+/// at least as new is already stored (`always`: store it regardless, as at
+/// start-up, when nothing of this master's is stored yet).
+async fn persist(
+    discovery: &dyn Discovery,
+    fence: &Fence,
+    keys: &JobKeys,
+    shared: &Shared,
+    always: bool,
+) -> Result<()> {
     let (bytes, version) = {
         let core = shared.core();
         (core.queue.snapshot().encode(), core.queue.version())
     };
-    if *shared.persisted.borrow() >= version {
+    if !always && *shared.persisted.borrow() >= version {
         return Ok(());
     }
     discovery.put_fenced(fence, &keys.master_state(), bytes).await?;
@@ -292,7 +298,7 @@ async fn persist(discovery: &dyn Discovery, fence: &Fence, keys: &JobKeys, share
 async fn writer(discovery: Arc<dyn Discovery>, fence: Fence, keys: JobKeys, shared: Arc<Shared>) {
     loop {
         shared.dirty.notified().await;
-        if let Err(e) = persist(&*discovery, &fence, &keys, &shared).await {
+        if let Err(e) = persist(&*discovery, &fence, &keys, &shared, false).await {
             match e {
                 Error::Discovery(oar_discovery::Error::FenceLost { .. }) => {
                     shared.stop(format!("lost the master lock: {e}"));

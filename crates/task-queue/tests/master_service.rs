@@ -104,10 +104,14 @@ async fn a_finished_task_survives_a_master_restart_and_a_standby_takes_over() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_master_that_lost_its_lock_stops_writing_and_serving() {
     let env = Env::new();
-    let master = env.master("m1", 2).await;
+    let master = env.master("m1", 3).await;
     let client = env.client();
-    let (_, task_ref) = take(&client, "t1").await;
     let keys = JobKeys::new(JOB).unwrap();
+    assert!(env.discovery.get(&keys.master_state()).await.unwrap().is_some(), "the state is stored at start");
+    let (_, first) = take(&client, "t1").await;
+    let (_, task_ref) = take(&client, "t1").await;
+    // An acknowledged report is stored, with every change before it: nothing is left to write.
+    assert_eq!(client.task_finished("t1", first, TaskStats::default()).await.unwrap(), ReportReply::Accepted);
     let before = env.discovery.get(&keys.master_state()).await.unwrap().unwrap();
 
     // Someone else takes the lock: delete it and create it anew.
