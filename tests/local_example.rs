@@ -1,15 +1,12 @@
 //! The `local` example as a user runs it: a short job on generated data ends
 //! with a JSON line, and bad flags get a clear message and a non-zero exit.
 
+mod support;
+
 use std::{path::PathBuf, process::Command};
 
-/// `cargo test` builds the examples next to the test binaries' `deps/` directory.
 fn example() -> PathBuf {
-    let exe = std::env::current_exe().unwrap();
-    let dir = exe.parent().unwrap().parent().unwrap();
-    let path = dir.join("examples").join(format!("local{}", std::env::consts::EXE_SUFFIX));
-    assert!(path.exists(), "the local example was not built at {}", path.display());
-    path
+    support::example("local")
 }
 
 #[test]

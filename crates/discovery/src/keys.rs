@@ -40,6 +40,11 @@ impl JobKeys {
     pub fn config(&self) -> String {
         format!("{}config", self.prefix)
     }
+    /// The job's final report, written by the master through its fence
+    /// when the job ends (done or failed); pservers stop when it appears.
+    pub fn result(&self) -> String {
+        format!("{}result", self.prefix)
+    }
     /// Prefix of the trainers' registrations.
     pub fn trainers(&self) -> String {
         format!("{}trainer/", self.prefix)
@@ -109,6 +114,7 @@ mod tests {
         let k = JobKeys::new("mnist").unwrap();
         assert_eq!(k.master_lock(), "/oar/mnist/master/lock");
         assert_eq!(k.master_state(), "/oar/mnist/master/state");
+        assert_eq!(k.result(), "/oar/mnist/result");
         assert_eq!(k.trainer("t1"), "/oar/mnist/trainer/t1");
         assert_eq!(k.ps(3), "/oar/mnist/ps/3");
         assert_eq!(k.ps_checkpoint(3), "/oar/mnist/ps/3/checkpoint");

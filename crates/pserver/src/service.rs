@@ -82,6 +82,8 @@ impl PserverOptions {
 /// A running pserver. Dropping it stops serving.
 pub struct Pserver {
     shared: Arc<Shared>,
+    discovery: Arc<dyn Discovery>,
+    keys: JobKeys,
     listener: Box<dyn Listener>,
     session: Option<Session>,
     background: Vec<tokio::task::JoinHandle<()>>,
@@ -192,6 +194,8 @@ impl Pserver {
         }
         Ok(Pserver {
             shared,
+            discovery,
+            keys,
             listener,
             session: Some(session),
             background,
@@ -221,10 +225,12 @@ impl Pserver {
         self.shared.stopped.borrow().clone()
     }
 
-    /// Write a checkpoint now (if checkpoints are configured).
+    /// Write a checkpoint now and record it in `ps/<index>/checkpoint` (if
+    /// checkpoints are configured).
     pub async fn checkpoint(&self) -> Result<Option<CheckpointInfo>> {
         let Some(dir) = self.checkpoints.clone() else { return Ok(None) };
-        save_checkpoint(dir, self.keep, self.shared.clone()).await.map(Some)
+        let key = self.keys.ps_checkpoint(self.index);
+        save_and_record(&*self.discovery, &key, dir, self.keep, self.shared.clone()).await.map(Some)
     }
 
     /// Stop serving, write a last checkpoint, and release the index.
@@ -284,22 +290,33 @@ async fn checkpointer(
         if step == saved_step {
             continue;
         }
-        match save_checkpoint(dir.clone(), keep, shared.clone()).await {
-            Ok(info) => {
-                saved_step = Some(info.step);
-                tracing::debug!(step = info.step, path = info.path, "checkpoint written");
-                match info.encode() {
-                    Ok(record) => {
-                        if let Err(e) = discovery.put(&key, record, None).await {
-                            tracing::warn!(error = %e, key, "could not record the checkpoint");
-                        }
-                    }
-                    Err(e) => tracing::warn!(error = %e, "could not encode the checkpoint record"),
-                }
-            }
+        match save_and_record(&*discovery, &key, dir.clone(), keep, shared.clone()).await {
+            Ok(info) => saved_step = Some(info.step),
             Err(e) => tracing::error!(error = %e, "checkpoint failed; will retry"),
         }
     }
+}
+
+/// Save a checkpoint and record it under `key` (`ps/<index>/checkpoint`).
+/// A record that cannot be written is logged: the file is what counts.
+async fn save_and_record(
+    discovery: &dyn Discovery,
+    key: &str,
+    dir: CheckpointDir,
+    keep: usize,
+    shared: Arc<Shared>,
+) -> Result<CheckpointInfo> {
+    let info = save_checkpoint(dir, keep, shared).await?;
+    tracing::debug!(step = info.step, path = info.path, "checkpoint written");
+    match info.encode() {
+        Ok(record) => {
+            if let Err(e) = discovery.put(key, record, None).await {
+                tracing::warn!(error = %e, key, "could not record the checkpoint");
+            }
+        }
+        Err(e) => tracing::warn!(error = %e, "could not encode the checkpoint record"),
+    }
+    Ok(info)
 }
 
 async fn claim_index(

@@ -87,6 +87,12 @@ pub enum Error {
         /// The discovery key read.
         key: String,
     },
+    /// The job's published options differ from the ones this master was given.
+    #[error("{key} holds different job options than this master was given: run the job with the options it started with, or use a new job name")]
+    ConfigMismatch {
+        /// The discovery key holding the published options.
+        key: String,
+    },
     /// The master stopped serving (lost its lease or its lock).
     #[error("master stopped: {0}")]
     Stopped(String),

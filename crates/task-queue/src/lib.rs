@@ -61,7 +61,7 @@ pub use dataset::{
     TaskSpec,
 };
 pub use error::{Error, Result};
-pub use master::{Master, MasterOptions};
+pub use master::{Master, MasterOptions, StoredState, MAX_DISCARDS_LISTED};
 pub use protocol::{MasterStatus, PassStats, ReportReply, TaskReply, TaskStats};
 pub use queue::{
     Assignment, GetTask, JobState, QueueConfig, QueueEvent, Report, Status, TaskQueue, TaskRef, TaskState,

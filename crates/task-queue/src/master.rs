@@ -9,6 +9,15 @@
 //! per batch of reports, not per report. Handing out a task is not waited
 //! for: a task handed out just before a crash is handed out again, and the
 //! first trainer's late report is then stale.
+//!
+//! What is stored under `master/state` is a [`StoredState`]: the queue's
+//! [`Snapshot`] and the per-pass training statistics, so a master that takes
+//! over reports the passes before it correctly. Its size is the snapshot's
+//! plus a few bytes per pass and per listed discard (at most
+//! [`MAX_DISCARDS_LISTED`]): for 100,000 tasks of one chunk, 100 passes of
+//! statistics and the most discards listed with the longest reasons, 660,448
+//! bytes, under etcd's default 1.5 MiB request limit (test
+//! `stored_state_of_100k_tasks_fits_in_an_etcd_request`).
 
 use crate::{
     protocol::{MasterRequest, MasterStatus, PassStats, ReportReply, TaskReply, MASTER_METHOD},
@@ -18,6 +27,7 @@ use async_trait::async_trait;
 use bytes::Bytes;
 use oar_discovery::{Discovery, Fence, JobKeys, Session, TrainerDepartures};
 use oar_transport::{Frame, Handler, Listener, RemoteError, Transport};
+use serde::{Deserialize, Serialize};
 use std::{
     sync::{Arc, Mutex, MutexGuard, PoisonError},
     time::{Duration, Instant},
@@ -39,7 +49,9 @@ pub struct MasterOptions {
     pub lock_timeout: Duration,
     /// How often task deadlines are checked.
     pub tick_interval: Duration,
-    /// The job's options, published under `config` if nobody did yet.
+    /// The job's options, published under `config` if nobody did yet. A
+    /// master given options that differ from the published ones refuses to
+    /// start ([`Error::ConfigMismatch`]): one job, one set of options.
     pub config: Option<Vec<u8>>,
 }
 
@@ -61,6 +73,8 @@ impl MasterOptions {
 /// A running master. Dropping it stops serving (the lease then expires).
 pub struct Master {
     shared: Arc<Shared>,
+    discovery: Arc<dyn Discovery>,
+    fence: Fence,
     listener: Box<dyn Listener>,
     session: Option<Session>,
     background: Vec<tokio::task::JoinHandle<()>>,
@@ -95,7 +109,9 @@ impl Shared {
             match &event {
                 QueueEvent::TaskDiscarded { task, pass, reason } => {
                     tracing::warn!(task = task.0, pass, %reason, "task discarded");
-                    core.discarded.push((task.0, reason.clone()));
+                    if core.discarded.len() < MAX_DISCARDS_LISTED {
+                        core.discarded.push((task.0, reason.clone()));
+                    }
                 }
                 QueueEvent::TaskTimedOut { task_ref, trainer } => {
                     tracing::info!(task = task_ref.task.0, trainer, "task timed out")
@@ -159,24 +175,39 @@ impl Master {
             .await?;
         tracing::info!(holder = %options.holder, revision = fence.revision, "master holds the lock");
 
-        let now = Instant::now();
-        let queue = match discovery.get(&keys.master_state()).await? {
-            Some(kv) => {
-                let snapshot = Snapshot::decode(&kv.value)?;
-                let queue = TaskQueue::restore(snapshot, options.queue.clone(), now)?;
-                tracing::info!(status = ?queue.status(), "restored the task queue from discovery");
-                queue
-            }
-            None => TaskQueue::new(tasks, options.queue.clone())?,
-        };
         if let Some(config) = &options.config {
-            discovery.create_if_absent(&keys.config(), config.clone(), None).await?;
+            if let Some(existing) = discovery.get(&keys.config()).await? {
+                if existing.value != *config {
+                    return Err(Error::ConfigMismatch { key: keys.config() });
+                }
+            } else {
+                discovery.create_if_absent(&keys.config(), config.clone(), None).await?;
+            }
         }
 
-        let status = MasterStatus { queue: queue.status(), passes: Vec::new(), discarded: Vec::new() };
+        let now = Instant::now();
+        let core = match discovery.get(&keys.master_state()).await? {
+            Some(kv) => {
+                let stored = StoredState::decode(&kv.value)?;
+                let queue = TaskQueue::restore(stored.queue, options.queue.clone(), now)?;
+                tracing::info!(status = ?queue.status(), "restored the task queue from discovery");
+                Core { queue, passes: stored.passes, discarded: stored.discarded }
+            }
+            None => Core {
+                queue: TaskQueue::new(tasks, options.queue.clone())?,
+                passes: Vec::new(),
+                discarded: Vec::new(),
+            },
+        };
+
+        let status = MasterStatus {
+            queue: core.queue.status(),
+            passes: core.passes.clone(),
+            discarded: core.discarded.clone(),
+        };
         let (status_tx, status_rx) = watch::channel(status);
         let shared = Arc::new(Shared {
-            queue: Mutex::new(Core { queue, passes: Vec::new(), discarded: Vec::new() }),
+            queue: Mutex::new(core),
             dirty: Notify::new(),
             persisted: watch::channel(0).0,
             stopped: watch::channel(None).0,
@@ -200,7 +231,7 @@ impl Master {
         let lease_lost = session.lost_signal();
         let guard = shared.clone();
         let background = vec![
-            tokio::spawn(writer(discovery.clone(), fence, keys, shared.clone())),
+            tokio::spawn(writer(discovery.clone(), fence.clone(), keys, shared.clone())),
             tokio::spawn(ticker(shared.clone(), options.tick_interval)),
             tokio::spawn(trainer_watcher(departures, shared.clone())),
             tokio::spawn(async move {
@@ -208,7 +239,15 @@ impl Master {
                 guard.stop("the master's lease is lost".into());
             }),
         ];
-        Ok(Master { shared, listener, session: Some(session), background, status: status_rx })
+        Ok(Master {
+            shared,
+            discovery,
+            fence,
+            listener,
+            session: Some(session),
+            background,
+            status: status_rx,
+        })
     }
 
     /// The address trainers call.
@@ -249,6 +288,13 @@ impl Master {
         }
     }
 
+    /// Write `key` through this master's fence: it fails with
+    /// [`oar_discovery::Error::FenceLost`] once another master holds the lock.
+    pub async fn put_fenced(&self, key: &str, value: Vec<u8>) -> Result<()> {
+        self.discovery.put_fenced(&self.fence, key, value).await?;
+        Ok(())
+    }
+
     /// Stop serving and give up the lock.
     pub async fn shutdown(mut self) -> Result<()> {
         self.listener.close();
@@ -279,7 +325,12 @@ async fn persist(
 ) -> Result<()> {
     let (bytes, version) = {
         let core = shared.core();
-        (core.queue.snapshot().encode(), core.queue.version())
+        let stored = StoredState {
+            queue: core.queue.snapshot(),
+            passes: core.passes.clone(),
+            discarded: core.discarded.clone(),
+        };
+        (stored.encode(), core.queue.version())
     };
     if !always && *shared.persisted.borrow() >= version {
         return Ok(());
@@ -441,6 +492,7 @@ impl Handler for MasterHandler {
                             p.examples += stats.examples;
                             p.loss_sum += stats.loss_sum;
                             p.tasks_finished += 1;
+                            p.skipped_lines += stats.skipped_lines;
                         } else {
                             tracing::debug!(trainer, ?task_ref, "stale finished report");
                         }
@@ -458,5 +510,132 @@ impl Handler for MasterHandler {
             MasterRequest::Status => Frame::new(MASTER_METHOD, &*self.shared.status.borrow(), Bytes::new()),
         };
         reply.map_err(RemoteError::internal)
+    }
+}
+
+/// Discarded tasks listed with their reasons in the status and the stored
+/// state; past this many only the count grows, so a dataset that is bad
+/// throughout cannot push the state past etcd's request limit.
+pub const MAX_DISCARDS_LISTED: usize = 100;
+
+/// What the master stores under `master/state`: the task queue and the
+/// statistics of each pass. Read it to see a job from outside
+/// ([`StoredState::status`]).
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct StoredState {
+    /// The task queue.
+    pub queue: Snapshot,
+    /// Training statistics per pass, index = pass.
+    pub passes: Vec<PassStats>,
+    /// Tasks discarded so far, with their reasons (the first
+    /// [`MAX_DISCARDS_LISTED`]).
+    pub discarded: Vec<(u64, String)>,
+}
+
+/// First bytes of an encoded [`StoredState`].
+const STATE_MAGIC: &[u8; 4] = b"OARM";
+/// The encoding's format number, after the magic.
+const STATE_FORMAT: u8 = 1;
+
+impl StoredState {
+    /// The bytes to store: magic, format number, postcard body.
+    pub fn encode(&self) -> Vec<u8> {
+        let mut out = STATE_MAGIC.to_vec();
+        out.push(STATE_FORMAT);
+        // Cannot fail: every field has a known length and no custom serialiser errs.
+        postcard::to_extend(self, out).unwrap_or_default()
+    }
+
+    /// Parses and validates bytes made by [`encode`](Self::encode). A bare
+    /// [`Snapshot`] (what masters stored before the statistics were kept) is
+    /// read as a state with no statistics.
+    pub fn decode(bytes: &[u8]) -> Result<StoredState> {
+        if bytes.starts_with(b"OARQ") {
+            let queue = Snapshot::decode(bytes)?;
+            return Ok(StoredState { queue, passes: Vec::new(), discarded: Vec::new() });
+        }
+        let bad = |why: String| Error::BadSnapshot(format!("master state: {why}"));
+        let Some(rest) = bytes.strip_prefix(STATE_MAGIC.as_slice()) else {
+            let head = &bytes[..bytes.len().min(STATE_MAGIC.len())];
+            return Err(bad(format!("expected magic {STATE_MAGIC:?}, got {head:?}")));
+        };
+        let Some((&format, body)) = rest.split_first() else {
+            return Err(bad("truncated: no format number after the magic".into()));
+        };
+        if format != STATE_FORMAT {
+            return Err(bad(format!("unsupported format {format} (this build reads format {STATE_FORMAT})")));
+        }
+        let (stored, tail) =
+            postcard::take_from_bytes::<StoredState>(body).map_err(|e| bad(format!("corrupt body: {e}")))?;
+        if !tail.is_empty() {
+            return Err(bad(format!("{} unexpected trailing byte(s) after the body", tail.len())));
+        }
+        stored.queue.unpack()?;
+        Ok(stored)
+    }
+
+    /// The job's status as the master last stored it.
+    pub fn status(&self, config: QueueConfig) -> Result<MasterStatus> {
+        let queue = TaskQueue::restore(self.queue.clone(), config, Instant::now())?;
+        Ok(MasterStatus {
+            queue: queue.status(),
+            passes: self.passes.clone(),
+            discarded: self.discarded.clone(),
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::{chunk_files, tasks_from_chunks, MAX_REASON_BYTES};
+
+    #[test]
+    fn stored_state_of_100k_tasks_fits_in_an_etcd_request() {
+        // 100,000 tasks of one 1 MiB chunk over 250 files, 100 passes of
+        // statistics, and the most discards listed with the longest reasons.
+        let files: Vec<(String, u64)> =
+            (0..250).map(|i| (format!("/data/part-{i:05}.libsvm"), 400 << 20)).collect();
+        let tasks = tasks_from_chunks(chunk_files(&files, 1 << 20).unwrap(), 1).unwrap();
+        assert_eq!(tasks.len(), 100_000);
+        let config = QueueConfig { task_timeout: Duration::from_secs(60), max_failures: 3, passes: 100 };
+        let queue = TaskQueue::new(tasks, config.clone()).unwrap();
+        let stats = PassStats { examples: 1 << 40, loss_sum: 1e9, tasks_finished: 100_000, skipped_lines: 7 };
+        let reason = "r".repeat(MAX_REASON_BYTES);
+        let stored = StoredState {
+            queue: queue.snapshot(),
+            passes: vec![stats; 100],
+            discarded: (0..MAX_DISCARDS_LISTED as u64).map(|t| (t, reason.clone())).collect(),
+        };
+        let bytes = stored.encode();
+        let limit = 3 << 19; // etcd's default 1.5 MiB
+        eprintln!("stored master state for 100,000 tasks: {} bytes (limit {limit})", bytes.len());
+        assert!(bytes.len() < limit, "{} bytes", bytes.len());
+        let back = StoredState::decode(&bytes).unwrap();
+        assert_eq!(back, stored);
+        assert_eq!(back.status(config).unwrap().passes.len(), 100);
+    }
+
+    #[test]
+    fn a_bare_snapshot_reads_as_a_state_without_statistics() {
+        let tasks = tasks_from_chunks(vec![crate::Chunk { path: "a".into(), start: 0, end: 9 }], 1).unwrap();
+        let config = QueueConfig { task_timeout: Duration::from_secs(60), max_failures: 3, passes: 1 };
+        let snapshot = TaskQueue::new(tasks, config).unwrap().snapshot();
+        let stored = StoredState::decode(&snapshot.encode()).unwrap();
+        assert_eq!(stored.queue, snapshot);
+        assert!(stored.passes.is_empty() && stored.discarded.is_empty());
+    }
+
+    #[test]
+    fn garbage_state_is_an_error_that_says_why() {
+        for (bytes, why) in [
+            (&b"nope"[..], "expected magic"),
+            (&b"OARM"[..], "truncated"),
+            (&b"OARM\x09"[..], "unsupported format 9"),
+            (&b"OARM\x01\xff\xff"[..], "corrupt body"),
+        ] {
+            let err = StoredState::decode(bytes).unwrap_err().to_string();
+            assert!(err.contains(why), "{err:?} should say {why:?}");
+        }
     }
 }

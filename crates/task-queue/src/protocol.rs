@@ -13,6 +13,8 @@ pub struct TaskStats {
     pub examples: u64,
     /// Sum of the per-example training loss over those examples.
     pub loss_sum: f64,
+    /// Bad data lines skipped (when the job skips bad lines).
+    pub skipped_lines: u64,
 }
 
 /// A call to the master.
@@ -86,6 +88,8 @@ pub struct PassStats {
     pub loss_sum: f64,
     /// Tasks finished.
     pub tasks_finished: u64,
+    /// Bad data lines skipped.
+    pub skipped_lines: u64,
 }
 
 impl PassStats {
@@ -100,8 +104,8 @@ impl PassStats {
 pub struct MasterStatus {
     /// The task queue's counts and state.
     pub queue: Status,
-    /// Statistics per pass, index = pass. Kept in the master's memory only:
-    /// a restarted master starts them afresh.
+    /// Statistics per pass, index = pass. Stored with the queue, so a
+    /// master that takes over carries them on.
     pub passes: Vec<PassStats>,
     /// Tasks discarded so far, with their reasons.
     pub discarded: Vec<(u64, String)>,

@@ -70,7 +70,7 @@ async fn a_finished_task_survives_a_master_restart_and_a_standby_takes_over() {
     let first = env.master("m1", 3).await;
     let client = env.client();
     let (task, task_ref) = take(&client, "t1").await;
-    let stats = TaskStats { examples: 10, loss_sum: 5.0 };
+    let stats = TaskStats { examples: 10, loss_sum: 5.0, skipped_lines: 0 };
     assert_eq!(client.task_finished("t1", task_ref, stats).await.unwrap(), ReportReply::Accepted);
     // A second report of the same assignment changes nothing.
     assert_eq!(client.task_finished("t1", task_ref, stats).await.unwrap(), ReportReply::Stale);

@@ -40,6 +40,20 @@ pub enum Error {
     /// This trainer's lease is gone: the job has given it up.
     #[error("the trainer's lease is lost; the master has taken its tasks back")]
     LeaseLost,
+    /// A wait at start-up ran out of time.
+    #[error("timed out after {after:?} waiting for {what}")]
+    Timeout {
+        /// What was waited for.
+        what: String,
+        /// How long.
+        after: std::time::Duration,
+    },
+    /// A trainer id already registered by a live trainer.
+    #[error("trainer id {0:?} is held by another live trainer")]
+    TrainerIdTaken(String),
+    /// A role stopped serving (a lost lease: the job has given it up).
+    #[error("stopped: {0}")]
+    Stopped(String),
     /// A task of the runner panicked (a bug; the message says where).
     #[error("internal error: {0}")]
     Panicked(String),

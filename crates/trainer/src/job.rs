@@ -135,6 +135,42 @@ impl JobConfig {
         Ok(Placement::new(&specs, self.pservers, self.block_size)?)
     }
 
+    /// The options that differ between `self` (published) and `other`
+    /// (given), as `name: published vs given`.
+    pub fn differences(&self, other: &JobConfig) -> Vec<String> {
+        let mut out = Vec::new();
+        macro_rules! compare {
+            ($($field:ident),*) => {
+                // Naming every field here makes a new field a compile error until it is compared.
+                let JobConfig { $($field),* } = self;
+                $(if *$field != other.$field {
+                    out.push(format!("{}: {:?} vs {:?}", stringify!($field), $field, other.$field));
+                })*
+            };
+        }
+        compare!(
+            data,
+            test_data,
+            format,
+            skip_bad_lines,
+            model,
+            optimizer,
+            mode,
+            passes,
+            batch_size,
+            push_every,
+            pull_every,
+            pservers,
+            block_size,
+            chunk_bytes,
+            chunks_per_task,
+            task_timeout,
+            max_failures,
+            seed
+        );
+        out
+    }
+
     /// Encoded for `/oar/<job>/config`.
     pub fn encode(&self) -> Result<Vec<u8>> {
         postcard::to_allocvec(self)
@@ -181,6 +217,18 @@ mod tests {
             let err = c.validate().unwrap_err().to_string();
             assert!(err.contains(word), "{err:?} should mention {word:?}");
         }
+    }
+
+    #[test]
+    fn differences_name_the_options() {
+        let mut other = config();
+        assert!(config().differences(&other).is_empty());
+        other.passes = 9;
+        other.seed = 4;
+        assert_eq!(
+            config().differences(&other),
+            vec!["passes: 5 vs 9".to_string(), "seed: 1 vs 4".to_string()]
+        );
     }
 
     #[test]

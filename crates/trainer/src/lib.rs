@@ -25,7 +25,9 @@ pub mod local;
 pub mod mlp;
 pub mod model;
 pub mod reader;
+pub mod role;
 pub mod softmax;
+pub mod status;
 pub mod worker;
 
 pub use error::{Error, Result};

@@ -67,8 +67,14 @@ pub async fn run_trainer(
     options: TrainerOptions,
 ) -> Result<TrainerReport> {
     let keys = JobKeys::new(&options.job)?;
+    if options.id.is_empty() || options.id.contains('/') || options.id.chars().any(char::is_whitespace) {
+        return Err(Error::BadConfig(format!(
+            "trainer id {:?} must be non-empty, without '/' or whitespace",
+            options.id
+        )));
+    }
     let session = Session::start(discovery.clone(), options.lease_ttl).await?;
-    discovery.put(&keys.trainer(&options.id), options.id.clone().into_bytes(), Some(session.lease())).await?;
+    register(&*discovery, &keys.trainer(&options.id), &options, &session).await?;
     let master = MasterClient::new(
         discovery.clone(),
         transport.clone(),
@@ -109,6 +115,29 @@ pub async fn run_trainer(
     result.map(|()| state.report)
 }
 
+/// Claim `trainer/<id>` under the session's lease. A key left by a dead
+/// trainer with the same id (a restarted process) goes when its lease
+/// expires, so wait for it up to `servers_timeout`.
+async fn register(
+    discovery: &dyn Discovery,
+    key: &str,
+    options: &TrainerOptions,
+    session: &Session,
+) -> Result<()> {
+    let deadline = tokio::time::Instant::now() + options.servers_timeout;
+    loop {
+        let value = options.id.clone().into_bytes();
+        if discovery.create_if_absent(key, value, Some(session.lease())).await?.is_some() {
+            return Ok(());
+        }
+        if tokio::time::Instant::now() >= deadline {
+            return Err(Error::TrainerIdTaken(options.id.clone()));
+        }
+        tracing::info!(trainer = options.id, "trainer id still registered (a previous process?); waiting");
+        tokio::time::sleep(Duration::from_millis(250)).await;
+    }
+}
+
 struct Loop {
     model: Arc<dyn Model>,
     options: TrainerOptions,
@@ -137,8 +166,8 @@ impl Loop {
                         self.pservers.join().await?;
                         self.joined = true;
                     }
-                    let examples = match self.read(&task).await {
-                        Ok(examples) => examples,
+                    let (examples, skipped) = match self.read(&task).await {
+                        Ok(read) => read,
                         Err(e) => {
                             tracing::warn!(trainer = id, task = task.id.0, error = %e, "task data is bad");
                             master.task_failed(&id, task_ref, &e.to_string()).await?;
@@ -146,7 +175,8 @@ impl Loop {
                             continue;
                         }
                     };
-                    let stats = self.train(&examples).await?;
+                    let mut stats = self.train(&examples).await?;
+                    stats.skipped_lines = skipped;
                     if master.task_finished(&id, task_ref, stats).await? == ReportReply::Accepted {
                         self.report.tasks_finished += 1;
                     }
@@ -169,7 +199,8 @@ impl Loop {
         }
     }
 
-    async fn read(&mut self, task: &TaskSpec) -> Result<Vec<Example>> {
+    /// The task's examples, and how many bad lines were skipped.
+    async fn read(&mut self, task: &TaskSpec) -> Result<(Vec<Example>, u64)> {
         let chunks = task.chunks.clone();
         let reader = self.options.reader.clone();
         let data = tokio::task::spawn_blocking(move || -> Result<(Vec<Example>, usize)> {
@@ -185,7 +216,7 @@ impl Loop {
         .await
         .map_err(|e| Error::Panicked(format!("reading a task's data: {e}")))??;
         self.report.skipped_lines += data.1 as u64;
-        Ok(data.0)
+        Ok((data.0, data.1 as u64))
     }
 
     async fn train(&mut self, examples: &[Example]) -> Result<TaskStats> {

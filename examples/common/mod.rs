@@ -1,0 +1,272 @@
+//! Flags and helpers shared by the example binaries (`local`, `master`,
+//! `pserver`, `trainer`, `status`). Copy what you need: each binary uses a
+//! part of it.
+#![allow(dead_code)]
+
+use clap::{Args, ValueEnum};
+use oar::{
+    pserver::{Mode, OptimizerConfig},
+    trainer::{
+        datagen::write_blobs,
+        job::JobConfig,
+        model::ModelConfig,
+        reader::Format,
+        role::{JobReport, PassReport},
+    },
+};
+use std::{path::Path, process::ExitCode, time::Duration};
+
+/// A boxed error for `main`: every library error names what was wrong.
+pub type BoxError = Box<dyn std::error::Error + Send + Sync>;
+
+/// The job's options, given to the master (or to `local`) only.
+#[derive(Args, Debug)]
+pub struct JobArgs {
+    /// Training data, a glob of files.
+    #[arg(long)]
+    pub data: Option<String>,
+    /// Held-out data, a glob of files (default: the training data).
+    #[arg(long)]
+    pub test_data: Option<String>,
+    /// Format of the data lines.
+    #[arg(long, value_enum, default_value_t = FormatArg::Libsvm)]
+    pub format: FormatArg,
+    /// Skip and count bad data lines instead of failing their task.
+    #[arg(long)]
+    pub skip_bad_lines: bool,
+    /// The model to train.
+    #[arg(long, value_enum, default_value_t = ModelArg::Softmax)]
+    pub model: ModelArg,
+    /// Number of classes.
+    #[arg(long)]
+    pub classes: Option<usize>,
+    /// Number of features.
+    #[arg(long)]
+    pub features: Option<usize>,
+    /// Hidden units of the MLP.
+    #[arg(long, default_value_t = 32)]
+    pub hidden: usize,
+    /// Parameter servers.
+    #[arg(long, default_value_t = 2)]
+    pub pservers: u32,
+    /// Passes over the data.
+    #[arg(long, default_value_t = 5)]
+    pub passes: u32,
+    /// Examples per mini-batch.
+    #[arg(long, default_value_t = 64)]
+    pub batch_size: usize,
+    /// The optimizer, run on the pservers.
+    #[arg(long, value_enum, default_value_t = OptimizerArg::Sgd)]
+    pub optimizer: OptimizerArg,
+    /// Learning rate.
+    #[arg(long, default_value_t = 0.1)]
+    pub lr: f32,
+    /// Sync barrier per step, or async updates.
+    #[arg(long, value_enum, default_value_t = ModeArg::Sync)]
+    pub mode: ModeArg,
+    /// Async: push every N mini-batches.
+    #[arg(long, default_value_t = 1)]
+    pub push_every: u32,
+    /// Async: pull every M mini-batches.
+    #[arg(long, default_value_t = 1)]
+    pub pull_every: u32,
+    /// Bytes of data per chunk (a task is one chunk).
+    #[arg(long, default_value_t = 16 << 10)]
+    pub chunk_bytes: u64,
+    /// Seconds a trainer has to finish a task before it goes to another.
+    #[arg(long, default_value_t = 60)]
+    pub task_timeout: u64,
+    /// Seed of the generated data and the initial parameters.
+    #[arg(long, default_value_t = 1)]
+    pub seed: u64,
+}
+
+#[derive(Clone, Copy, Debug, ValueEnum)]
+pub enum FormatArg {
+    Libsvm,
+    Csv,
+}
+#[derive(Clone, Copy, Debug, ValueEnum)]
+pub enum ModelArg {
+    Softmax,
+    Mlp,
+}
+#[derive(Clone, Copy, Debug, ValueEnum)]
+pub enum OptimizerArg {
+    Sgd,
+    Momentum,
+    Adagrad,
+    Adam,
+}
+#[derive(Clone, Copy, Debug, ValueEnum)]
+pub enum ModeArg {
+    Sync,
+    Async,
+}
+
+impl JobArgs {
+    /// The job's config. Without `--data`, `generate_into` (if given) gets
+    /// a generated dataset (Gaussian class clusters) to train on.
+    pub fn config(&self, generate_into: Option<&Path>) -> Result<JobConfig, BoxError> {
+        let (data, test_data, features, classes) = match (&self.data, generate_into) {
+            (Some(data), _) => {
+                let (Some(features), Some(classes)) = (self.features, self.classes) else {
+                    return Err("--features and --classes are required with --data".into());
+                };
+                (data.clone(), self.test_data.clone(), features, classes)
+            }
+            (None, Some(dir)) => {
+                let (features, classes) = (self.features.unwrap_or(16), self.classes.unwrap_or(4));
+                let (train, test) = write_blobs(dir, classes, features, 20_000, 5_000, self.seed)?;
+                (train.display().to_string(), Some(test.display().to_string()), features, classes)
+            }
+            (None, None) => return Err("--data is required".into()),
+        };
+        let model = match self.model {
+            ModelArg::Softmax => ModelConfig::Softmax { features, classes },
+            ModelArg::Mlp => ModelConfig::Mlp { features, hidden: self.hidden, classes },
+        };
+        let mut config = JobConfig::new(&data, model);
+        config.test_data = test_data;
+        config.format = match self.format {
+            FormatArg::Libsvm => Format::Libsvm,
+            FormatArg::Csv => Format::Csv,
+        };
+        config.skip_bad_lines = self.skip_bad_lines;
+        let optimizer = match self.optimizer {
+            OptimizerArg::Sgd => "sgd",
+            OptimizerArg::Momentum => "momentum",
+            OptimizerArg::Adagrad => "adagrad",
+            OptimizerArg::Adam => "adam",
+        };
+        config.optimizer = OptimizerConfig::parse(optimizer, self.lr)?;
+        config.mode = match self.mode {
+            ModeArg::Sync => Mode::Sync,
+            ModeArg::Async => Mode::Async,
+        };
+        config.passes = self.passes;
+        config.batch_size = self.batch_size;
+        config.push_every = self.push_every;
+        config.pull_every = self.pull_every;
+        config.pservers = self.pservers;
+        config.seed = self.seed;
+        config.chunk_bytes = self.chunk_bytes;
+        config.task_timeout = Duration::from_secs(self.task_timeout);
+        config.validate()?;
+        Ok(config)
+    }
+}
+
+/// Log to stderr: warnings, or everything the library does with `verbose`.
+pub fn init_logging(verbose: bool) {
+    use tracing_subscriber::filter::LevelFilter;
+    tracing_subscriber::fmt()
+        .with_writer(std::io::stderr)
+        .with_max_level(if verbose { LevelFilter::INFO } else { LevelFilter::WARN })
+        .init();
+}
+
+/// One line of progress per pass.
+pub fn print_pass(p: &PassReport, passes: u32) {
+    println!(
+        "pass {}/{passes}: train loss {:.4}, test loss {:.4}, test accuracy {:.2}%, tasks done {}, discarded {}",
+        p.pass + 1,
+        p.train_loss,
+        p.test_loss,
+        p.test_accuracy * 100.0,
+        p.tasks_done,
+        p.tasks_discarded
+    );
+}
+
+/// Print the job's report as one JSON line; exit 0 if it is done, 1 if it failed.
+pub fn finish(report: &JobReport) -> Result<ExitCode, BoxError> {
+    println!("{}", serde_json::to_string(report)?);
+    Ok(if report.is_done() { ExitCode::SUCCESS } else { ExitCode::FAILURE })
+}
+
+/// Exit 2 with the error on stderr.
+pub fn exit_with(result: Result<ExitCode, BoxError>) -> ExitCode {
+    match result {
+        Ok(code) => code,
+        Err(e) => {
+            eprintln!("error: {e}");
+            ExitCode::from(2)
+        }
+    }
+}
+
+#[cfg(feature = "etcd")]
+#[allow(unused_imports)] // `local` does not use it.
+pub use cluster::*;
+
+#[cfg(feature = "etcd")]
+mod cluster {
+    use super::BoxError;
+    use clap::Args;
+    use oar::{
+        discovery::EtcdDiscovery,
+        trainer::role::{default_id, JobContext, RoleOptions},
+        transport::{QuicTransport, TlsConfig},
+    };
+    use std::{path::PathBuf, sync::Arc, time::Duration};
+
+    /// How every role of a job connects: etcd, the job's name, where to
+    /// listen, and the job's certificates.
+    #[derive(Args, Debug)]
+    pub struct ConnArgs {
+        /// etcd endpoints, comma-separated (http://127.0.0.1:2379).
+        #[arg(long, value_delimiter = ',', required = true)]
+        pub etcd: Vec<String>,
+        /// The job's name: its keys live under /oar/<job>/.
+        #[arg(long)]
+        pub job: String,
+        /// Address to serve at; port 0 picks a free one (the address published is the one bound).
+        #[arg(long, default_value = "127.0.0.1:0")]
+        pub listen: String,
+        /// The job's CA certificate (PEM); `certs` writes one.
+        #[arg(long)]
+        pub ca: PathBuf,
+        /// This process's certificate (PEM), signed by the CA.
+        #[arg(long)]
+        pub cert: PathBuf,
+        /// This process's private key (PEM).
+        #[arg(long)]
+        pub key: PathBuf,
+        /// This process's id (default: <role>-<hostname>-<pid>).
+        #[arg(long)]
+        pub id: Option<String>,
+        /// Seconds of this process's lease: how soon the job notices it is gone.
+        #[arg(long, default_value_t = 5)]
+        pub lease_ttl: u64,
+        /// Seconds to wait at start for the job's config, a free index, the pservers.
+        #[arg(long, default_value_t = 120)]
+        pub startup_timeout: u64,
+        /// Seconds a master or pserver that is away is retried before giving up.
+        #[arg(long, default_value_t = 300)]
+        pub retry_for: u64,
+        /// Log what the library does (to stderr).
+        #[arg(long)]
+        pub verbose: bool,
+    }
+
+    impl ConnArgs {
+        /// Connect to etcd and build the QUIC transport.
+        pub async fn connect(&self) -> Result<JobContext, BoxError> {
+            let tls = TlsConfig::from_pem_files(&self.ca, &self.cert, &self.key)?;
+            let transport = Arc::new(QuicTransport::new(tls)?);
+            let discovery = Arc::new(EtcdDiscovery::connect(&self.etcd).await?);
+            Ok(JobContext { job: self.job.clone(), discovery, transport, listen: self.listen.clone() })
+        }
+
+        /// Timing for role `role`, from the flags.
+        pub fn role_options(&self, role: &str) -> RoleOptions {
+            RoleOptions {
+                lease_ttl: Duration::from_secs(self.lease_ttl),
+                startup_timeout: Duration::from_secs(self.startup_timeout),
+                retry_for: Duration::from_secs(self.retry_for),
+                ..RoleOptions::new(self.id.clone().unwrap_or_else(|| default_id(role)))
+            }
+        }
+    }
+}

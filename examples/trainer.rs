@@ -1,0 +1,42 @@
+//! A trainer of a job: reads the job's options from etcd, registers, waits
+//! for the pservers, and trains on tasks from the master (following it when
+//! it moves) until the job ends.
+//!
+//!     cargo run --release --features etcd --example trainer -- \
+//!         --etcd http://127.0.0.1:2379 --job a1a \
+//!         --ca certs/ca.pem --cert certs/trainer.pem --key certs/trainer.key
+//!
+//! Prints what it did as one JSON line; exits 0 when the job ends, 2 on an error.
+
+#[path = "common/mod.rs"]
+mod common;
+
+use clap::Parser;
+use common::{BoxError, ConnArgs};
+use oar::trainer::role;
+use std::process::ExitCode;
+
+#[derive(Parser, Debug)]
+#[command(about = "Run a trainer of an oar job")]
+struct Args {
+    #[command(flatten)]
+    conn: ConnArgs,
+}
+
+#[tokio::main]
+async fn main() -> ExitCode {
+    let args = Args::parse();
+    common::init_logging(args.conn.verbose);
+    common::exit_with(run(args).await)
+}
+
+async fn run(args: Args) -> Result<ExitCode, BoxError> {
+    let ctx = args.conn.connect().await?;
+    let options = args.conn.role_options("trainer");
+    let report = role::trainer(&ctx, &options).await?;
+    println!(
+        "{{\"trainer\":{:?},\"tasks_finished\":{},\"tasks_failed\":{},\"examples\":{},\"skipped_lines\":{}}}",
+        options.id, report.tasks_finished, report.tasks_failed, report.examples, report.skipped_lines
+    );
+    Ok(ExitCode::SUCCESS)
+}

@@ -1,0 +1,285 @@
+//! Test support for end-to-end tests: the example binaries as real
+//! processes (output captured line by line, killed on drop) and a job
+//! around a real etcd started for the test.
+#![allow(dead_code)] // Each test binary uses a part.
+
+use std::{
+    io::{BufRead, BufReader, Read},
+    path::{Path, PathBuf},
+    process::{Child, Command, ExitStatus, Stdio},
+    sync::{Arc, Mutex},
+    time::{Duration, Instant},
+};
+
+/// An example binary: `cargo test` builds the examples next to the test
+/// binaries' `deps/` directory.
+pub fn example(name: &str) -> PathBuf {
+    let exe = std::env::current_exe().expect("the test binary's path");
+    let dir = exe.parent().and_then(Path::parent).expect("target/<profile>/deps/..");
+    let path = dir.join("examples").join(format!("{name}{}", std::env::consts::EXE_SUFFIX));
+    assert!(path.exists(), "the {name} example was not built at {}", path.display());
+    path
+}
+
+/// The repository's `testdata/` file `name`.
+pub fn testdata(name: &str) -> String {
+    format!("{}/testdata/{name}", env!("CARGO_MANIFEST_DIR"))
+}
+
+/// Poll `cond` until it holds (true) or `timeout` passes (false).
+pub fn wait_until(timeout: Duration, mut cond: impl FnMut() -> bool) -> bool {
+    let deadline = Instant::now() + timeout;
+    while Instant::now() < deadline {
+        if cond() {
+            return true;
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    cond()
+}
+
+/// A running process with its stdout and stderr collected as they come.
+pub struct Proc {
+    pub name: String,
+    child: Child,
+    stdout: Arc<Mutex<String>>,
+    stderr: Arc<Mutex<String>>,
+    status: Option<ExitStatus>,
+}
+
+fn collect(stream: impl Read + Send + 'static, into: Arc<Mutex<String>>) {
+    std::thread::spawn(move || {
+        for line in BufReader::new(stream).lines() {
+            let Ok(line) = line else { return };
+            let mut text = into.lock().unwrap();
+            text.push_str(&line);
+            text.push('\n');
+        }
+    });
+}
+
+impl Proc {
+    /// Start `command` as the process called `name`.
+    pub fn spawn(name: &str, mut command: Command) -> Proc {
+        command.stdin(Stdio::null()).stdout(Stdio::piped()).stderr(Stdio::piped());
+        let mut child = command.spawn().unwrap_or_else(|e| panic!("cannot start {name}: {e}"));
+        let (stdout, stderr) = (Arc::default(), Arc::default());
+        collect(child.stdout.take().unwrap(), Arc::clone(&stdout));
+        collect(child.stderr.take().unwrap(), Arc::clone(&stderr));
+        Proc { name: name.to_string(), child, stdout, stderr, status: None }
+    }
+
+    pub fn pid(&self) -> u32 {
+        self.child.id()
+    }
+
+    pub fn stdout(&self) -> String {
+        self.stdout.lock().unwrap().clone()
+    }
+
+    pub fn stderr(&self) -> String {
+        self.stderr.lock().unwrap().clone()
+    }
+
+    /// Its output, for a failure message.
+    pub fn dump(&self) -> String {
+        let tail = |s: String| {
+            s.lines().rev().take(40).collect::<Vec<_>>().into_iter().rev().collect::<Vec<_>>().join("\n")
+        };
+        format!(
+            "--- {} (pid {}) stdout:\n{}\n--- {} stderr:\n{}\n",
+            self.name,
+            self.pid(),
+            tail(self.stdout()),
+            self.name,
+            tail(self.stderr())
+        )
+    }
+
+    /// SIGKILL, and reap it.
+    pub fn kill(&mut self) {
+        let _ = self.child.kill();
+        self.status = self.child.wait().ok();
+    }
+
+    /// Send `signal` ("STOP", "CONT", "TERM") with kill(1).
+    pub fn signal(&self, signal: &str) {
+        let ok = Command::new("kill")
+            .args([format!("-{signal}"), self.pid().to_string()])
+            .status()
+            .map(|s| s.success())
+            .unwrap_or(false);
+        assert!(ok, "kill -{signal} {} ({}) failed", self.pid(), self.name);
+    }
+
+    /// Wait until a stdout line satisfies `wanted`; the line, or `None` at
+    /// the deadline or when the process exits first.
+    pub fn wait_for_line(&mut self, timeout: Duration, wanted: impl Fn(&str) -> bool) -> Option<String> {
+        let deadline = Instant::now() + timeout;
+        loop {
+            if let Some(line) = self.stdout().lines().find(|l| wanted(l)) {
+                return Some(line.to_string());
+            }
+            if Instant::now() >= deadline || self.try_status().is_some() {
+                // One last look: the line may have come with the exit.
+                std::thread::sleep(Duration::from_millis(50));
+                return self.stdout().lines().find(|l| wanted(l)).map(str::to_string);
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    }
+
+    fn try_status(&mut self) -> Option<ExitStatus> {
+        if self.status.is_none() {
+            self.status = self.child.try_wait().ok().flatten();
+        }
+        self.status
+    }
+
+    /// Wait for it to exit; `None` at the deadline (it keeps running).
+    pub fn wait(&mut self, timeout: Duration) -> Option<ExitStatus> {
+        let deadline = Instant::now() + timeout;
+        loop {
+            if let Some(status) = self.try_status() {
+                // Let the reader threads take the last lines.
+                std::thread::sleep(Duration::from_millis(50));
+                return Some(status);
+            }
+            if Instant::now() >= deadline {
+                return None;
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    }
+
+    /// The last stdout line parsed as JSON.
+    pub fn last_json(&self) -> serde_json::Value {
+        let out = self.stdout();
+        let line =
+            out.lines().last().unwrap_or_else(|| panic!("{} printed nothing\n{}", self.name, self.dump()));
+        serde_json::from_str(line).unwrap_or_else(|e| panic!("{}: {e}: {line:?}\n{}", self.name, self.dump()))
+    }
+}
+
+impl Drop for Proc {
+    fn drop(&mut self) {
+        if self.try_status().is_none() {
+            // A stopped process must be continued to die promptly.
+            let _ = Command::new("kill").args(["-CONT", &self.pid().to_string()]).status();
+            self.kill();
+        }
+    }
+}
+
+#[cfg(feature = "etcd")]
+#[allow(unused_imports)] // Not every test binary runs a cluster.
+pub use cluster::*;
+
+#[cfg(feature = "etcd")]
+mod cluster {
+    use super::{example, testdata, Proc};
+    use oar::{discovery::EtcdServer, transport::DevCa};
+    use std::{process::Command, time::Duration};
+
+    /// A job's surroundings: a real etcd started for the test on free
+    /// loopback ports, certificates, and a directory for checkpoints.
+    pub struct Cluster {
+        pub etcd: EtcdServer,
+        pub dir: tempfile::TempDir,
+        pub job: String,
+        /// Lease TTL given to every process, in seconds.
+        pub lease_ttl: u64,
+    }
+
+    /// The a1a job's options.
+    pub fn a1a_job() -> Vec<String> {
+        ["--data", &testdata("a1a"), "--test-data", &testdata("a1a.t"), "--features", "123", "--classes", "2"]
+            .iter()
+            .map(|s| s.to_string())
+            .collect()
+    }
+
+    impl Cluster {
+        pub fn start(job: &str) -> Cluster {
+            let etcd = EtcdServer::start().unwrap_or_else(|e| panic!("cannot start etcd for the test: {e}"));
+            let dir = tempfile::tempdir().unwrap();
+            DevCa::new()
+                .unwrap()
+                .write_files(dir.path().join("certs"), &["master", "pserver", "trainer"])
+                .unwrap();
+            Cluster { etcd, dir, job: job.to_string(), lease_ttl: 2 }
+        }
+
+        /// The connection flags of role `cert` (a certificate name).
+        pub fn conn(&self, cert: &str) -> Vec<String> {
+            let certs = self.dir.path().join("certs");
+            let path = |ext: &str| certs.join(format!("{cert}.{ext}")).display().to_string();
+            vec![
+                "--etcd".into(),
+                self.etcd.endpoint(),
+                "--job".into(),
+                self.job.clone(),
+                "--ca".into(),
+                certs.join("ca.pem").display().to_string(),
+                "--cert".into(),
+                path("pem"),
+                "--key".into(),
+                path("key"),
+                "--lease-ttl".into(),
+                self.lease_ttl.to_string(),
+                "--verbose".into(),
+            ]
+        }
+
+        fn spawn(&self, name: &str, binary: &str, cert: &str, extra: &[String]) -> Proc {
+            let mut command = Command::new(example(binary));
+            command.args(self.conn(cert)).args(extra);
+            Proc::spawn(name, command)
+        }
+
+        pub fn master(&self, name: &str, job_options: &[String]) -> Proc {
+            let mut extra = vec!["--id".to_string(), name.to_string()];
+            extra.extend_from_slice(job_options);
+            self.spawn(name, "master", "master", &extra)
+        }
+
+        pub fn pserver(&self, name: &str, checkpoint_interval: f64) -> Proc {
+            let dir = self.dir.path().join("checkpoints").display().to_string();
+            let extra = [
+                "--checkpoint-dir".to_string(),
+                dir,
+                "--checkpoint-interval".into(),
+                checkpoint_interval.to_string(),
+            ];
+            self.spawn(name, "pserver", "pserver", &extra)
+        }
+
+        pub fn trainer(&self, id: &str) -> Proc {
+            self.spawn(id, "trainer", "trainer", &["--id".to_string(), id.to_string()])
+        }
+
+        /// What `status` prints now.
+        pub fn status(&self) -> String {
+            let out = Command::new(example("status"))
+                .args(["--etcd", &self.etcd.endpoint(), "--job", &self.job])
+                .output()
+                .unwrap();
+            assert!(out.status.code().is_some_and(|c| c <= 1), "status failed: {out:?}");
+            String::from_utf8_lossy(&out.stdout).into_owned()
+        }
+    }
+
+    /// Every process's output, for a failure message.
+    pub fn dump(procs: &[&Proc]) -> String {
+        procs.iter().map(|p| p.dump()).collect()
+    }
+
+    /// Wait for `proc` to exit within `timeout`, and return whether it
+    /// succeeded; panics with everyone's output if it did not exit.
+    pub fn exits(proc: &mut Proc, timeout: Duration, all: &[&Proc]) -> bool {
+        match proc.wait(timeout) {
+            Some(status) => status.success(),
+            None => panic!("{} did not exit within {timeout:?}\n{}{}", proc.name, proc.dump(), dump(all)),
+        }
+    }
+}
