@@ -159,9 +159,11 @@ impl JobArgs {
 
 /// Log to stderr: warnings, or everything the library does with `verbose`.
 pub fn init_logging(verbose: bool) {
+    use std::io::IsTerminal;
     use tracing_subscriber::filter::LevelFilter;
     tracing_subscriber::fmt()
         .with_writer(std::io::stderr)
+        .with_ansi(std::io::stderr().is_terminal())
         .with_max_level(if verbose { LevelFilter::INFO } else { LevelFilter::WARN })
         .init();
 }

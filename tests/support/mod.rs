@@ -83,8 +83,10 @@ impl Proc {
 
     /// Its output, for a failure message.
     pub fn dump(&self) -> String {
+        // OAR_TEST_DUMP_LINES=N shows more of each process's output.
+        let lines = std::env::var("OAR_TEST_DUMP_LINES").ok().and_then(|n| n.parse().ok()).unwrap_or(40);
         let tail = |s: String| {
-            s.lines().rev().take(40).collect::<Vec<_>>().into_iter().rev().collect::<Vec<_>>().join("\n")
+            s.lines().rev().take(lines).collect::<Vec<_>>().into_iter().rev().collect::<Vec<_>>().join("\n")
         };
         format!(
             "--- {} (pid {}) stdout:\n{}\n--- {} stderr:\n{}\n",
@@ -212,11 +214,16 @@ mod cluster {
 
         /// The connection flags of role `cert` (a certificate name).
         pub fn conn(&self, cert: &str) -> Vec<String> {
+            self.conn_via(cert, &self.etcd.endpoint())
+        }
+
+        /// The connection flags of role `cert`, reaching etcd at `etcd`.
+        pub fn conn_via(&self, cert: &str, etcd: &str) -> Vec<String> {
             let certs = self.dir.path().join("certs");
             let path = |ext: &str| certs.join(format!("{cert}.{ext}")).display().to_string();
             vec![
                 "--etcd".into(),
-                self.etcd.endpoint(),
+                etcd.to_string(),
                 "--job".into(),
                 self.job.clone(),
                 "--ca".into(),
@@ -232,8 +239,12 @@ mod cluster {
         }
 
         fn spawn(&self, name: &str, binary: &str, cert: &str, extra: &[String]) -> Proc {
+            self.spawn_via(name, binary, cert, &self.etcd.endpoint(), extra)
+        }
+
+        fn spawn_via(&self, name: &str, binary: &str, cert: &str, etcd: &str, extra: &[String]) -> Proc {
             let mut command = Command::new(example(binary));
-            command.args(self.conn(cert)).args(extra);
+            command.args(self.conn_via(cert, etcd)).args(extra);
             Proc::spawn(name, command)
         }
 
@@ -244,14 +255,20 @@ mod cluster {
         }
 
         pub fn pserver(&self, name: &str, checkpoint_interval: f64) -> Proc {
+            self.pserver_via(name, checkpoint_interval, &self.etcd.endpoint())
+        }
+
+        /// The checkpoint directory of shard `index`.
+        pub fn checkpoints(&self, index: u32) -> std::path::PathBuf {
+            self.dir.path().join("checkpoints").join(format!("ps-{index}"))
+        }
+
+        /// A pserver reaching etcd at `etcd` (a [`Proxy`], say).
+        pub fn pserver_via(&self, name: &str, checkpoint_interval: f64, etcd: &str) -> Proc {
             let dir = self.dir.path().join("checkpoints").display().to_string();
-            let extra = [
-                "--checkpoint-dir".to_string(),
-                dir,
-                "--checkpoint-interval".into(),
-                checkpoint_interval.to_string(),
-            ];
-            self.spawn(name, "pserver", "pserver", &extra)
+            let interval = checkpoint_interval.to_string();
+            let extra = ["--checkpoint-dir".to_string(), dir, "--checkpoint-interval".into(), interval];
+            self.spawn_via(name, "pserver", "pserver", etcd, &extra)
         }
 
         pub fn trainer(&self, id: &str) -> Proc {
@@ -266,6 +283,96 @@ mod cluster {
                 .unwrap();
             assert!(out.status.code().is_some_and(|c| c <= 1), "status failed: {out:?}");
             String::from_utf8_lossy(&out.stdout).into_owned()
+        }
+    }
+
+    /// A TCP proxy in front of etcd that a test can cut: a network
+    /// partition between one process and etcd, on loopback.
+    pub struct Proxy {
+        addr: std::net::SocketAddr,
+        cut: std::sync::Arc<std::sync::atomic::AtomicBool>,
+        streams: std::sync::Arc<std::sync::Mutex<Vec<std::net::TcpStream>>>,
+    }
+
+    impl Proxy {
+        pub fn start(target: std::net::SocketAddr) -> Proxy {
+            use std::{net::TcpListener, sync::atomic::Ordering};
+            let listener = TcpListener::bind("127.0.0.1:0").unwrap();
+            let addr = listener.local_addr().unwrap();
+            let cut = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+            let streams = std::sync::Arc::new(std::sync::Mutex::new(Vec::new()));
+            let (cut2, streams2) = (cut.clone(), streams.clone());
+            std::thread::spawn(move || {
+                for client in listener.incoming() {
+                    let Ok(client) = client else { continue };
+                    if cut2.load(Ordering::SeqCst) {
+                        drop(client);
+                        continue;
+                    }
+                    let Ok(server) = std::net::TcpStream::connect(target) else { continue };
+                    let mut kept = streams2.lock().unwrap();
+                    kept.push(client.try_clone().unwrap());
+                    kept.push(server.try_clone().unwrap());
+                    for (mut from, mut to) in
+                        [(client.try_clone().unwrap(), server.try_clone().unwrap()), (server, client)]
+                    {
+                        std::thread::spawn(move || {
+                            let _ = std::io::copy(&mut from, &mut to);
+                            let _ = to.shutdown(std::net::Shutdown::Both);
+                        });
+                    }
+                }
+            });
+            Proxy { addr, cut, streams }
+        }
+
+        pub fn url(&self) -> String {
+            format!("http://{}", self.addr)
+        }
+
+        /// Close every connection through the proxy and refuse new ones.
+        pub fn cut(&self) {
+            self.cut.store(true, std::sync::atomic::Ordering::SeqCst);
+            for stream in self.streams.lock().unwrap().drain(..) {
+                let _ = stream.shutdown(std::net::Shutdown::Both);
+            }
+        }
+    }
+
+    /// The value of `name=` in a log line (quotes stripped).
+    pub fn log_field<'a>(line: &'a str, name: &str) -> Option<&'a str> {
+        let start = line.find(&format!(" {name}="))? + name.len() + 2;
+        let rest = &line[start..];
+        let value = rest.split(' ').next()?;
+        Some(value.trim_matches('"'))
+    }
+
+    /// The (task, pass) of every report a master accepted, from the trainers' logs.
+    pub fn accepted_reports(trainers: &[&Proc]) -> Vec<(u64, u32)> {
+        let mut out = Vec::new();
+        for trainer in trainers {
+            for line in trainer.stderr().lines().filter(|l| l.contains("task reported")) {
+                if log_field(line, "accepted") == Some("true") {
+                    let task = log_field(line, "task").and_then(|t| t.parse().ok());
+                    let pass = log_field(line, "pass").and_then(|p| p.parse().ok());
+                    out.push((task.expect("task= in the log"), pass.expect("pass= in the log")));
+                }
+            }
+        }
+        out
+    }
+
+    /// Every task of every pass was accepted exactly once, over all
+    /// trainers (dead ones included): nothing was lost or done twice.
+    pub fn assert_each_task_once(trainers: &[&Proc], passes: u32, tasks_per_pass: u64) {
+        let mut accepted = accepted_reports(trainers);
+        accepted.sort();
+        let total = accepted.len();
+        accepted.dedup();
+        assert_eq!(accepted.len(), total, "some (task, pass) was accepted twice");
+        for pass in 0..passes {
+            let n = accepted.iter().filter(|(_, p)| *p == pass).count() as u64;
+            assert_eq!(n, tasks_per_pass, "pass {pass}: {n} tasks accepted, want {tasks_per_pass}");
         }
     }
 

@@ -96,7 +96,7 @@ pub use etcd::{
 pub use etcd_server::EtcdServer;
 pub use keys::{JobKeys, TrainerDepartures};
 pub use mem::{MemDiscovery, DEFAULT_HISTORY_BYTES, DEFAULT_HISTORY_EVENTS};
-pub use session::Session;
+pub use session::{LeaseGuard, Session};
 
 /// Identifies a lease (etcd's lease id; never 0).
 pub type LeaseId = i64;

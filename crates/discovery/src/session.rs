@@ -1,6 +1,6 @@
 //! `Session`: a lease kept alive in the background, with loss reporting.
 
-use std::sync::Arc;
+use std::sync::{Arc, Mutex, PoisonError};
 use std::time::Duration;
 
 use tokio::sync::watch;
@@ -21,6 +21,11 @@ const MIN_REFRESH: Duration = Duration::from_millis(1);
 /// *sent*, so the loss is reported no later than other processes could see
 /// the lease expire. A lost session stays lost; start a new one.
 ///
+/// A server must not act for the job once its lease may have expired, even
+/// before the background task has noticed (a process paused by SIGSTOP, or
+/// starved, wakes with its timers late): [`LeaseGuard::is_valid`] answers
+/// from the clock alone, so a handler can check it before every action.
+///
 /// Dropping the session stops the refreshes (the lease then expires by
 /// itself, and `lost` receivers see their channel closed); [`Session::close`]
 /// also revokes it at once.
@@ -29,7 +34,26 @@ pub struct Session {
     lease: LeaseId,
     ttl: Duration,
     lost: Arc<watch::Sender<bool>>,
+    guard: LeaseGuard,
     task: JoinHandle<()>,
+}
+
+/// A cheap, cloneable view of a [`Session`]'s lease for request handlers.
+#[derive(Clone, Debug)]
+pub struct LeaseGuard {
+    /// The lease is certainly alive until this instant: the last refresh
+    /// that succeeded was sent at `valid_until - ttl`.
+    valid_until: Arc<Mutex<Instant>>,
+    lost: watch::Receiver<bool>,
+}
+
+impl LeaseGuard {
+    /// Whether the lease is still certainly alive: not reported lost, and a
+    /// refresh succeeded within the last ttl by this process's clock.
+    pub fn is_valid(&self) -> bool {
+        !*self.lost.borrow()
+            && Instant::now() < *self.valid_until.lock().unwrap_or_else(PoisonError::into_inner)
+    }
 }
 
 impl std::fmt::Debug for Session {
@@ -54,8 +78,11 @@ impl Session {
         let sent = Instant::now();
         let lease = discovery.grant_lease(ttl).await?;
         let lost = Arc::new(watch::channel(false).0);
-        let task = runtime.spawn(keep_alive_loop(discovery.clone(), lease, ttl, lost.clone(), sent));
-        Ok(Session { discovery, lease, ttl, lost, task })
+        let valid_until =
+            Arc::new(Mutex::new(sent.checked_add(ttl).unwrap_or(sent + Duration::from_secs(3600))));
+        let guard = LeaseGuard { valid_until: valid_until.clone(), lost: lost.subscribe() };
+        let task = runtime.spawn(keep_alive_loop(discovery.clone(), lease, ttl, lost.clone(), valid_until));
+        Ok(Session { discovery, lease, ttl, lost, guard, task })
     }
 
     /// The session's lease, to attach keys to.
@@ -66,6 +93,11 @@ impl Session {
     /// The ttl the lease was asked for.
     pub fn ttl(&self) -> Duration {
         self.ttl
+    }
+
+    /// A guard to check the lease from request handlers.
+    pub fn guard(&self) -> LeaseGuard {
+        self.guard.clone()
     }
 
     /// Whether the lease is known to be gone.
@@ -116,23 +148,25 @@ async fn keep_alive_loop(
     lease: LeaseId,
     ttl: Duration,
     lost: Arc<watch::Sender<bool>>,
-    mut last_ok: Instant,
+    valid_until: Arc<Mutex<Instant>>,
 ) {
     let period = (ttl / 3).max(MIN_REFRESH);
     loop {
         tokio::time::sleep(period).await;
         let sent = Instant::now();
-        let remaining = match last_ok.checked_add(ttl) {
-            Some(valid_until) => valid_until.saturating_duration_since(sent),
-            None => Duration::MAX,
-        };
+        let remaining =
+            valid_until.lock().unwrap_or_else(PoisonError::into_inner).saturating_duration_since(sent);
         if remaining.is_zero() {
             tracing::warn!(lease, ?ttl, "lease not refreshed for a whole ttl; lost");
             lost.send_replace(true);
             return;
         }
         match tokio::time::timeout(remaining, discovery.keep_alive(lease)).await {
-            Ok(Ok(())) => last_ok = sent,
+            Ok(Ok(())) => {
+                if let Some(until) = sent.checked_add(ttl) {
+                    *valid_until.lock().unwrap_or_else(PoisonError::into_inner) = until;
+                }
+            }
             Ok(Err(Error::LeaseNotFound(_))) => {
                 tracing::warn!(lease, "lease gone (expired or revoked); lost");
                 lost.send_replace(true);
@@ -244,6 +278,22 @@ mod tests {
         tokio::time::sleep(Duration::from_secs(3)).await;
         assert!(mem.get("/drop/k").await.unwrap().is_none());
         assert_eq!(mem.keep_alive(lease).await, Err(Error::LeaseNotFound(lease)));
+    }
+
+    /// A process whose runtime is blocked (paused, starved) past the ttl
+    /// must not act for the job when it wakes, before the refresh task runs.
+    #[tokio::test(flavor = "current_thread")]
+    async fn the_guard_turns_invalid_when_the_process_stalls_past_the_ttl() {
+        let mem = MemDiscovery::new();
+        let session = Session::start(Arc::new(mem), Duration::from_millis(200)).await.unwrap();
+        let guard = session.guard();
+        assert!(guard.is_valid());
+        // Block the only runtime thread: the refresh task cannot run.
+        std::thread::sleep(Duration::from_millis(300));
+        assert!(!session.is_lost(), "the refresh task has not run yet");
+        assert!(!guard.is_valid(), "but the lease may have expired: the guard says so");
+        session.close().await.unwrap();
+        assert!(!guard.is_valid());
     }
 
     #[tokio::test]

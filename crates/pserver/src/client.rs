@@ -5,6 +5,17 @@
 //! it follows a pserver that was replaced. Calls to all shards run in
 //! parallel. A shard that is away is retried, with the same sequence number
 //! (so a push is applied once), until the retry policy's deadline.
+//!
+//! A shard whose pserver was replaced (a new claim of `ps/<index>`, seen by
+//! its create revision) restarted from its last checkpoint, possibly at an
+//! earlier step, and without the gradients buffered for the current sync
+//! step. The client then stops waiting for a step of the old pserver: the
+//! next pull takes the new one's parameters as they are, and a push for a
+//! step that shard is not at comes back `Stale` (the trainer rejoins, pulls
+//! and computes again). The replacement's barrier rebuilds its membership
+//! from the pushes, so its first step may combine fewer trainers than the
+//! others; no gradient is applied twice (the checkpoint carries the
+//! deduplication table) and nothing waits for a step that cannot come.
 
 use crate::{
     protocol::{PsReply, PsRequest, PSERVER_METHOD},
@@ -14,7 +25,10 @@ use bytes::{Bytes, BytesMut};
 use oar_discovery::{Discovery, JobKeys};
 use oar_transport::{Connection, RetryPolicy, Transport};
 use std::{
-    sync::{Arc, Mutex, PoisonError},
+    sync::{
+        atomic::{AtomicI64, Ordering},
+        Arc, Mutex, PoisonError,
+    },
     time::Duration,
 };
 use tokio::task::JoinSet;
@@ -35,6 +49,9 @@ struct Inner {
     placement: Arc<Placement>,
     trainer: String,
     conns: Vec<Mutex<Option<Arc<dyn Connection>>>>,
+    /// Per shard: the create revision of the `ps/<index>` claim last
+    /// connected to, which changes when a replacement pserver claims it.
+    incarnations: Vec<AtomicI64>,
     call_timeout: Duration,
     retry: RetryPolicy,
 }
@@ -47,6 +64,8 @@ struct ShardState {
     pulled_step: u64,
     /// Step a sync pull must wait for (one past the last step pushed to).
     next_step: Option<u64>,
+    /// The shard's incarnation when it last answered a pull.
+    incarnation: i64,
 }
 
 /// What a push did, over all shards.
@@ -79,6 +98,7 @@ impl PserverClient {
             placement,
             trainer: trainer.to_string(),
             conns: (0..servers).map(|_| Mutex::new(None)).collect(),
+            incarnations: (0..servers).map(|_| AtomicI64::new(0)).collect(),
             call_timeout,
             retry,
         };
@@ -140,6 +160,15 @@ impl PserverClient {
         let deadline = tokio::time::Instant::now() + self.inner.retry.give_up_after;
         let mut pending: Vec<u32> = (0..self.inner.placement.servers()).collect();
         while !pending.is_empty() {
+            for &index in &pending {
+                let shard = &mut self.shards[index as usize];
+                let now = self.inner.incarnations[index as usize].load(Ordering::SeqCst);
+                if shard.next_step.is_some() && shard.incarnation != now {
+                    // A replacement will never reach the old pserver's step with our gradient.
+                    tracing::info!(index, "shard restarted; taking its parameters as they are");
+                    shard.next_step = None;
+                }
+            }
             let shards = self.shards.clone();
             let replies = self
                 .on_shards(&pending, |index| {
@@ -156,7 +185,9 @@ impl PserverClient {
                 match reply {
                     PsReply::Pulled { step, ready: true } => {
                         self.copy_shard(index, &payload, params)?;
-                        self.shards[index as usize].pulled_step = step;
+                        let shard = &mut self.shards[index as usize];
+                        shard.pulled_step = step;
+                        shard.incarnation = self.inner.incarnations[index as usize].load(Ordering::SeqCst);
                     }
                     PsReply::Pulled { ready: false, .. } => waiting.push(index),
                     other => {
@@ -288,8 +319,13 @@ impl Inner {
         let key = self.keys.ps(index);
         let kv =
             self.discovery.get(&key).await?.ok_or_else(|| Error::ShardAway { index, key: key.clone() })?;
+        let incarnation = kv.create_revision;
         let addr = String::from_utf8(kv.value).map_err(|_| Error::ShardAway { index, key })?;
         let conn = self.transport.connect(&addr).await?;
+        let before = self.incarnations[index as usize].swap(incarnation, Ordering::SeqCst);
+        if before != 0 && before != incarnation {
+            tracing::info!(index, addr, "following a replaced pserver");
+        }
         *slot.lock().unwrap_or_else(PoisonError::into_inner) = Some(conn.clone());
         Ok(conn)
     }

@@ -67,7 +67,8 @@ pub enum PsReply {
     Ok,
     /// What happened to a push.
     Pushed(PushOutcome),
-    /// A sync push for a step the server has already left: pull and compute again.
+    /// A sync push for a step the server is not at (it moved on, or it
+    /// restarted from an earlier checkpoint): pull and compute again.
     Stale {
         /// The server's step now.
         current: u64,

@@ -10,7 +10,7 @@ use crate::{
 };
 use async_trait::async_trait;
 use bytes::{Bytes, BytesMut};
-use oar_discovery::{Discovery, JobKeys, Session, TrainerDepartures};
+use oar_discovery::{Discovery, JobKeys, LeaseGuard, Session, TrainerDepartures};
 use oar_transport::{Frame, Handler, Listener, RemoteError, Transport};
 use std::{
     path::PathBuf,
@@ -100,10 +100,30 @@ struct Shared {
     stepped: Notify,
     stopped: watch::Sender<Option<String>>,
     index: OnceLock<u32>,
+    /// Checked before every request: a pserver whose lease may have expired
+    /// (paused or cut off past its ttl) must not take updates a replacement
+    /// would not have.
+    lease: LeaseGuard,
 }
 
 impl Shared {
+    /// Stop serving for good (the first reason is kept and logged).
+    fn stop(&self, why: String) {
+        self.stopped.send_if_modified(|s| {
+            if s.is_none() {
+                tracing::error!(%why, "pserver stops serving");
+                *s = Some(why);
+                true
+            } else {
+                false
+            }
+        });
+    }
+
     fn store(&self) -> std::result::Result<MutexGuard<'_, ParamStore>, RemoteError> {
+        if !self.lease.is_valid() {
+            self.stop("the pserver's lease may have expired (no refresh within its ttl)".into());
+        }
         if let Some(why) = self.stopped.borrow().as_ref() {
             return Err(RemoteError::unavailable(format!("pserver stopped serving: {why}")));
         }
@@ -143,6 +163,7 @@ impl Pserver {
             stepped: Notify::new(),
             stopped: watch::channel(None).0,
             index: OnceLock::new(),
+            lease: session.guard(),
         });
         let listener = transport.listen(listen_addr, Arc::new(PsHandler { shared: shared.clone() })).await?;
 
@@ -178,7 +199,7 @@ impl Pserver {
             tokio::spawn(async move {
                 lease_lost.await;
                 tracing::error!("pserver lease lost; it stops serving");
-                guard.stopped.send_replace(Some("the pserver's lease is lost".into()));
+                guard.stop("the pserver's lease is lost".into());
                 guard.stepped.notify_waiters();
             }),
         ];
@@ -283,7 +304,11 @@ async fn checkpointer(
     let mut saved_step = None;
     loop {
         interval.tick().await;
+        if !shared.lease.is_valid() {
+            shared.stop("the pserver's lease may have expired (no refresh within its ttl)".into());
+        }
         if shared.stopped.borrow().is_some() {
+            // A replacement may own the index now: its checkpoints are not ours to write.
             return;
         }
         let step = shared.store.get().map(|s| s.lock().unwrap_or_else(PoisonError::into_inner).step());
@@ -410,7 +435,11 @@ impl PsHandler {
                 self.shared.stepped.notify_waiters();
                 Ok(PsReply::Pushed(outcome))
             }
-            Err(Error::StaleStep { current, .. }) => Ok(PsReply::Stale { current }),
+            // A step this shard left, or one it never reached because it
+            // restarted from a checkpoint: either way, pull and compute again.
+            Err(Error::StaleStep { current, .. } | Error::FutureStep { current, .. }) => {
+                Ok(PsReply::Stale { current })
+            }
             Err(e) => Err(RemoteError::bad_request(e)),
         }
     }

@@ -25,7 +25,7 @@ use crate::{
 };
 use async_trait::async_trait;
 use bytes::Bytes;
-use oar_discovery::{Discovery, Fence, JobKeys, Session, TrainerDepartures};
+use oar_discovery::{Discovery, Fence, JobKeys, LeaseGuard, Session, TrainerDepartures};
 use oar_transport::{Frame, Handler, Listener, RemoteError, Transport};
 use serde::{Deserialize, Serialize};
 use std::{
@@ -218,6 +218,7 @@ impl Master {
 
         let handler = Arc::new(MasterHandler {
             shared: shared.clone(),
+            lease: session.guard(),
             ack_timeout: options.lease_ttl,
             tick_interval: options.tick_interval,
         });
@@ -385,8 +386,8 @@ async fn trainer_watcher(mut departures: TrainerDepartures, shared: Arc<Shared>)
             Ok(trainer) => {
                 let mut core = shared.core();
                 let returned = core.queue.trainer_gone(&trainer, Instant::now());
+                tracing::info!(trainer, returned, "trainer gone; its tasks return to todo");
                 if returned > 0 {
-                    tracing::info!(trainer, returned, "trainer gone; its tasks return to todo");
                     shared.changed(&mut core);
                 }
             }
@@ -400,6 +401,9 @@ async fn trainer_watcher(mut departures: TrainerDepartures, shared: Arc<Shared>)
 
 struct MasterHandler {
     shared: Arc<Shared>,
+    /// Checked before every request: a master whose lease may have expired
+    /// (paused past its ttl) must not hand out tasks a standby now owns.
+    lease: LeaseGuard,
     ack_timeout: Duration,
     tick_interval: Duration,
 }
@@ -420,7 +424,8 @@ impl MasterHandler {
             GetTask::Done => TaskReply::Done,
             GetTask::Failed => TaskReply::Failed,
         };
-        if matches!(reply, TaskReply::Assigned { .. }) {
+        if let TaskReply::Assigned { task_ref, .. } = &reply {
+            tracing::info!(trainer, task = task_ref.task.0, pass = task_ref.pass, "task assigned");
             self.shared.changed(&mut core);
         }
         reply
@@ -469,6 +474,9 @@ impl MasterHandler {
 #[async_trait]
 impl Handler for MasterHandler {
     async fn handle(&self, request: Frame) -> std::result::Result<Frame, RemoteError> {
+        if !self.lease.is_valid() {
+            self.shared.stop("the master's lease may have expired (no refresh within its ttl)".into());
+        }
         if let Some(why) = self.shared.stopped_reason() {
             return Err(RemoteError::unavailable(format!("master is not serving: {why}")));
         }

@@ -162,6 +162,7 @@ impl Loop {
             }
             match master.get_task(&id).await? {
                 TaskReply::Assigned { task, task_ref, .. } => {
+                    tracing::info!(trainer = id, task = task.id.0, pass = task_ref.pass, "got task");
                     if self.options.mode == Mode::Sync && !self.joined {
                         self.pservers.join().await?;
                         self.joined = true;
@@ -177,7 +178,17 @@ impl Loop {
                     };
                     let mut stats = self.train(&examples).await?;
                     stats.skipped_lines = skipped;
-                    if master.task_finished(&id, task_ref, stats).await? == ReportReply::Accepted {
+                    tracing::info!(trainer = id, task = task.id.0, pass = task_ref.pass, "reporting task");
+                    let reply = master.task_finished(&id, task_ref, stats).await?;
+                    let accepted = reply == ReportReply::Accepted;
+                    tracing::info!(
+                        trainer = id,
+                        task = task.id.0,
+                        pass = task_ref.pass,
+                        accepted,
+                        "task reported"
+                    );
+                    if accepted {
                         self.report.tasks_finished += 1;
                     }
                 }
