@@ -29,6 +29,11 @@ struct Args {
     /// Seconds between checkpoints: a crash loses at most this much training.
     #[arg(long, default_value_t = 60.0)]
     checkpoint_interval: f64,
+    /// Serve exactly this shard (waiting for it to be free) instead of the
+    /// lowest free one: give each pserver with its own checkpoint volume its
+    /// own index (a StatefulSet pod's ordinal).
+    #[arg(long)]
+    index: Option<u32>,
 }
 
 #[tokio::main]
@@ -49,6 +54,7 @@ async fn run(args: Args) -> Result<ExitCode, BoxError> {
     let mut options = args.conn.role_options("pserver");
     options.checkpoint_dir = args.checkpoint_dir;
     options.checkpoint_interval = interval;
+    options.pserver_index = args.index;
     let report = role::pserver(&ctx, &options).await?;
     println!("{{\"pserver\":{},\"steps\":{}}}", report.index, report.steps);
     Ok(ExitCode::SUCCESS)

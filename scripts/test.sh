@@ -7,8 +7,33 @@
 #   etcd     etcd-server                        the tests run /usr/bin/etcd
 #   protoc   protobuf-compiler, libprotobuf-dev  etcd-client compiles its protobufs
 #                                               (they import google/protobuf/*.proto)
+#   kubernetes-validate (PyPI, pinned below)    tests/kubernetes.rs validates deploy/kubernetes/
+#                                               with it; it bundles the Kubernetes schemas, so
+#                                               the test runs offline. Installed into a venv of
+#                                               Debian's python3 (python3-venv) at $kube_venv.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+
+kube_venv=/opt/oar-test-venv
+kube_validate_version=1.37.0
+# Its dependencies too, as tested, so that a new release cannot change what the test sees.
+kube_validate_pins=(kubernetes-validate=="$kube_validate_version" jsonschema==4.26.0
+    jsonschema-specifications==2025.9.1 referencing==0.37.0 PyYAML==6.0.3 packaging==26.3
+    importlib_resources==7.1.0 typing_extensions==4.16.0 attrs==26.1.0 rpds-py==2026.9.1)
+kube_validate_ok() {
+    [ "$("$kube_venv/bin/kubernetes-validate" --version 2>/dev/null)" = "$kube_validate_version" ]
+}
+
+as_root=()
+need_root() { # $1: what for
+    if [ "$(id -u)" -ne 0 ]; then
+        if ! command -v sudo >/dev/null 2>&1; then
+            echo "scripts/test.sh: need root (or sudo) to $1" >&2
+            exit 1
+        fi
+        as_root=(sudo)
+    fi
+}
 
 missing=()
 if [ ! -x /usr/bin/etcd ] && ! command -v etcd >/dev/null 2>&1; then
@@ -19,19 +44,29 @@ if [ -z "${PROTOC:-}" ]; then
     [ -f /usr/include/google/protobuf/descriptor.proto ] || missing+=(libprotobuf-dev)
 fi
 
+kube_validate_present=true
+if ! kube_validate_ok; then
+    kube_validate_present=false
+    /usr/bin/python3 -c 'import venv, ensurepip' >/dev/null 2>&1 || missing+=(python3-venv)
+fi
+
 if [ "${#missing[@]}" -gt 0 ]; then
     echo "scripts/test.sh: installing ${missing[*]}" >&2
-    as_root=()
-    if [ "$(id -u)" -ne 0 ]; then
-        if ! command -v sudo >/dev/null 2>&1; then
-            echo "scripts/test.sh: need root (or sudo) to run: apt-get install -y ${missing[*]}" >&2
-            exit 1
-        fi
-        as_root=(sudo)
-    fi
+    need_root "run: apt-get install -y ${missing[*]}"
     "${as_root[@]}" env DEBIAN_FRONTEND=noninteractive apt-get update -q </dev/null
     "${as_root[@]}" env DEBIAN_FRONTEND=noninteractive \
         apt-get install -y -q "${missing[@]}" </dev/null
+fi
+
+if ! "$kube_validate_present"; then
+    echo "scripts/test.sh: installing kubernetes-validate==$kube_validate_version into $kube_venv" >&2
+    need_root "create $kube_venv"
+    "${as_root[@]}" /usr/bin/python3 -m venv --clear "$kube_venv"
+    "${as_root[@]}" "$kube_venv/bin/pip" install -q --disable-pip-version-check "${kube_validate_pins[@]}" </dev/null
+    if ! kube_validate_ok; then
+        echo "scripts/test.sh: $kube_venv/bin/kubernetes-validate does not run after its install" >&2
+        exit 1
+    fi
 fi
 
 exec cargo test --workspace --locked --all-features "$@"

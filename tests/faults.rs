@@ -285,3 +285,90 @@ fn a_corrupt_newest_checkpoint_falls_back_and_all_corrupt_refuses_to_start() {
         assert!(err.contains(&path.display().to_string()), "the error names {}: {err}", path.display());
     }
 }
+
+/// A small deterministic generator for the chaos schedule (seed printed, and
+/// settable with `OAR_CHAOS_SEED` to replay a run).
+struct Lcg(u64);
+
+impl Lcg {
+    fn below(&mut self, n: usize) -> usize {
+        self.0 = self.0.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+        ((self.0 >> 33) % n as u64) as usize
+    }
+}
+
+/// Kill a random process of a random role every few seconds, start a new
+/// one in its place, and check that the job still ends well: every pass
+/// complete, every task finished or discarded with a reason, none accepted
+/// twice, a model as good as usual. `OAR_CHAOS_ROUNDS` (default 4) makes it longer.
+#[test]
+fn chaos_kills_and_restarts_random_processes_and_the_job_still_ends_well() {
+    let rounds: usize = std::env::var("OAR_CHAOS_ROUNDS").ok().and_then(|r| r.parse().ok()).unwrap_or(4);
+    let seed = std::env::var("OAR_CHAOS_SEED").ok().and_then(|s| s.parse().ok()).unwrap_or_else(|| {
+        std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map(|d| d.as_nanos() as u64)
+            .unwrap_or(1)
+    });
+    eprintln!("chaos: {rounds} rounds, OAR_CHAOS_SEED={seed}");
+    let mut rng = Lcg(seed);
+    let cluster = Cluster::start("chaos");
+    let passes = (10 * rounds as u32).max(10);
+    let job = job(passes);
+
+    let mut masters = vec![cluster.master("master-0", &job)];
+    let mut pservers: Vec<Proc> = (0..2).map(|i| cluster.pserver(&format!("pserver-{i}"), 0.5)).collect();
+    let mut trainers: Vec<Proc> = (0..3).map(|i| cluster.trainer(&format!("trainer-{i}"))).collect();
+    // The last process of each role is the live one; killed ones stay for their logs.
+    let (mut live_pservers, mut live_trainers) = (vec![0, 1], vec![0, 1, 2]);
+    wait_for_pass(masters.last_mut().unwrap(), 1, &[]);
+
+    let mut kills = Vec::new();
+    for round in 0..rounds {
+        std::thread::sleep(Duration::from_millis(1000 + 500 * rng.below(5) as u64));
+        if masters.last_mut().unwrap().wait(Duration::ZERO).is_some() {
+            break; // The job ended.
+        }
+        match rng.below(3) {
+            0 => {
+                masters.last_mut().unwrap().kill();
+                masters.push(cluster.master(&format!("master-{}", round + 1), &job));
+                kills.push("master");
+            }
+            1 => {
+                let slot = rng.below(live_pservers.len());
+                pservers[live_pservers[slot]].kill();
+                pservers.push(cluster.pserver(&format!("pserver-r{round}"), 0.5));
+                live_pservers[slot] = pservers.len() - 1;
+                kills.push("pserver");
+            }
+            _ => {
+                let slot = rng.below(live_trainers.len());
+                trainers[live_trainers[slot]].kill();
+                trainers.push(cluster.trainer(&format!("trainer-r{round}")));
+                live_trainers[slot] = trainers.len() - 1;
+                kills.push("trainer");
+            }
+        }
+    }
+    eprintln!("chaos: killed {kills:?}");
+
+    let mut master = masters.pop().unwrap();
+    let others: Vec<&Proc> = masters.iter().chain(&pservers).chain(&trainers).collect();
+    let report = report_of(&mut master, &others);
+    assert_eq!(report["passes"], passes, "{report}");
+    let discarded = report["discarded"].as_array().unwrap();
+    assert_eq!(discarded.len() as u64, report["tasks_discarded"].as_u64().unwrap(), "{report}");
+    for d in discarded {
+        assert!(!d[1].as_str().unwrap_or("").is_empty(), "a discard without a reason: {report}");
+    }
+    let tasks_per_pass = 29; // a1a in 4 KiB chunks
+    let accounted = report["tasks_done"].as_u64().unwrap() + discarded.len() as u64;
+    assert_eq!(accounted, tasks_per_pass * passes as u64, "every task of every pass: {report}");
+    let mut accepted = support::accepted_reports(&trainers.iter().collect::<Vec<_>>());
+    let total = accepted.len();
+    accepted.sort();
+    accepted.dedup();
+    assert_eq!(accepted.len(), total, "a (task, pass) was accepted twice");
+    assert!(report["test_accuracy"].as_f64().unwrap() >= 0.8, "{report}");
+}

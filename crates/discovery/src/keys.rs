@@ -78,14 +78,24 @@ impl JobKeys {
 pub struct TrainerDepartures {
     keys: JobKeys,
     watch: crate::WatchStream,
+    present: Vec<String>,
 }
 
 impl TrainerDepartures {
     /// Start following the registrations under [`JobKeys::trainers`].
     pub async fn watch(discovery: &dyn crate::Discovery, keys: &JobKeys) -> crate::Result<Self> {
         let now = discovery.get_prefix(&keys.trainers()).await?;
+        let present = now.kvs.iter().filter_map(|kv| keys.trainer_id(&kv.key)).map(str::to_string).collect();
         let watch = discovery.watch_prefix(&keys.trainers(), now.revision + 1).await?;
-        Ok(Self { keys: keys.clone(), watch })
+        Ok(Self { keys: keys.clone(), watch, present })
+    }
+
+    /// The trainers registered when the watch started (sorted). Anyone
+    /// holding work who is not among them left before the watch began: a
+    /// restarted master takes their tasks back with this, with no gap
+    /// between the listing and the watch.
+    pub fn present(&self) -> &[String] {
+        &self.present
     }
 
     /// The next trainer that left; `None` when the watch ended, an error

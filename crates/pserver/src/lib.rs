@@ -29,6 +29,18 @@
 //! This crate's core ([`spec`], [`placement`], [`optimizer`], [`store`]) does
 //! no I/O and reads no clock.
 //!
+//! **What a pserver crash loses.** The [`Pserver`] service checkpoints its
+//! shard every `checkpoint_interval` (when it changed), atomically, with the
+//! optimizer state and the push deduplication table. A replacement loads the
+//! newest verified checkpoint, so a crash loses at most the updates applied
+//! to that shard during one interval (plus the time one checkpoint takes to
+//! write); no update is applied twice, because a trainer's retried push
+//! that the checkpoint already holds is recognised by its `(trainer, seq)`.
+//! Trainers pause their updates while the shard is away and follow the
+//! replacement (see [`client`]). `tests/faults.rs` kills a pserver and checks
+//! that the replacement loads a checkpoint at least as new as the last one
+//! recorded before the kill.
+//!
 //! ```
 //! use oar_pserver::{
 //!     BlockId, Init, Mode, OptimizerConfig, ParamSpec, ParamStore, Placement, Push, PushOutcome,

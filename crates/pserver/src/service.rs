@@ -51,6 +51,11 @@ pub struct PserverOptions {
     /// Checkpoints kept per pserver (at least 2, so a corrupt newest one
     /// has a fallback).
     pub checkpoint_keep: usize,
+    /// Claim exactly this index (waiting for it to be free) instead of the
+    /// lowest free one: for pservers whose checkpoints live on a volume of
+    /// their own (a Kubernetes StatefulSet pod), so a restarted pod serves
+    /// the shard its volume holds.
+    pub index: Option<u32>,
 }
 
 impl PserverOptions {
@@ -75,6 +80,7 @@ impl PserverOptions {
             checkpoint_dir: None,
             checkpoint_interval: Duration::from_secs(60),
             checkpoint_keep: 3,
+            index: None,
         }
     }
 }
@@ -351,9 +357,22 @@ async fn claim_index(
     addr: &str,
     lease: oar_discovery::LeaseId,
 ) -> Result<u32> {
+    if let Some(index) = options.index {
+        if index >= options.servers {
+            return Err(Error::Config(format!(
+                "index {index} is out of range: the job has {} pservers (indexes 0 to {})",
+                options.servers,
+                options.servers.saturating_sub(1)
+            )));
+        }
+    }
+    let wanted = match options.index {
+        Some(index) => index..index + 1,
+        None => 0..options.servers,
+    };
     let deadline = tokio::time::Instant::now() + options.claim_timeout;
     loop {
-        for index in 0..options.servers {
+        for index in wanted.clone() {
             if discovery
                 .create_if_absent(&keys.ps(index), addr.as_bytes().to_vec(), Some(lease))
                 .await?

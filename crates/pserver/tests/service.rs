@@ -217,3 +217,22 @@ async fn a_restarted_pserver_resumes_from_its_checkpoint_and_still_knows_applied
         PsReply::Pushed(PushOutcome::Duplicate)
     );
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_pserver_told_its_index_claims_that_one_and_an_index_out_of_range_is_refused() {
+    let env = Env::new();
+    let start = |index: Option<u32>| {
+        let mut o = PserverOptions::new(JOB, specs(), 3, Mode::Async, OptimizerConfig::Sgd { lr: 0.5 });
+        o.block_size = 8;
+        o.index = index;
+        o.claim_timeout = Duration::from_millis(300);
+        Pserver::start(env.discovery.clone(), env.transport.clone(), "mem:0", o)
+    };
+    let second = start(Some(2)).await.unwrap();
+    assert_eq!(second.index(), 2, "index 0 is free, but this one was told 2");
+    let err = start(Some(2)).await.err().expect("index 2 is held");
+    assert!(err.to_string().contains("no free"), "{err}");
+    let err = start(Some(3)).await.err().expect("only 3 pservers");
+    assert!(err.to_string().contains("index 3 is out of range"), "{err}");
+    assert_eq!(start(None).await.unwrap().index(), 0);
+}

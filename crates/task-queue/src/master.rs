@@ -213,6 +213,23 @@ impl Master {
             stopped: watch::channel(None).0,
             status: status_tx,
         });
+        // Trainers that left while no master watched (between the last
+        // master's end and now) hold restored pending tasks: take them back.
+        let departures = TrainerDepartures::watch(&*discovery, &keys).await?;
+        {
+            let mut core = shared.core();
+            for trainer in core.queue.pending_trainers() {
+                if departures.present().binary_search(&trainer).is_err() {
+                    let returned = core.queue.trainer_gone(&trainer, now);
+                    tracing::info!(
+                        trainer,
+                        returned,
+                        "trainer gone before this master started; its tasks return to todo"
+                    );
+                }
+            }
+            shared.changed(&mut core);
+        }
         // Store the starting state before serving, so a restore never goes back.
         persist(&*discovery, &fence, &keys, &shared, true).await?;
 
@@ -228,7 +245,6 @@ impl Master {
             .await?;
         tracing::info!(addr = listener.local_addr(), "master serving");
 
-        let departures = TrainerDepartures::watch(&*discovery, &keys).await?;
         let lease_lost = session.lost_signal();
         let guard = shared.clone();
         let background = vec![
@@ -562,22 +578,8 @@ impl StoredState {
             let queue = Snapshot::decode(bytes)?;
             return Ok(StoredState { queue, passes: Vec::new(), discarded: Vec::new() });
         }
-        let bad = |why: String| Error::BadSnapshot(format!("master state: {why}"));
-        let Some(rest) = bytes.strip_prefix(STATE_MAGIC.as_slice()) else {
-            let head = &bytes[..bytes.len().min(STATE_MAGIC.len())];
-            return Err(bad(format!("expected magic {STATE_MAGIC:?}, got {head:?}")));
-        };
-        let Some((&format, body)) = rest.split_first() else {
-            return Err(bad("truncated: no format number after the magic".into()));
-        };
-        if format != STATE_FORMAT {
-            return Err(bad(format!("unsupported format {format} (this build reads format {STATE_FORMAT})")));
-        }
-        let (stored, tail) =
-            postcard::take_from_bytes::<StoredState>(body).map_err(|e| bad(format!("corrupt body: {e}")))?;
-        if !tail.is_empty() {
-            return Err(bad(format!("{} unexpected trailing byte(s) after the body", tail.len())));
-        }
+        let stored: StoredState =
+            crate::snapshot::decode_framed(bytes, STATE_MAGIC, STATE_FORMAT, "not a master state")?;
         stored.queue.unpack()?;
         Ok(stored)
     }

@@ -488,6 +488,21 @@ impl TaskQueue {
         }
     }
 
+    /// The trainers holding pending tasks, sorted, each once.
+    pub fn pending_trainers(&self) -> Vec<String> {
+        let mut trainers: Vec<String> = self
+            .pending
+            .iter()
+            .filter_map(|&(_, i)| match &self.slots[i] {
+                Slot::Pending { trainer, .. } => Some(trainer.clone()),
+                _ => None,
+            })
+            .collect();
+        trainers.sort_unstable();
+        trainers.dedup();
+        trainers
+    }
+
     /// The job's counts.
     pub fn status(&self) -> Status {
         Status {

@@ -114,6 +114,33 @@ pub(crate) struct Unpacked {
     pub meta: Meta,
 }
 
+/// Decode `magic`, a format number that must be `format`, and a postcard
+/// body with nothing after it: the framing of every stored value of this
+/// crate. `what` starts the error for a wrong magic.
+pub(crate) fn decode_framed<T: serde::de::DeserializeOwned>(
+    bytes: &[u8],
+    magic: &[u8; 4],
+    format: u8,
+    what: &str,
+) -> Result<T> {
+    let Some(rest) = bytes.strip_prefix(magic.as_slice()) else {
+        let head = &bytes[..bytes.len().min(magic.len())];
+        return Err(bad(format!("{what}: expected magic {magic:?}, got {head:?}")));
+    };
+    let Some((&found, body)) = rest.split_first() else {
+        return Err(bad("truncated: no format number after the magic"));
+    };
+    if found != format {
+        return Err(bad(format!("unsupported format {found} (this build reads format {format})")));
+    }
+    let (value, tail) =
+        postcard::take_from_bytes::<T>(body).map_err(|e| bad(format!("corrupt body: {e}")))?;
+    if !tail.is_empty() {
+        return Err(bad(format!("{} unexpected trailing byte(s) after the body", tail.len())));
+    }
+    Ok(value)
+}
+
 fn bad(msg: impl Into<String>) -> Error {
     Error::BadSnapshot(msg.into())
 }
@@ -239,21 +266,7 @@ impl Snapshot {
     /// id in exactly one state, the todo list matching the todo tasks, counts
     /// consistent with the job state. Errors say what was wrong.
     pub fn decode(bytes: &[u8]) -> Result<Snapshot> {
-        let Some(rest) = bytes.strip_prefix(MAGIC.as_slice()) else {
-            let head = &bytes[..bytes.len().min(MAGIC.len())];
-            return Err(bad(format!("not a task-queue snapshot: expected magic {MAGIC:?}, got {head:?}")));
-        };
-        let Some((&format, body)) = rest.split_first() else {
-            return Err(bad("truncated: no format number after the magic"));
-        };
-        if format != FORMAT {
-            return Err(bad(format!("unsupported format {format} (this build reads format {FORMAT})")));
-        }
-        let (snapshot, tail) =
-            postcard::take_from_bytes::<Snapshot>(body).map_err(|e| bad(format!("corrupt body: {e}")))?;
-        if !tail.is_empty() {
-            return Err(bad(format!("{} unexpected trailing byte(s) after the body", tail.len())));
-        }
+        let snapshot: Snapshot = decode_framed(bytes, MAGIC, FORMAT, "not a task-queue snapshot")?;
         snapshot.unpack()?;
         Ok(snapshot)
     }

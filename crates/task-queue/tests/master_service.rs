@@ -186,3 +186,29 @@ async fn bad_requests_get_an_error_and_harm_nothing() {
     assert_eq!(client.task_finished("t1", r, TaskStats::default()).await.unwrap(), ReportReply::Accepted);
     assert_eq!(master.wait().await.unwrap(), JobState::Done);
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_restarted_master_takes_back_the_tasks_of_trainers_gone_while_no_master_ran() {
+    let env = Env::new();
+    let keys = JobKeys::new(JOB).unwrap();
+    let lease = env.discovery.grant_lease(Duration::from_secs(30)).await.unwrap();
+    for trainer in ["alive", "dead"] {
+        env.discovery.put(&keys.trainer(trainer), trainer.into(), Some(lease)).await.unwrap();
+    }
+    let first = env.master("m1", 3).await;
+    let client = env.client();
+    take(&client, "alive").await;
+    take(&client, "dead").await;
+    first.shutdown().await.unwrap();
+
+    // "dead" leaves while no master runs: no watch sees it go.
+    env.discovery.delete(&keys.trainer("dead")).await.unwrap();
+    let second = env.master("m2", 3).await;
+    let status = second.status().borrow().clone();
+    assert_eq!(
+        (status.queue.pending, status.queue.todo),
+        (1, 2),
+        "only the live trainer keeps its task: {status:?}"
+    );
+    assert_eq!(status.queue.failures, 1);
+}

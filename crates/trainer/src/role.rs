@@ -86,6 +86,9 @@ pub struct RoleOptions {
     pub checkpoint_interval: Duration,
     /// Pserver: how often it looks whether the job ended.
     pub poll_interval: Duration,
+    /// Pserver: claim exactly this shard index instead of the lowest free one
+    /// (for pservers with a checkpoint volume each, such as StatefulSet pods).
+    pub pserver_index: Option<u32>,
 }
 
 impl RoleOptions {
@@ -104,6 +107,7 @@ impl RoleOptions {
             checkpoint_dir: None,
             checkpoint_interval: Duration::from_secs(60),
             poll_interval: Duration::from_millis(250),
+            pserver_index: None,
         }
     }
 
@@ -357,6 +361,7 @@ pub async fn pserver(ctx: &JobContext, options: &RoleOptions) -> Result<PserverR
     ps_options.claim_timeout = options.startup_timeout;
     ps_options.checkpoint_dir = options.checkpoint_dir.clone();
     ps_options.checkpoint_interval = options.checkpoint_interval;
+    ps_options.index = options.pserver_index;
     let server =
         Pserver::start(ctx.discovery.clone(), ctx.transport.clone(), &ctx.listen, ps_options).await?;
     let index = server.index();

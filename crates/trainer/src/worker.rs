@@ -7,7 +7,7 @@ use crate::{
     reader::{read_chunk, ReaderOptions},
     Error, Result,
 };
-use oar_discovery::{Discovery, JobKeys, Session};
+use oar_discovery::{Discovery, JobKeys, LeaseGuard, Session};
 use oar_pserver::{Mode, ParamBuf, Placement, PserverClient, PushResult};
 use oar_task_queue::{MasterClient, ReportReply, TaskReply, TaskSpec, TaskStats};
 use oar_transport::{RetryPolicy, Transport};
@@ -102,6 +102,7 @@ pub async fn run_trainer(
         sum: ParamBuf::zeros(&specs),
         pending_weight: 0.0,
         pservers,
+        lease: session.guard(),
         joined: false,
         pulled_once: false,
         report: TrainerReport::default(),
@@ -148,6 +149,9 @@ struct Loop {
     /// Async: examples behind `sum`.
     pending_weight: f32,
     pservers: PserverClient,
+    /// Checked before every step: a trainer whose lease may have expired
+    /// (paused past its ttl) has been given up by the job and must not push.
+    lease: LeaseGuard,
     joined: bool,
     pulled_once: bool,
     report: TrainerReport,
@@ -233,6 +237,9 @@ impl Loop {
     async fn train(&mut self, examples: &[Example]) -> Result<TaskStats> {
         let mut stats = TaskStats::default();
         for batch in examples.chunks(self.options.batch_size) {
+            if !self.lease.is_valid() {
+                return Err(Error::LeaseLost);
+            }
             let loss = match self.options.mode {
                 Mode::Sync => self.sync_step(batch).await?,
                 Mode::Async => self.async_step(batch).await?,

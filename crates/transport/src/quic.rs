@@ -53,7 +53,10 @@ pub struct QuicOptions {
     pub max_message: u64,
     /// How long to wait for a QUIC handshake (also bounded by the call's timeout).
     pub connect_timeout: Duration,
-    /// A connection with no packet for this long is dead.
+    /// A connection with no packet for this long is dead: its calls fail
+    /// (transiently) and the caller looks the peer up again. With pings every
+    /// `keep_alive`, a live peer is never idle, so this is how soon a killed,
+    /// paused or cut-off peer is given up; keep it near the job's lease ttl.
     pub idle_timeout: Duration,
     /// Ping an idle connection this often so it stays open (and a dead peer is noticed).
     pub keep_alive: Duration,
@@ -88,8 +91,8 @@ impl Default for QuicOptions {
         QuicOptions {
             max_message: wire::DEFAULT_MAX_MESSAGE,
             connect_timeout: Duration::from_secs(5),
-            idle_timeout: Duration::from_secs(15),
-            keep_alive: Duration::from_secs(3),
+            idle_timeout: Duration::from_secs(3),
+            keep_alive: Duration::from_secs(1),
             stream_idle_timeout: Duration::from_secs(10),
             close_grace: Duration::from_secs(10),
             max_concurrent_streams: 256,
