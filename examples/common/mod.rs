@@ -258,7 +258,7 @@ mod cluster {
             let tls = TlsConfig::from_pem_files(&self.ca, &self.cert, &self.key)?;
             let transport = Arc::new(QuicTransport::new(tls)?);
             let discovery = Arc::new(EtcdDiscovery::connect(&self.etcd).await?);
-            Ok(JobContext { job: self.job.clone(), discovery, transport, listen: self.listen.clone() })
+            Ok(JobContext::new(self.job.clone(), discovery, transport, self.listen.clone()))
         }
 
         /// Timing for role `role`, from the flags.

@@ -93,6 +93,6 @@ pub use optimizer::{
 };
 pub use placement::{BlockId, BlockInfo, Placement};
 pub use rng::{hash_str, SplitMix64};
-pub use service::{Pserver, PserverOptions};
+pub use service::{OptimizerFactory, Pserver, PserverOptions};
 pub use spec::{init_values, validate_specs, Init, ParamBuf, ParamSpec};
 pub use store::{Mode, ParamStore, Push, PushOutcome};

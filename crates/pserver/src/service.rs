@@ -19,6 +19,30 @@ use std::{
 };
 use tokio::sync::{watch, Notify};
 
+/// Builds a user-defined [`Optimizer`](crate::Optimizer) on a pserver: the
+/// seam through which a user's update rule runs on the pservers without any
+/// change to oar (see `examples/custom_optimizer.rs`).
+#[derive(Clone)]
+pub struct OptimizerFactory(Arc<dyn Fn() -> Box<dyn crate::Optimizer> + Send + Sync>);
+
+impl OptimizerFactory {
+    /// A factory calling `build` once per pserver.
+    pub fn new(build: impl Fn() -> Box<dyn crate::Optimizer> + Send + Sync + 'static) -> Self {
+        OptimizerFactory(Arc::new(build))
+    }
+
+    /// A new optimizer.
+    pub fn build(&self) -> Box<dyn crate::Optimizer> {
+        (self.0)()
+    }
+}
+
+impl std::fmt::Debug for OptimizerFactory {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_tuple("OptimizerFactory").field(&self.build().name()).finish()
+    }
+}
+
 /// How a pserver runs. Every pserver and trainer of a job must agree on
 /// `specs`, `servers` and `block_size` (the placement's fingerprint checks it).
 #[derive(Clone, Debug)]
@@ -37,6 +61,9 @@ pub struct PserverOptions {
     pub mode: Mode,
     /// The update rule.
     pub optimizer: OptimizerConfig,
+    /// A user-defined update rule that replaces `optimizer` (which then only
+    /// names the job's choice in its options). Called once, at start.
+    pub custom_optimizer: Option<OptimizerFactory>,
     /// The pserver's lease: when it expires the pserver stops serving and
     /// its index is free for a replacement.
     pub lease_ttl: Duration,
@@ -75,6 +102,7 @@ impl PserverOptions {
             seed: 1,
             mode,
             optimizer,
+            custom_optimizer: None,
             lease_ttl: Duration::from_secs(5),
             claim_timeout: Duration::from_secs(60),
             checkpoint_dir: None,
@@ -149,7 +177,10 @@ impl Pserver {
         options: PserverOptions,
     ) -> Result<Pserver> {
         let keys = JobKeys::new(&options.job)?;
-        let optimizer = options.optimizer.build()?;
+        let optimizer = match &options.custom_optimizer {
+            Some(factory) => factory.build(),
+            None => options.optimizer.build()?,
+        };
         let placement = Arc::new(Placement::new(&options.specs, options.servers, options.block_size)?);
         if let Some(kv) = discovery.get(&keys.ps_desired()).await? {
             let desired = std::str::from_utf8(&kv.value).ok().and_then(|s| s.trim().parse::<u32>().ok());

@@ -6,7 +6,7 @@
 pub use crate::role::{JobReport, PassReport};
 use crate::{
     job::JobConfig,
-    role::{self, JobContext, RoleOptions},
+    role::{self, JobContext, Plugins, RoleOptions},
     Error, Result,
 };
 use oar_discovery::Discovery;
@@ -26,11 +26,24 @@ pub async fn run_local(
     listen: &str,
     on_pass: impl FnMut(&PassReport),
 ) -> Result<JobReport> {
+    run_local_with(config, trainers, discovery, transport, listen, Plugins::default(), on_pass).await
+}
+
+/// [`run_local`] with user-defined parts (a model, an optimizer).
+pub async fn run_local_with(
+    config: &JobConfig,
+    trainers: u32,
+    discovery: Arc<dyn Discovery>,
+    transport: Arc<dyn Transport>,
+    listen: &str,
+    plugins: Plugins,
+    on_pass: impl FnMut(&PassReport),
+) -> Result<JobReport> {
     config.validate()?;
     if trainers == 0 {
         return Err(Error::BadConfig("trainers must be at least 1".into()));
     }
-    let ctx = JobContext { job: "local".into(), discovery, transport, listen: listen.into() };
+    let ctx = JobContext { plugins, ..JobContext::new("local", discovery, transport, listen) };
     let options = |id: String| RoleOptions {
         // Nothing restarts in one process: a member away this long is a bug.
         retry_for: Duration::from_secs(30),

@@ -31,7 +31,7 @@ use crate::{
     Error, Result,
 };
 use oar_discovery::{Discovery, JobKeys};
-use oar_pserver::{ParamBuf, Pserver, PserverClient, PserverOptions};
+use oar_pserver::{OptimizerFactory, ParamBuf, Placement, Pserver, PserverClient, PserverOptions};
 use oar_task_queue::{chunks_from_glob, tasks_from_chunks, JobState, Master, MasterOptions, MasterStatus};
 use oar_transport::{RetryPolicy, Transport};
 use serde::{Deserialize, Serialize};
@@ -40,6 +40,21 @@ use std::{
     sync::Arc,
     time::{Duration, Instant},
 };
+
+/// User-defined parts that replace the built-in ones the job's options
+/// name, without any change to oar. Every process of a job must be given the
+/// same ones (the model decides the parameters, which the placement's
+/// fingerprint checks).
+#[derive(Clone, Default)]
+pub struct Plugins {
+    /// Replaces the model of [`JobConfig::model`] on every role: trainers
+    /// train it, pservers hold its parameters, the master scores it.
+    /// `JobConfig::model` still gives the data's features and classes to the
+    /// readers.
+    pub model: Option<Arc<dyn Model>>,
+    /// Replaces [`JobConfig::optimizer`] on the pservers.
+    pub optimizer: Option<OptimizerFactory>,
+}
 
 /// Where a role runs: the job, its discovery, the transport, and the
 /// address to listen at (`"127.0.0.1:0"` picks a free port; `"mem:0"` for
@@ -54,6 +69,33 @@ pub struct JobContext {
     pub transport: Arc<dyn Transport>,
     /// The address this role serves at (the master and pservers).
     pub listen: String,
+    /// User-defined parts, if any.
+    pub plugins: Plugins,
+}
+
+impl JobContext {
+    /// A context with no plugins.
+    pub fn new(
+        job: impl Into<String>,
+        discovery: Arc<dyn Discovery>,
+        transport: Arc<dyn Transport>,
+        listen: impl Into<String>,
+    ) -> Self {
+        Self { job: job.into(), discovery, transport, listen: listen.into(), plugins: Plugins::default() }
+    }
+
+    /// The job's model: the plugin's, or the one `config` names.
+    fn model(&self, config: &JobConfig) -> Result<Arc<dyn Model>> {
+        match &self.plugins.model {
+            Some(model) => Ok(model.clone()),
+            None => Ok(config.model.build()?.into()),
+        }
+    }
+}
+
+/// Where each block of `model` lives: the same on every process.
+fn placement(model: &dyn Model, config: &JobConfig) -> Result<Arc<Placement>> {
+    Ok(Arc::new(Placement::new(&model.param_specs(), config.pservers, config.block_size)?))
 }
 
 /// Timing and local options of a role; each role reads the fields it needs.
@@ -237,8 +279,8 @@ pub async fn master(
             )));
         }
     }
-    let model: Arc<dyn Model> = config.model.build()?.into();
-    let placement = Arc::new(config.placement()?);
+    let model = ctx.model(config)?;
+    let placement = placement(&*model, config)?;
     // Scoring skips bad lines; training reports them through its tasks.
     let scoring = ReaderOptions { skip_bad_lines: true, ..config.reader() };
     let train_set = read_glob(&config.data, &scoring)?;
@@ -352,9 +394,10 @@ pub struct PserverReport {
 /// last checkpoint. Errors if the pserver loses its lease (it stops serving).
 pub async fn pserver(ctx: &JobContext, options: &RoleOptions) -> Result<PserverReport> {
     let config = read_config(&*ctx.discovery, &ctx.job, options.startup_timeout).await?;
-    let model = config.model.build()?;
+    let model = ctx.model(&config)?;
     let mut ps_options =
         PserverOptions::new(&ctx.job, model.param_specs(), config.pservers, config.mode, config.optimizer);
+    ps_options.custom_optimizer = ctx.plugins.optimizer.clone();
     ps_options.block_size = config.block_size;
     ps_options.seed = config.seed;
     ps_options.lease_ttl = options.lease_ttl;
@@ -393,8 +436,8 @@ pub async fn pserver(ctx: &JobContext, options: &RoleOptions) -> Result<PserverR
 /// the pservers, train on tasks until the master says the job is over.
 pub async fn trainer(ctx: &JobContext, options: &RoleOptions) -> Result<TrainerReport> {
     let config = read_config(&*ctx.discovery, &ctx.job, options.startup_timeout).await?;
-    let model: Arc<dyn Model> = config.model.build()?.into();
-    let placement = Arc::new(config.placement()?);
+    let model = ctx.model(&config)?;
+    let placement = placement(&*model, &config)?;
     let trainer_options = TrainerOptions {
         id: options.id.clone(),
         job: ctx.job.clone(),

@@ -1,0 +1,90 @@
+//! A user-defined update rule running on the pservers, without any change
+//! to oar: SGD with a learning rate that decays with the step and with the
+//! gradient clipped to a maximum norm. It implements
+//! [`oar::pserver::Optimizer`] and reaches the pservers through
+//! [`Plugins::optimizer`](oar::trainer::role::Plugins); a cluster's
+//! `pserver` binary would pass the same `Plugins` in its `JobContext`.
+//!
+//!     cargo run --release --example custom_optimizer
+//!
+//! Trains softmax regression on `testdata/a1a` with 2 pservers and 3
+//! trainers in one process, over QUIC on 127.0.0.1, prints one line per pass
+//! and the report as JSON; exits 1 if the job failed or the model does not
+//! reach 82% on `a1a.t`.
+
+use oar::{
+    discovery::MemDiscovery,
+    pserver::{Optimizer, OptimizerConfig, OptimizerFactory, OptimizerState},
+    trainer::{job::JobConfig, local::run_local_with, model::ModelConfig, role::Plugins},
+    transport::{DevCa, QuicTransport},
+};
+use std::{process::ExitCode, sync::Arc};
+
+/// `lr_t = lr / (1 + decay * t)` for the block's update count `t`, and the
+/// block's gradient scaled down to norm `max_norm` when it is longer.
+/// (`apply` sees one block at a time, so the clipping is per block.)
+struct ScheduledClippedSgd {
+    lr: f32,
+    decay: f32,
+    max_norm: f32,
+}
+
+impl Optimizer for ScheduledClippedSgd {
+    fn name(&self) -> &str {
+        "scheduled-clipped-sgd"
+    }
+
+    fn state_slots(&self) -> usize {
+        0 // The step count lives in `state.step`; nothing per element.
+    }
+
+    fn apply(&self, params: &mut [f32], grad: &[f32], state: &mut OptimizerState) {
+        let norm = grad.iter().map(|g| g * g).sum::<f32>().sqrt();
+        let clip = if norm > self.max_norm { self.max_norm / norm } else { 1.0 };
+        let lr = self.lr / (1.0 + self.decay * state.step as f32) * clip;
+        for (p, g) in params.iter_mut().zip(grad) {
+            *p -= lr * g;
+        }
+        state.step += 1;
+    }
+}
+
+#[tokio::main]
+async fn main() -> ExitCode {
+    match run().await {
+        Ok(code) => code,
+        Err(e) => {
+            eprintln!("error: {e}");
+            ExitCode::from(2)
+        }
+    }
+}
+
+async fn run() -> Result<ExitCode, Box<dyn std::error::Error>> {
+    let root = env!("CARGO_MANIFEST_DIR");
+    let mut config =
+        JobConfig::new(&format!("{root}/testdata/a1a"), ModelConfig::Softmax { features: 123, classes: 2 });
+    config.test_data = Some(format!("{root}/testdata/a1a.t"));
+    config.passes = 5;
+    // Names the job's choice in its options; the plugin below replaces it on the pservers.
+    config.optimizer = OptimizerConfig::parse("sgd", 0.5)?;
+    let plugins = Plugins {
+        optimizer: Some(OptimizerFactory::new(|| {
+            Box::new(ScheduledClippedSgd { lr: 0.5, decay: 0.01, max_norm: 1.0 })
+        })),
+        ..Plugins::default()
+    };
+    let transport = Arc::new(QuicTransport::new(DevCa::new()?.tls_config("custom-optimizer")?)?);
+    let discovery = Arc::new(MemDiscovery::new());
+    let report = run_local_with(&config, 3, discovery, transport, "127.0.0.1:0", plugins, |p| {
+        println!(
+            "pass {}: train loss {:.4}, test accuracy {:.2}%",
+            p.pass + 1,
+            p.train_loss,
+            p.test_accuracy * 100.0
+        )
+    })
+    .await?;
+    println!("{}", serde_json::to_string(&report)?);
+    Ok(if report.is_done() && report.test_accuracy >= 0.82 { ExitCode::SUCCESS } else { ExitCode::FAILURE })
+}
