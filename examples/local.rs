@@ -37,6 +37,9 @@ struct Args {
     /// Log what the library does (to stderr).
     #[arg(long)]
     verbose: bool,
+    /// Serve Prometheus metrics at this address (http://ADDR/metrics; port 0 picks one).
+    #[arg(long)]
+    metrics: Option<String>,
 }
 
 #[derive(Clone, Copy, Debug, ValueEnum)]
@@ -56,6 +59,7 @@ async fn run(args: Args) -> Result<ExitCode, BoxError> {
     // Generated data lives in a temporary directory removed at the end.
     let generated = tempfile::tempdir()?;
     let config = args.job.config(Some(generated.path()))?;
+    let _metrics = common::serve_metrics(args.metrics.as_deref()).await?;
     let (transport, listen): (Arc<dyn Transport>, _) = match args.transport {
         TransportArg::Quic => {
             // One identity for the whole process, signed by a CA made for this run.

@@ -37,6 +37,7 @@ async fn main() -> ExitCode {
 
 async fn run(args: Args) -> Result<ExitCode, BoxError> {
     let config = args.job.config(None)?;
+    let _metrics = common::serve_metrics(args.conn.metrics.as_deref()).await?;
     let ctx = args.conn.connect().await?;
     let options = args.conn.role_options("master");
     let report = role::master(&ctx, &config, &options, |p| common::print_pass(p, config.passes)).await?;

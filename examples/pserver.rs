@@ -50,6 +50,7 @@ async fn run(args: Args) -> Result<ExitCode, BoxError> {
         .ok_or_else(|| {
             format!("--checkpoint-interval {} must be a positive number of seconds", args.checkpoint_interval)
         })?;
+    let _metrics = common::serve_metrics(args.conn.metrics.as_deref()).await?;
     let ctx = args.conn.connect().await?;
     let mut options = args.conn.role_options("pserver");
     options.checkpoint_dir = args.checkpoint_dir;

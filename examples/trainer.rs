@@ -31,6 +31,7 @@ async fn main() -> ExitCode {
 }
 
 async fn run(args: Args) -> Result<ExitCode, BoxError> {
+    let _metrics = common::serve_metrics(args.conn.metrics.as_deref()).await?;
     let ctx = args.conn.connect().await?;
     let options = args.conn.role_options("trainer");
     let report = role::trainer(&ctx, &options).await?;

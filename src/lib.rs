@@ -7,6 +7,7 @@
 //! - [`task_queue`]: dataset chunking, the task queue, the master service.
 //! - [`pserver`]: placement, optimizers, the parameter store, the pserver service.
 //! - [`trainer`]: the `Model` trait, models, readers, the training loop.
+//! - [`metrics`]: the process's Prometheus metrics and a `/metrics` endpoint.
 //!
 //! A whole job in one process, on generated data:
 //!
@@ -38,6 +39,7 @@
 #![warn(missing_docs)]
 
 pub use oar_discovery as discovery;
+pub use oar_metrics as metrics;
 pub use oar_pserver as pserver;
 pub use oar_task_queue as task_queue;
 pub use oar_trainer as trainer;

@@ -168,6 +168,16 @@ pub fn init_logging(verbose: bool) {
         .init();
 }
 
+/// Serve Prometheus metrics at `addr` (if given) for as long as the
+/// returned value lives; says where on stderr.
+pub async fn serve_metrics(addr: Option<&str>) -> Result<Option<oar::metrics::MetricsServer>, BoxError> {
+    let Some(addr) = addr else { return Ok(None) };
+    let server =
+        oar::metrics::serve(addr).await.map_err(|e| format!("--metrics {addr}: cannot listen: {e}"))?;
+    eprintln!("metrics at http://{}/metrics", server.addr());
+    Ok(Some(server))
+}
+
 /// One line of progress per pass.
 pub fn print_pass(p: &PassReport, passes: u32) {
     println!(
@@ -250,6 +260,9 @@ mod cluster {
         /// Log what the library does (to stderr).
         #[arg(long)]
         pub verbose: bool,
+        /// Serve Prometheus metrics at this address (http://ADDR/metrics; port 0 picks one).
+        #[arg(long)]
+        pub metrics: Option<String>,
     }
 
     impl ConnArgs {

@@ -9,6 +9,36 @@ use tokio::time::Instant;
 
 use crate::{Discovery, Error, LeaseId, Result};
 
+/// Lease metrics of the process, registered on first use.
+struct Metrics {
+    renewals: oar_metrics::Counter,
+    failures: oar_metrics::Counter,
+    losses: oar_metrics::Counter,
+}
+
+fn metrics() -> &'static Metrics {
+    static METRICS: std::sync::LazyLock<Metrics> = std::sync::LazyLock::new(|| {
+        let m = Metrics {
+            renewals: Default::default(),
+            failures: Default::default(),
+            losses: Default::default(),
+        };
+        oar_metrics::register("oar_lease_renewals", "Lease refreshes that succeeded.", m.renewals.clone());
+        oar_metrics::register(
+            "oar_lease_renewal_failures",
+            "Lease refreshes that failed.",
+            m.failures.clone(),
+        );
+        oar_metrics::register(
+            "oar_leases_lost",
+            "Leases found lost (expired, revoked, unrefreshed).",
+            m.losses.clone(),
+        );
+        m
+    });
+    &METRICS
+}
+
 /// The shortest pause between refreshes, so that a tiny ttl cannot spin.
 const MIN_REFRESH: Duration = Duration::from_millis(1);
 
@@ -158,23 +188,30 @@ async fn keep_alive_loop(
             valid_until.lock().unwrap_or_else(PoisonError::into_inner).saturating_duration_since(sent);
         if remaining.is_zero() {
             tracing::warn!(lease, ?ttl, "lease not refreshed for a whole ttl; lost");
+            metrics().losses.inc();
             lost.send_replace(true);
             return;
         }
         match tokio::time::timeout(remaining, discovery.keep_alive(lease)).await {
             Ok(Ok(())) => {
+                metrics().renewals.inc();
                 if let Some(until) = sent.checked_add(ttl) {
                     *valid_until.lock().unwrap_or_else(PoisonError::into_inner) = until;
                 }
             }
             Ok(Err(Error::LeaseNotFound(_))) => {
                 tracing::warn!(lease, "lease gone (expired or revoked); lost");
+                metrics().losses.inc();
                 lost.send_replace(true);
                 return;
             }
-            Ok(Err(e)) => tracing::warn!(lease, error = %e, "lease refresh failed; will retry"),
+            Ok(Err(e)) => {
+                metrics().failures.inc();
+                tracing::warn!(lease, error = %e, "lease refresh failed; will retry")
+            }
             Err(_) => {
                 tracing::warn!(lease, ?ttl, "lease refresh did not answer within the ttl; lost");
+                metrics().losses.inc();
                 lost.send_replace(true);
                 return;
             }

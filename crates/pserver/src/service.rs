@@ -19,6 +19,54 @@ use std::{
 };
 use tokio::sync::{watch, Notify};
 
+/// The pserver's metrics, registered on first use (summed over the
+/// pservers of a process).
+struct Metrics {
+    pushes: oar_metrics::Counter,
+    push_bytes: oar_metrics::Counter,
+    pulls: oar_metrics::Counter,
+    pull_bytes: oar_metrics::Counter,
+    /// Sync: how long pulls waited for the step their push belongs to.
+    barrier_wait: oar_metrics::Histogram,
+    /// Taking a push that applied an update (the optimizer's apply included).
+    apply: oar_metrics::Histogram,
+    checkpoint: oar_metrics::Histogram,
+    checkpoint_time: oar_metrics::Gauge<f64, std::sync::atomic::AtomicU64>,
+    step: oar_metrics::Gauge,
+}
+
+fn metrics() -> &'static Metrics {
+    static METRICS: std::sync::LazyLock<Metrics> = std::sync::LazyLock::new(|| {
+        let m = Metrics {
+            pushes: Default::default(),
+            push_bytes: Default::default(),
+            pulls: Default::default(),
+            pull_bytes: Default::default(),
+            barrier_wait: oar_metrics::seconds_histogram(),
+            apply: oar_metrics::seconds_histogram(),
+            checkpoint: oar_metrics::seconds_histogram(),
+            checkpoint_time: Default::default(),
+            step: Default::default(),
+        };
+        use oar_metrics::register as r;
+        r("oar_ps_pushes", "Gradient pushes taken.", m.pushes.clone());
+        r("oar_ps_push_bytes", "Gradient bytes taken.", m.push_bytes.clone());
+        r("oar_ps_pulls", "Parameter pulls answered with parameters.", m.pulls.clone());
+        r("oar_ps_pull_bytes", "Parameter bytes sent.", m.pull_bytes.clone());
+        r("oar_ps_barrier_wait_seconds", "Sync: time a pull waited for its step.", m.barrier_wait.clone());
+        r("oar_ps_apply_seconds", "Time to take a push that applied an update.", m.apply.clone());
+        r("oar_ps_checkpoint_seconds", "Time to write a checkpoint.", m.checkpoint.clone());
+        r(
+            "oar_ps_last_checkpoint_timestamp_seconds",
+            "Unix time of the last checkpoint (its age: time() minus this).",
+            m.checkpoint_time.clone(),
+        );
+        r("oar_ps_step", "Updates applied to the shard.", m.step.clone());
+        m
+    });
+    &METRICS
+}
+
 /// Builds a user-defined [`Optimizer`](crate::Optimizer) on a pserver: the
 /// seam through which a user's update rule runs on the pservers without any
 /// change to oar (see `examples/custom_optimizer.rs`).
@@ -316,13 +364,17 @@ impl Drop for Pserver {
 /// wait while a checkpoint is written (about 0.4 s per 10M floats with Adam
 /// here); the checkpoint is then exactly one step's state.
 async fn save_checkpoint(dir: CheckpointDir, keep: usize, shared: Arc<Shared>) -> Result<CheckpointInfo> {
-    tokio::task::spawn_blocking(move || {
+    let started = std::time::Instant::now();
+    let info = tokio::task::spawn_blocking(move || {
         let store = shared.store.get().ok_or_else(|| Error::Config("pserver is not started".into()))?;
         let store = store.lock().unwrap_or_else(PoisonError::into_inner);
         dir.save(&store, keep)
     })
     .await
-    .map_err(|e| Error::Protocol(format!("checkpoint task failed: {e}")))?
+    .map_err(|e| Error::Protocol(format!("checkpoint task failed: {e}")))??;
+    metrics().checkpoint.observe(started.elapsed().as_secs_f64());
+    metrics().checkpoint_time.set(info.unix_time_ms as f64 / 1000.0);
+    Ok(info)
 }
 
 /// Write a checkpoint every `every` when the step moved, and record the
@@ -479,7 +531,16 @@ impl PsHandler {
             at += block.len * 4;
         }
         let push = Push { trainer, seq, step, weight, grads };
-        match store.push(push) {
+        let started = std::time::Instant::now();
+        let taken = store.push(push);
+        let m = metrics();
+        m.pushes.inc();
+        m.push_bytes.inc_by(payload.len() as u64);
+        if let Ok(crate::PushOutcome::Applied { step }) = &taken {
+            m.apply.observe(started.elapsed().as_secs_f64());
+            m.step.set(*step as i64);
+        }
+        match taken {
             Ok(outcome) => {
                 drop(store);
                 self.shared.stepped.notify_waiters();
@@ -501,7 +562,8 @@ impl PsHandler {
         max_wait: Duration,
     ) -> std::result::Result<Frame, RemoteError> {
         self.check_fingerprint(fingerprint)?;
-        let deadline = tokio::time::Instant::now() + max_wait;
+        let started = tokio::time::Instant::now();
+        let deadline = started + max_wait;
         loop {
             // Register for the wake-up before looking, so a step in between is not missed.
             let stepped = self.shared.stepped.notified();
@@ -516,6 +578,12 @@ impl PsHandler {
                         oar_transport::put_f32s(&mut payload, values);
                     }
                     let reply = PsReply::Pulled { step: store.step(), ready: true };
+                    let m = metrics();
+                    m.pulls.inc();
+                    m.pull_bytes.inc_by(payload.len() as u64);
+                    if min_step.is_some() {
+                        m.barrier_wait.observe(started.elapsed().as_secs_f64());
+                    }
                     return Frame::new(PSERVER_METHOD, &reply, payload.freeze())
                         .map_err(RemoteError::internal);
                 }

@@ -70,6 +70,51 @@ impl MasterOptions {
     }
 }
 
+/// The master's metrics, registered on first use.
+struct Metrics {
+    /// Tasks of the current pass per state (todo, pending, done) and discarded over the job.
+    tasks: oar_metrics::Family<Vec<(String, String)>, oar_metrics::Gauge>,
+    /// The current pass (0-based).
+    pass: oar_metrics::Gauge,
+    /// Tasks finished, by pass.
+    finished: oar_metrics::Family<Vec<(String, String)>, oar_metrics::Counter>,
+    timeouts: oar_metrics::Counter,
+    failed: oar_metrics::Counter,
+    discards: oar_metrics::Counter,
+    state_writes: oar_metrics::Counter,
+    state_bytes: oar_metrics::Gauge,
+}
+
+fn metrics() -> &'static Metrics {
+    static METRICS: std::sync::LazyLock<Metrics> = std::sync::LazyLock::new(|| {
+        let m = Metrics {
+            tasks: Default::default(),
+            pass: Default::default(),
+            finished: Default::default(),
+            timeouts: Default::default(),
+            failed: Default::default(),
+            discards: Default::default(),
+            state_writes: Default::default(),
+            state_bytes: Default::default(),
+        };
+        use oar_metrics::register as r;
+        r("oar_tasks", "Tasks of the current pass by state; discarded: over the job.", m.tasks.clone());
+        r("oar_pass", "The current pass, 0-based.", m.pass.clone());
+        r("oar_tasks_finished", "Tasks finished, by pass.", m.finished.clone());
+        r("oar_task_timeouts", "Tasks taken back at their deadline.", m.timeouts.clone());
+        r("oar_task_failures", "Task failures: reported bad, timed out, trainer gone.", m.failed.clone());
+        r("oar_task_discards", "Tasks discarded after too many failures.", m.discards.clone());
+        r("oar_master_state_writes", "Fenced writes of the master's state.", m.state_writes.clone());
+        r("oar_master_state_bytes", "Size of the last state written.", m.state_bytes.clone());
+        m
+    });
+    &METRICS
+}
+
+fn label(key: &str, value: impl ToString) -> Vec<(String, String)> {
+    vec![(key.to_string(), value.to_string())]
+}
+
 /// A running master. Dropping it stops serving (the lease then expires).
 pub struct Master {
     shared: Arc<Shared>,
@@ -105,18 +150,23 @@ impl Shared {
 
     /// Log the core's events, publish the status, and wake the writer.
     fn changed(&self, core: &mut Core) {
+        let m = metrics();
         for event in core.queue.drain_events() {
             match &event {
                 QueueEvent::TaskDiscarded { task, pass, reason } => {
+                    m.discards.inc();
                     tracing::warn!(task = task.0, pass, %reason, "task discarded");
                     if core.discarded.len() < MAX_DISCARDS_LISTED {
                         core.discarded.push((task.0, reason.clone()));
                     }
                 }
                 QueueEvent::TaskTimedOut { task_ref, trainer } => {
+                    m.timeouts.inc();
+                    m.failed.inc();
                     tracing::info!(task = task_ref.task.0, trainer, "task timed out")
                 }
                 QueueEvent::TaskFailed { task_ref, trainer, reason } => {
+                    m.failed.inc();
                     tracing::info!(task = task_ref.task.0, trainer, %reason, "task failed")
                 }
                 QueueEvent::PassEnded { pass, done, discarded } => {
@@ -131,6 +181,13 @@ impl Shared {
             passes: core.passes.clone(),
             discarded: core.discarded.clone(),
         };
+        let q = &status.queue;
+        for (state, n) in
+            [("todo", q.todo), ("pending", q.pending), ("done", q.done), ("discarded", q.discarded)]
+        {
+            m.tasks.get_or_create(&label("state", state)).set(n as i64);
+        }
+        m.pass.set(q.pass as i64);
         self.status.send_replace(status);
         self.dirty.notify_one();
     }
@@ -352,7 +409,10 @@ async fn persist(
     if !always && *shared.persisted.borrow() >= version {
         return Ok(());
     }
+    let size = bytes.len();
     discovery.put_fenced(fence, &keys.master_state(), bytes).await?;
+    metrics().state_writes.inc();
+    metrics().state_bytes.set(size as i64);
     shared.persisted.send_if_modified(|v| {
         let raised = version > *v;
         *v = (*v).max(version);
@@ -517,6 +577,7 @@ impl Handler for MasterHandler {
                             p.loss_sum += stats.loss_sum;
                             p.tasks_finished += 1;
                             p.skipped_lines += stats.skipped_lines;
+                            metrics().finished.get_or_create(&label("pass", pass)).inc();
                         } else {
                             tracing::debug!(trainer, ?task_ref, "stale finished report");
                         }

@@ -221,3 +221,23 @@ impl From<Error> for RemoteError {
         }
     }
 }
+
+impl Error {
+    /// A short name of the error's kind, for metrics (`oar_transport_errors_total{kind}`).
+    pub fn kind_name(&self) -> &'static str {
+        match self {
+            Error::Unreachable { .. } => "unreachable",
+            Error::Timeout { .. } => "timeout",
+            Error::Closed { .. } => "closed",
+            Error::Remote { error, .. } => match error.kind {
+                RemoteErrorKind::BadRequest => "remote_bad_request",
+                RemoteErrorKind::Unavailable => "remote_unavailable",
+                RemoteErrorKind::Internal => "remote_internal",
+            },
+            Error::Stalled { .. } => "stalled",
+            Error::Refused { .. } => "refused",
+            Error::AddrInUse(_) | Error::InvalidAddress { .. } => "address",
+            _ => "bad_frame",
+        }
+    }
+}

@@ -184,8 +184,30 @@ where
     Req: Serialize + ?Sized,
     Resp: DeserializeOwned,
 {
-    let frame = Frame::new(method, request, payload)?;
-    let response = conn.call(frame, timeout).await?;
-    let meta = response.meta()?;
-    Ok((meta, response.payload))
+    let result: Result<(Resp, bytes::Bytes)> = async {
+        let frame = Frame::new(method, request, payload)?;
+        let response = conn.call(frame, timeout).await?;
+        let meta = response.meta()?;
+        Ok((meta, response.payload))
+    }
+    .await;
+    if let Err(e) = &result {
+        metrics().errors.get_or_create(&vec![("kind".to_string(), e.kind_name().to_string())]).inc();
+    }
+    result
+}
+
+/// The transport's metrics, registered on first use.
+struct Metrics {
+    /// Failed calls by kind of error.
+    errors: oar_metrics::Family<Vec<(String, String)>, oar_metrics::Counter>,
+}
+
+fn metrics() -> &'static Metrics {
+    static METRICS: std::sync::LazyLock<Metrics> = std::sync::LazyLock::new(|| {
+        let m = Metrics { errors: Default::default() };
+        oar_metrics::register("oar_transport_errors", "Failed calls, by kind of error.", m.errors.clone());
+        m
+    });
+    &METRICS
 }

@@ -1,0 +1,80 @@
+//! Prometheus metrics of a running job, scraped over HTTP from a master and
+//! a pserver (separate processes, `--metrics 127.0.0.1:0`): the numbers
+//! move while the job trains.
+#![cfg(feature = "etcd")]
+
+mod support;
+
+use std::{io::Read, io::Write, net::TcpStream, time::Duration};
+use support::{a1a_job, exits, Cluster, Proc};
+
+const LONG: Duration = Duration::from_secs(120);
+
+/// The address a process printed as "metrics at http://ADDR/metrics".
+fn metrics_addr(proc: &Proc) -> Option<String> {
+    let err = proc.stderr();
+    let line = err.lines().find(|l| l.starts_with("metrics at http://"))?;
+    Some(line.trim_start_matches("metrics at http://").trim_end_matches("/metrics").to_string())
+}
+
+fn scrape(addr: &str) -> String {
+    let mut stream = TcpStream::connect(addr).unwrap();
+    stream.write_all(b"GET /metrics HTTP/1.1\r\nHost: oar\r\n\r\n").unwrap();
+    let mut out = String::new();
+    stream.read_to_string(&mut out).unwrap();
+    assert!(out.starts_with("HTTP/1.1 200 OK"), "{out}");
+    out
+}
+
+/// The value of the sample `name` (with its labels, if any) in a scrape.
+fn value(scrape: &str, name: &str) -> f64 {
+    scrape
+        .lines()
+        .find_map(|l| l.strip_prefix(name).and_then(|rest| rest.strip_prefix(' ')))
+        .and_then(|v| v.trim().parse().ok())
+        .unwrap_or_else(|| panic!("no {name} in\n{scrape}"))
+}
+
+#[test]
+fn a_scraped_master_and_pserver_report_numbers_that_move() {
+    let cluster = Cluster::start("metrics");
+    let mut job = a1a_job();
+    let more = ["--chunk-bytes", "4096", "--passes", "30", "--pservers", "1", "--metrics", "127.0.0.1:0"];
+    job.extend(more.map(String::from));
+    let mut master = cluster.master("master", &job);
+    let mut command = std::process::Command::new(support::example("pserver"));
+    command.args(cluster.conn("pserver")).args(["--metrics", "127.0.0.1:0", "--checkpoint-dir"]);
+    command.arg(cluster.dir.path().join("checkpoints")).args(["--checkpoint-interval", "0.2"]);
+    let pserver = Proc::spawn("pserver-0", command);
+    let trainers: Vec<_> = (0..2).map(|i| cluster.trainer(&format!("trainer-{i}"))).collect();
+    let others: Vec<&Proc> = trainers.iter().chain([&pserver]).collect();
+
+    assert!(master.wait_for_line(LONG, |l| l.starts_with("pass 2/")).is_some(), "{}", master.dump());
+    let (m_addr, p_addr) = (metrics_addr(&master).unwrap(), metrics_addr(&pserver).unwrap());
+    let (m1, p1) = (scrape(&m_addr), scrape(&p_addr));
+    assert!(master.wait_for_line(LONG, |l| l.starts_with("pass 4/")).is_some(), "{}", master.dump());
+    let (m2, p2) = (scrape(&m_addr), scrape(&p_addr));
+
+    for (name, before, after) in [
+        ("oar_master_state_writes_total", &m1, &m2),
+        ("oar_lease_renewals_total", &m1, &m2),
+        ("oar_ps_pushes_total", &p1, &p2),
+        ("oar_ps_push_bytes_total", &p1, &p2),
+        ("oar_ps_pulls_total", &p1, &p2),
+        ("oar_ps_step", &p1, &p2),
+        ("oar_ps_apply_seconds_count", &p1, &p2),
+        ("oar_ps_barrier_wait_seconds_count", &p1, &p2),
+        ("oar_ps_checkpoint_seconds_count", &p1, &p2),
+    ] {
+        assert!(
+            value(after, name) > value(before, name),
+            "{name} did not move: {} -> {}",
+            value(before, name),
+            value(after, name)
+        );
+    }
+    assert!(value(&m2, "oar_pass") >= 3.0, "{m2}");
+    assert_eq!(value(&m1, "oar_tasks_finished_total{pass=\"0\"}"), 29.0, "all of pass 1's tasks");
+    assert!(value(&p2, "oar_ps_last_checkpoint_timestamp_seconds") > 1.7e9, "{p2}");
+    assert!(exits(&mut master, LONG, &others), "{}", master.dump());
+}
