@@ -362,9 +362,20 @@ mod cluster {
         out
     }
 
-    /// Every task of every pass was accepted exactly once, over all
-    /// trainers (dead ones included): nothing was lost or done twice.
-    pub fn assert_each_task_once(trainers: &[&Proc], passes: u32, tasks_per_pass: u64) {
+    /// Every task of every pass was finished exactly once: the master's
+    /// report counts `tasks_per_pass` finished tasks in each of `passes`
+    /// passes, and no (task, pass) was accepted twice by any trainer (dead
+    /// ones included). A trainer's own count of a pass may be lower: a report
+    /// the master stored just before it died is answered `Stale` by its
+    /// successor, which already has the task done.
+    pub fn assert_each_task_once(
+        trainers: &[&Proc],
+        report: &serde_json::Value,
+        passes: u32,
+        tasks_per_pass: u64,
+    ) {
+        assert_eq!(report["passes"], passes, "{report}");
+        assert_eq!(report["tasks_done"].as_u64(), Some(tasks_per_pass * passes as u64), "{report}");
         let mut accepted = accepted_reports(trainers);
         accepted.sort();
         let total = accepted.len();
@@ -372,7 +383,7 @@ mod cluster {
         assert_eq!(accepted.len(), total, "some (task, pass) was accepted twice");
         for pass in 0..passes {
             let n = accepted.iter().filter(|(_, p)| *p == pass).count() as u64;
-            assert_eq!(n, tasks_per_pass, "pass {pass}: {n} tasks accepted, want {tasks_per_pass}");
+            assert!(n <= tasks_per_pass, "pass {pass}: {n} tasks accepted, more than {tasks_per_pass}");
         }
     }
 
