@@ -39,6 +39,7 @@ etcd --name oar-local --data-dir "$work/etcd" \
     --listen-peer-urls "http://127.0.0.1:$peer_port" \
     --initial-advertise-peer-urls "http://127.0.0.1:$peer_port" \
     --initial-cluster "oar-local=http://127.0.0.1:$peer_port" \
+    --auto-compaction-mode revision --auto-compaction-retention 1000 \
     --log-level error >"$work/etcd.log" 2>&1 &
 pids+=($!)
 for _ in $(seq 100); do
