@@ -8,8 +8,9 @@
 //!     cargo run --release --example local -- --data testdata/a1a --test-data testdata/a1a.t \
 //!         --features 123 --classes 2 --trainers 3 --pservers 2
 //!
-//! Prints one line per pass and ends with one JSON line; exits 1 if the job
-//! failed, 2 on an error.
+//! Prints one line per pass (and shows a progress bar when stderr is a
+//! terminal) and ends with one JSON line; exits 1 if the job failed, 2 on an
+//! error.
 
 #[path = "common/mod.rs"]
 mod common;
@@ -18,10 +19,11 @@ use clap::{Parser, ValueEnum};
 use common::{BoxError, JobArgs};
 use oar::{
     discovery::MemDiscovery,
+    task_queue::MasterClient,
     trainer::local::run_local,
-    transport::{DevCa, MemNetwork, MemTransport, QuicTransport, Transport},
+    transport::{DevCa, MemNetwork, MemTransport, QuicTransport, RetryPolicy, Transport},
 };
-use std::{process::ExitCode, sync::Arc};
+use std::{process::ExitCode, sync::Arc, time::Duration};
 
 #[derive(Parser, Debug)]
 #[command(about = "Train a model with a master, pservers and trainers in one process")]
@@ -37,6 +39,9 @@ struct Args {
     /// Log what the library does (to stderr).
     #[arg(long)]
     verbose: bool,
+    /// Log one JSON object per line.
+    #[arg(long)]
+    log_json: bool,
     /// Serve Prometheus metrics at this address (http://ADDR/metrics; port 0 picks one).
     #[arg(long)]
     metrics: Option<String>,
@@ -51,7 +56,7 @@ enum TransportArg {
 #[tokio::main]
 async fn main() -> ExitCode {
     let args = Args::parse();
-    common::init_logging(args.verbose);
+    common::init_logging(args.verbose, args.log_json);
     common::exit_with(run(args).await)
 }
 
@@ -69,6 +74,15 @@ async fn run(args: Args) -> Result<ExitCode, BoxError> {
         TransportArg::Mem => (Arc::new(MemTransport::new(MemNetwork::new())), "mem:0"),
     };
     let discovery = Arc::new(MemDiscovery::new());
+    // A progress bar on a terminal; the per-pass lines below are printed either way.
+    let master = MasterClient::new(
+        discovery.clone(),
+        transport.clone(),
+        "local",
+        Duration::from_secs(5),
+        RetryPolicy::default(),
+    )?;
+    let _progress = common::follow_progress(master, false);
     let report = run_local(&config, args.trainers, discovery, transport, listen, |p| {
         common::print_pass(p, config.passes)
     })

@@ -39,7 +39,7 @@ struct Args {
 #[tokio::main]
 async fn main() -> ExitCode {
     let args = Args::parse();
-    common::init_logging(args.conn.verbose);
+    common::init_logging(args.conn.verbose, args.conn.log_json);
     common::exit_with(run(args).await)
 }
 

@@ -6,15 +6,17 @@
 //!         --etcd http://127.0.0.1:2379 --job a1a \
 //!         --ca certs/ca.pem --cert certs/trainer.pem --key certs/trainer.key
 //!
-//! Prints what it did as one JSON line; exits 0 when the job ends, 2 on an error.
+//! Shows a progress bar per pass when stderr is a terminal (one line per
+//! pass otherwise), and prints what it did as one JSON line; exits 0 when
+//! the job ends, 2 on an error.
 
 #[path = "common/mod.rs"]
 mod common;
 
 use clap::Parser;
 use common::{BoxError, ConnArgs};
-use oar::trainer::role;
-use std::process::ExitCode;
+use oar::{task_queue::MasterClient, trainer::role, transport::RetryPolicy};
+use std::{process::ExitCode, time::Duration};
 
 #[derive(Parser, Debug)]
 #[command(about = "Run a trainer of an oar job")]
@@ -26,7 +28,7 @@ struct Args {
 #[tokio::main]
 async fn main() -> ExitCode {
     let args = Args::parse();
-    common::init_logging(args.conn.verbose);
+    common::init_logging(args.conn.verbose, args.conn.log_json);
     common::exit_with(run(args).await)
 }
 
@@ -34,6 +36,14 @@ async fn run(args: Args) -> Result<ExitCode, BoxError> {
     let _metrics = common::serve_metrics(args.conn.metrics.as_deref()).await?;
     let ctx = args.conn.connect().await?;
     let options = args.conn.role_options("trainer");
+    let master = MasterClient::new(
+        ctx.discovery.clone(),
+        ctx.transport.clone(),
+        &ctx.job,
+        Duration::from_secs(5),
+        RetryPolicy::default(),
+    )?;
+    let _progress = common::follow_progress(master, true);
     let report = role::trainer(&ctx, &options).await?;
     println!(
         "{{\"trainer\":{:?},\"tasks_finished\":{},\"tasks_failed\":{},\"examples\":{},\"skipped_lines\":{}}}",

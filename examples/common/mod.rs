@@ -157,15 +157,76 @@ impl JobArgs {
     }
 }
 
-/// Log to stderr: warnings, or everything the library does with `verbose`.
-pub fn init_logging(verbose: bool) {
+/// Log to stderr: warnings, or everything the library does with `verbose`;
+/// one JSON object per line with `json` (for a log collector).
+pub fn init_logging(verbose: bool, json: bool) {
     use std::io::IsTerminal;
     use tracing_subscriber::filter::LevelFilter;
-    tracing_subscriber::fmt()
-        .with_writer(std::io::stderr)
-        .with_ansi(std::io::stderr().is_terminal())
-        .with_max_level(if verbose { LevelFilter::INFO } else { LevelFilter::WARN })
-        .init();
+    let level = if verbose { LevelFilter::INFO } else { LevelFilter::WARN };
+    let logs = tracing_subscriber::fmt().with_writer(std::io::stderr).with_max_level(level);
+    if json {
+        logs.json().init();
+    } else {
+        logs.with_ansi(std::io::stderr().is_terminal()).init();
+    }
+}
+
+/// Follow the job's progress from the master's status: a progress bar per
+/// pass on stderr (tasks done of total, examples per second, loss) when it
+/// is a terminal; otherwise, with `lines`, one plain line per pass that
+/// ended. Stops when the job ends or the returned handle is dropped.
+pub fn follow_progress(master: oar::task_queue::MasterClient, lines: bool) -> ProgressHandle {
+    use std::io::IsTerminal;
+    let terminal = std::io::stderr().is_terminal();
+    ProgressHandle(tokio::spawn(async move {
+        let style =
+            indicatif::ProgressStyle::with_template("pass {prefix} [{bar:30}] {pos}/{len} tasks, {msg}")
+                .unwrap_or_else(|_| indicatif::ProgressStyle::default_bar())
+                .progress_chars("=> ");
+        let bar = terminal.then(|| indicatif::ProgressBar::new(0).with_style(style));
+        let (mut shown_pass, mut seen, mut rate) = (None, (std::time::Instant::now(), 0u64), 0.0);
+        loop {
+            tokio::time::sleep(std::time::Duration::from_millis(200)).await;
+            let Ok(status) = master.status().await else { continue };
+            let q = &status.queue;
+            let stats = status.passes.get(q.pass as usize).copied().unwrap_or_default();
+            if shown_pass != Some(q.pass) {
+                if let (Some(done), false, true) = (shown_pass, terminal, lines) {
+                    let ended = status.passes.get(done as usize).copied().unwrap_or_default();
+                    let (tasks, loss) = (ended.tasks_finished, ended.mean_loss());
+                    println!("pass {}/{}: tasks done {tasks}, train loss {loss:.4}", done + 1, q.passes);
+                }
+                shown_pass = Some(q.pass);
+                seen = (std::time::Instant::now(), stats.examples);
+            }
+            // Since the pass was first seen: steadier than between two looks.
+            let elapsed = seen.0.elapsed().as_secs_f64();
+            if elapsed > 0.3 {
+                rate = stats.examples.saturating_sub(seen.1) as f64 / elapsed;
+            }
+            if let Some(bar) = &bar {
+                bar.set_prefix(format!("{}/{}", q.pass + 1, q.passes));
+                bar.set_length((q.todo + q.pending + q.done) as u64);
+                bar.set_position(q.done as u64);
+                bar.set_message(format!("{rate:.0} examples/s, loss {:.4}", stats.mean_loss()));
+            }
+            if status.is_finished() {
+                if let Some(bar) = &bar {
+                    bar.finish_and_clear();
+                }
+                return;
+            }
+        }
+    }))
+}
+
+/// Stops the progress display when dropped.
+pub struct ProgressHandle(tokio::task::JoinHandle<()>);
+
+impl Drop for ProgressHandle {
+    fn drop(&mut self) {
+        self.0.abort();
+    }
 }
 
 /// Serve Prometheus metrics at `addr` (if given) for as long as the
@@ -260,6 +321,9 @@ mod cluster {
         /// Log what the library does (to stderr).
         #[arg(long)]
         pub verbose: bool,
+        /// Log one JSON object per line.
+        #[arg(long)]
+        pub log_json: bool,
         /// Serve Prometheus metrics at this address (http://ADDR/metrics; port 0 picks one).
         #[arg(long)]
         pub metrics: Option<String>,

@@ -105,6 +105,7 @@ impl Session {
                 "a Session needs a tokio runtime for its keep-alive task".to_string(),
             ));
         };
+        metrics(); // Registered from the start, at zero.
         let sent = Instant::now();
         let lease = discovery.grant_lease(ttl).await?;
         let lost = Arc::new(watch::channel(false).0);

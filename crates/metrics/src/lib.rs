@@ -5,7 +5,8 @@
 //!
 //! The metrics are process-wide, like a process's log: a process running
 //! several pservers (the local example) reports their sum. Each crate
-//! registers its metrics the first time it uses them ([`register`]); the
+//! registers its metrics when its service starts ([`register`]), so a
+//! scrape shows them from then on, at zero until something happens; the
 //! exposition is `prometheus-client`'s.
 //!
 //! ```
@@ -40,6 +41,8 @@ static REGISTRY: LazyLock<Mutex<Registry>> = LazyLock::new(|| Mutex::new(Registr
 /// Add `metric` to the process's registry under `name` (without the
 /// `_total` suffix a counter gets in the exposition).
 pub fn register(name: &str, help: &str, metric: impl Metric) {
+    // The exposition ends the help with a period of its own.
+    let help = help.trim_end_matches('.');
     REGISTRY.lock().unwrap_or_else(PoisonError::into_inner).register(name, help, metric);
 }
 

@@ -225,6 +225,7 @@ impl Pserver {
         options: PserverOptions,
     ) -> Result<Pserver> {
         let keys = JobKeys::new(&options.job)?;
+        metrics(); // Registered from the start, at zero.
         let optimizer = match &options.custom_optimizer {
             Some(factory) => factory.build(),
             None => options.optimizer.build()?,

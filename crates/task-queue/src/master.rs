@@ -221,6 +221,7 @@ impl Master {
         options: MasterOptions,
     ) -> Result<Master> {
         let keys = JobKeys::new(&options.job)?;
+        metrics(); // Registered from the start, at zero.
         let session = Session::start(discovery.clone(), options.lease_ttl).await?;
         let fence = discovery
             .lock(

@@ -17,6 +17,10 @@
 //! poll `result`, write a last checkpoint and return. A master that starts
 //! (or takes over) after the report was written returns that report.
 //!
+//! Each role runs in a `tracing` span named after it, with the job and the
+//! process's id; a trainer's work on a task is in a `task` span (task id,
+//! pass), so every log line says where it comes from.
+//!
 //! The master scores the model on the held-out data at the end of each pass
 //! by pulling the parameters like any client. Trainers keep training
 //! meanwhile, so the parameters scored at the end of pass p may already
@@ -40,6 +44,7 @@ use std::{
     sync::Arc,
     time::{Duration, Instant},
 };
+use tracing::Instrument;
 
 /// User-defined parts that replace the built-in ones the job's options
 /// name, without any change to oar. Every process of a job must be given the
@@ -263,6 +268,16 @@ pub async fn master(
     ctx: &JobContext,
     config: &JobConfig,
     options: &RoleOptions,
+    on_pass: impl FnMut(&PassReport),
+) -> Result<JobReport> {
+    let span = tracing::info_span!("master", job = %ctx.job, id = %options.id);
+    run_master(ctx, config, options, on_pass).instrument(span).await
+}
+
+async fn run_master(
+    ctx: &JobContext,
+    config: &JobConfig,
+    options: &RoleOptions,
     mut on_pass: impl FnMut(&PassReport),
 ) -> Result<JobReport> {
     config.validate()?;
@@ -393,6 +408,11 @@ pub struct PserverReport {
 /// index, load its checkpoint, serve until the job's report appears, write a
 /// last checkpoint. Errors if the pserver loses its lease (it stops serving).
 pub async fn pserver(ctx: &JobContext, options: &RoleOptions) -> Result<PserverReport> {
+    let span = tracing::info_span!("pserver", job = %ctx.job, id = %options.id);
+    run_pserver(ctx, options).instrument(span).await
+}
+
+async fn run_pserver(ctx: &JobContext, options: &RoleOptions) -> Result<PserverReport> {
     let config = read_config(&*ctx.discovery, &ctx.job, options.startup_timeout).await?;
     let model = ctx.model(&config)?;
     let mut ps_options =
@@ -435,6 +455,11 @@ pub async fn pserver(ctx: &JobContext, options: &RoleOptions) -> Result<PserverR
 /// Run a trainer of the job: read the job's options, register, wait for
 /// the pservers, train on tasks until the master says the job is over.
 pub async fn trainer(ctx: &JobContext, options: &RoleOptions) -> Result<TrainerReport> {
+    let span = tracing::info_span!("trainer", job = %ctx.job, id = %options.id);
+    run_trainer_role(ctx, options).instrument(span).await
+}
+
+async fn run_trainer_role(ctx: &JobContext, options: &RoleOptions) -> Result<TrainerReport> {
     let config = read_config(&*ctx.discovery, &ctx.job, options.startup_timeout).await?;
     let model = ctx.model(&config)?;
     let placement = placement(&*model, &config)?;

@@ -9,9 +9,10 @@ use crate::{
 };
 use oar_discovery::{Discovery, JobKeys, LeaseGuard, Session};
 use oar_pserver::{Mode, ParamBuf, Placement, PserverClient, PushResult};
-use oar_task_queue::{MasterClient, ReportReply, TaskReply, TaskSpec, TaskStats};
+use oar_task_queue::{MasterClient, ReportReply, TaskRef, TaskReply, TaskSpec, TaskStats};
 use oar_transport::{RetryPolicy, Transport};
 use std::{sync::Arc, time::Duration};
+use tracing::Instrument;
 
 /// How a trainer runs.
 #[derive(Clone, Debug)]
@@ -166,35 +167,8 @@ impl Loop {
             }
             match master.get_task(&id).await? {
                 TaskReply::Assigned { task, task_ref, .. } => {
-                    tracing::info!(trainer = id, task = task.id.0, pass = task_ref.pass, "got task");
-                    if self.options.mode == Mode::Sync && !self.joined {
-                        self.pservers.join().await?;
-                        self.joined = true;
-                    }
-                    let (examples, skipped) = match self.read(&task).await {
-                        Ok(read) => read,
-                        Err(e) => {
-                            tracing::warn!(trainer = id, task = task.id.0, error = %e, "task data is bad");
-                            master.task_failed(&id, task_ref, &e.to_string()).await?;
-                            self.report.tasks_failed += 1;
-                            continue;
-                        }
-                    };
-                    let mut stats = self.train(&examples).await?;
-                    stats.skipped_lines = skipped;
-                    tracing::info!(trainer = id, task = task.id.0, pass = task_ref.pass, "reporting task");
-                    let reply = master.task_finished(&id, task_ref, stats).await?;
-                    let accepted = reply == ReportReply::Accepted;
-                    tracing::info!(
-                        trainer = id,
-                        task = task.id.0,
-                        pass = task_ref.pass,
-                        accepted,
-                        "task reported"
-                    );
-                    if accepted {
-                        self.report.tasks_finished += 1;
-                    }
+                    let span = tracing::info_span!("task", task = task.id.0, pass = task_ref.pass);
+                    self.do_task(master, task, task_ref).instrument(span).await?;
                 }
                 TaskReply::Wait { retry_after_ms } => {
                     if self.joined {
@@ -212,6 +186,35 @@ impl Loop {
                 }
             }
         }
+    }
+
+    /// Train on one task and report it (or report its data bad).
+    async fn do_task(&mut self, master: &MasterClient, task: TaskSpec, task_ref: TaskRef) -> Result<()> {
+        let id = self.options.id.clone();
+        tracing::info!(trainer = id, task = task.id.0, pass = task_ref.pass, "got task");
+        if self.options.mode == Mode::Sync && !self.joined {
+            self.pservers.join().await?;
+            self.joined = true;
+        }
+        let (examples, skipped) = match self.read(&task).await {
+            Ok(read) => read,
+            Err(e) => {
+                tracing::warn!(trainer = id, task = task.id.0, error = %e, "task data is bad");
+                master.task_failed(&id, task_ref, &e.to_string()).await?;
+                self.report.tasks_failed += 1;
+                return Ok(());
+            }
+        };
+        let mut stats = self.train(&examples).await?;
+        stats.skipped_lines = skipped;
+        tracing::info!(trainer = id, task = task.id.0, pass = task_ref.pass, "reporting task");
+        let reply = master.task_finished(&id, task_ref, stats).await?;
+        let accepted = reply == ReportReply::Accepted;
+        tracing::info!(trainer = id, task = task.id.0, pass = task_ref.pass, accepted, "task reported");
+        if accepted {
+            self.report.tasks_finished += 1;
+        }
+        Ok(())
     }
 
     /// The task's examples, and how many bad lines were skipped.
