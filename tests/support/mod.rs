@@ -339,11 +339,14 @@ mod cluster {
         }
     }
 
-    /// The value of `name=` in a log line (quotes stripped).
+    /// The value of `name=` among a log line's event fields (quotes
+    /// stripped). The fields follow the last `": "` of the line, after the
+    /// spans (`task{task=3 pass=0}:`) and the target, so a span's field of the
+    /// same name is not taken for the event's.
     pub fn log_field<'a>(line: &'a str, name: &str) -> Option<&'a str> {
-        let start = line.find(&format!(" {name}="))? + name.len() + 2;
-        let rest = &line[start..];
-        let value = rest.split(' ').next()?;
+        let event = &line[line.rfind(": ").map_or(0, |i| i + 2)..];
+        let start = event.find(&format!(" {name}="))? + name.len() + 2;
+        let value = event[start..].split(' ').next()?;
         Some(value.trim_matches('"'))
     }
 
