@@ -61,6 +61,9 @@
 //! = time to the end of pass 1 minus one steady pass; shutdown = from the end
 //! of the last pass to `run_local`'s return.
 
+#[path = "common/mod.rs"]
+mod common;
+
 use clap::{Parser, ValueEnum};
 use oar::{
     discovery::MemDiscovery,
@@ -269,7 +272,7 @@ fn run(args: Args) -> Result<ExitCode, BoxError> {
         "reading and parsing the file: whole {whole_read_s:.3} s, in {tasks} chunks {chunked_s:.3} s (x{:.2})",
         chunked_s / whole_read_s
     );
-    println!("machine: {} cores; {}", cores(), load());
+    println!("machine: {} cores; {}", cores(), common::load());
 
     let mut keys = Vec::new();
     for &batch in &args.batch_sizes {
@@ -318,7 +321,7 @@ fn run(args: Args) -> Result<ExitCode, BoxError> {
             s.oar.push(oar);
         }
     }
-    println!("machine after: {}", load());
+    println!("machine after: {}", common::load());
 
     println!();
     println!(
@@ -694,18 +697,4 @@ fn fmt_eps(x: f64) -> String {
 
 fn cores() -> usize {
     std::thread::available_parallelism().map(|n| n.get()).unwrap_or(1)
-}
-
-/// The load average and how many `rustc` run (the figures mean little while other builds run).
-fn load() -> String {
-    let avg = std::fs::read_to_string("/proc/loadavg").unwrap_or_default();
-    let avg: Vec<&str> = avg.split_whitespace().take(3).collect();
-    let rustc = std::fs::read_dir("/proc")
-        .map(|d| {
-            d.filter_map(|e| e.ok())
-                .filter(|e| std::fs::read_to_string(e.path().join("comm")).is_ok_and(|c| c.trim() == "rustc"))
-                .count()
-        })
-        .unwrap_or(0);
-    format!("load average {}, {rustc} rustc running", avg.join(" "))
 }

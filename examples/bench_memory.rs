@@ -40,6 +40,9 @@
 //! with Adam); trainer = params + grads (+ the async accumulator) (0.8 GB,
 //! 1.2 GB). PASS when peak / ideal <= `--target` (1.3). 1 GB = 1e9 B.
 
+#[path = "common/mod.rs"]
+mod common;
+
 use clap::{Parser, ValueEnum};
 use oar::{
     discovery::{Discovery, JobKeys, MemDiscovery},
@@ -426,7 +429,7 @@ fn parent(args: &Args) -> Result<(), BoxError> {
         args.optimizer,
         args.block_size,
         args.trainers,
-        load()
+        common::load()
     );
     let mut rows = Vec::new();
     for &mode in &args.modes {
@@ -502,7 +505,7 @@ fn parent(args: &Args) -> Result<(), BoxError> {
             },
         });
     }
-    println!("\n{}", load());
+    println!("\n{}", common::load());
     println!("\n| role | mode | peak RSS | ideal | ideal is | peak / ideal | peak / params | target |");
     println!("| --- | --- | ---: | ---: | --- | ---: | ---: | --- |");
     let mut all = true;
@@ -524,18 +527,4 @@ fn parent(args: &Args) -> Result<(), BoxError> {
     }
     println!("\nverdict (peak / ideal <= {}): {}", args.target, if all { "PASS" } else { "MISS" });
     Ok(())
-}
-
-/// The load average and how many `rustc` run.
-fn load() -> String {
-    let avg = std::fs::read_to_string("/proc/loadavg").unwrap_or_default();
-    let avg: Vec<&str> = avg.split_whitespace().take(3).collect();
-    let rustc = std::fs::read_dir("/proc")
-        .map(|d| {
-            d.filter_map(|e| e.ok())
-                .filter(|e| std::fs::read_to_string(e.path().join("comm")).is_ok_and(|c| c.trim() == "rustc"))
-                .count()
-        })
-        .unwrap_or(0);
-    format!("load average {}, {rustc} rustc running", avg.join(" "))
 }

@@ -239,6 +239,20 @@ pub async fn serve_metrics(addr: Option<&str>) -> Result<Option<oar::metrics::Me
     Ok(Some(server))
 }
 
+/// The load average and how many `rustc` run (the figures mean little while other builds run).
+pub fn load() -> String {
+    let avg = std::fs::read_to_string("/proc/loadavg").unwrap_or_default();
+    let avg: Vec<&str> = avg.split_whitespace().take(3).collect();
+    let rustc = std::fs::read_dir("/proc")
+        .map(|d| {
+            d.filter_map(|e| e.ok())
+                .filter(|e| std::fs::read_to_string(e.path().join("comm")).is_ok_and(|c| c.trim() == "rustc"))
+                .count()
+        })
+        .unwrap_or(0);
+    format!("load average {}, {rustc} rustc running", avg.join(" "))
+}
+
 /// One line of progress per pass.
 pub fn print_pass(p: &PassReport, passes: u32) {
     println!(
