@@ -16,7 +16,7 @@
 mod support;
 
 use oar::{
-    discovery::{Discovery, EtcdDiscovery, JobKeys},
+    discovery::{EtcdDiscovery, JobKeys},
     task_queue::StoredState,
 };
 use std::time::{Duration, Instant};
@@ -67,10 +67,8 @@ fn median(values: &mut [f64]) -> f64 {
 
 /// Tasks stored as finished, over all passes.
 async fn finished(etcd: &EtcdDiscovery, keys: &JobKeys) -> u64 {
-    match etcd.get(&keys.master_state()).await {
-        Ok(Some(kv)) => StoredState::decode(&kv.value)
-            .map(|s| s.passes.iter().map(|p| p.tasks_finished).sum())
-            .unwrap_or(0),
+    match StoredState::load(etcd, keys).await {
+        Ok(Some(state)) => state.passes.iter().map(|p| p.tasks_finished).sum(),
         _ => 0,
     }
 }

@@ -415,6 +415,30 @@ pub async fn fenced_writes_follow_the_lock(d: &dyn Discovery, prefix: &str) {
     d.revoke_lease(l2).await.unwrap();
 }
 
+/// A fenced range delete removes exactly the keys in `[start, end)`, and
+/// nothing once the fence is lost.
+pub async fn fenced_range_delete(d: &dyn Discovery, prefix: &str) {
+    let key = format!("{prefix}lock");
+    let lease = d.grant_lease(LONG_TTL).await.unwrap();
+    let fence = d.lock(&key, bytes("one"), lease, Duration::ZERO).await.unwrap();
+    let journal = |n: u32| format!("{prefix}journal/{n:05}");
+    for n in 1..=5 {
+        d.put_fenced(&fence, &journal(n), bytes("r")).await.unwrap();
+    }
+    let empty = d.delete_range_fenced(&fence, &journal(3), &journal(3)).await;
+    assert!(matches!(empty, Err(Error::InvalidArgument(_))), "{empty:?}");
+    d.delete_range_fenced(&fence, &journal(0), &journal(4)).await.unwrap();
+    let left: Vec<String> =
+        d.get_prefix(&format!("{prefix}journal/")).await.unwrap().kvs.into_iter().map(|kv| kv.key).collect();
+    assert_eq!(left, vec![journal(4), journal(5)]);
+    assert!(d.get(&key).await.unwrap().is_some(), "keys outside the range stay");
+
+    d.revoke_lease(lease).await.unwrap();
+    let lost = d.delete_range_fenced(&fence, &journal(0), &journal(9)).await;
+    assert_eq!(lost, Err(Error::FenceLost { key: key.clone() }));
+    assert_eq!(d.get_prefix(&format!("{prefix}journal/")).await.unwrap().kvs.len(), 2);
+}
+
 /// A fence dies with the lease of its lock key.
 pub async fn fence_lost_after_lease_expiry(d: &dyn Discovery, prefix: &str) {
     let key = format!("{prefix}lock");
@@ -492,6 +516,7 @@ macro_rules! discovery_conformance {
             lock_excludes_until_revoked,
             lock_timeout,
             fenced_writes_follow_the_lock,
+            fenced_range_delete,
             fence_lost_after_lease_expiry,
         );
 

@@ -14,8 +14,8 @@ use std::time::Duration;
 
 use async_trait::async_trait;
 use etcd_client::{
-    Client, CompactionOptions, Compare, CompareOp, ConnectOptions, GetOptions, KvClient, LeaseClient,
-    PutOptions, Txn, TxnOp, TxnResponse, WatchClient, WatchOptions,
+    Client, CompactionOptions, Compare, CompareOp, ConnectOptions, DeleteOptions, GetOptions, KvClient,
+    LeaseClient, PutOptions, Txn, TxnOp, TxnResponse, WatchClient, WatchOptions,
 };
 use tokio::sync::mpsc;
 
@@ -527,6 +527,19 @@ impl Discovery for EtcdDiscovery {
             return Err(Error::FenceLost { key: fence.key.clone() });
         }
         self.revision_of(&what, answer.header())
+    }
+
+    async fn delete_range_fenced(&self, fence: &Fence, start: &str, end: &str) -> Result<()> {
+        crate::check_range(start, end)?;
+        let what = op("fenced range delete", start, None);
+        let txn = Txn::new()
+            .when([Compare::create_revision(fence.key.as_str(), CompareOp::Equal, fence.revision)])
+            .and_then([TxnOp::delete(start, Some(DeleteOptions::new().with_range(end)))]);
+        if self.txn(&what, txn).await?.succeeded() {
+            Ok(())
+        } else {
+            Err(Error::FenceLost { key: fence.key.clone() })
+        }
     }
 
     async fn delete_fenced(&self, fence: &Fence, key: &str) -> Result<bool> {

@@ -36,6 +36,16 @@ impl JobKeys {
     pub fn master_state(&self) -> String {
         format!("{}master/state", self.prefix)
     }
+    /// Prefix of the master's journal: one record per batch of changes
+    /// since `master/state`, written through the master's fence.
+    pub fn master_journal(&self) -> String {
+        format!("{}master/journal/", self.prefix)
+    }
+    /// The journal record that brings the queue to `version` (zero-padded,
+    /// so records list in version order).
+    pub fn master_journal_record(&self, version: u64) -> String {
+        format!("{}master/journal/{version:020}", self.prefix)
+    }
     /// The job's options, published once by the master.
     pub fn config(&self) -> String {
         format!("{}config", self.prefix)
@@ -124,6 +134,8 @@ mod tests {
         let k = JobKeys::new("mnist").unwrap();
         assert_eq!(k.master_lock(), "/oar/mnist/master/lock");
         assert_eq!(k.master_state(), "/oar/mnist/master/state");
+        assert_eq!(k.master_journal_record(42), "/oar/mnist/master/journal/00000000000000000042");
+        assert!(k.master_journal_record(42).starts_with(&k.master_journal()));
         assert_eq!(k.result(), "/oar/mnist/result");
         assert_eq!(k.trainer("t1"), "/oar/mnist/trainer/t1");
         assert_eq!(k.ps(3), "/oar/mnist/ps/3");

@@ -256,6 +256,11 @@ pub trait Discovery: Send + Sync + 'static {
     /// `true` if it existed.
     async fn delete_fenced(&self, fence: &Fence, key: &str) -> Result<bool>;
 
+    /// Deletes every key `k` with `start <= k < end` (byte-wise) in one
+    /// transaction under the same guard as [`Discovery::put_fenced`]. An
+    /// empty range (`start >= end`) is [`Error::InvalidArgument`].
+    async fn delete_range_fenced(&self, fence: &Fence, start: &str, end: &str) -> Result<()>;
+
     /// Takes the lock at `key` for `lease`, with `holder` as its value.
     ///
     /// Tries `create_if_absent`; while another lease holds the key, watches
@@ -311,6 +316,16 @@ pub trait Discovery: Send + Sync + 'static {
 pub(crate) fn check_key(key: &str) -> Result<()> {
     if key.is_empty() {
         return Err(Error::InvalidArgument("key must not be empty".to_string()));
+    }
+    Ok(())
+}
+
+/// Rejects an empty or reversed key range, which would delete nothing (or,
+/// in etcd's encoding of an empty end, everything after `start`).
+pub(crate) fn check_range(start: &str, end: &str) -> Result<()> {
+    check_key(start)?;
+    if start >= end {
+        return Err(Error::InvalidArgument(format!("empty key range {start:?}..{end:?}")));
     }
     Ok(())
 }

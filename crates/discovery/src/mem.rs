@@ -329,6 +329,22 @@ impl Discovery for MemDiscovery {
         })
     }
 
+    async fn delete_range_fenced(&self, fence: &Fence, start: &str, end: &str) -> Result<()> {
+        crate::check_range(start, end)?;
+        self.with_state(|st, _| {
+            st.check_fence(fence)?;
+            let doomed: Vec<String> = st
+                .kvs
+                .range::<str, _>((std::ops::Bound::Included(start), std::ops::Bound::Excluded(end)))
+                .map(|(k, _)| k.clone())
+                .collect();
+            for key in doomed {
+                st.delete(&key);
+            }
+            Ok(())
+        })
+    }
+
     async fn delete_fenced(&self, fence: &Fence, key: &str) -> Result<bool> {
         check_key(key)?;
         self.with_state(|st, _| {

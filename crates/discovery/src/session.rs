@@ -278,6 +278,9 @@ mod tests {
         async fn delete_fenced(&self, fence: &Fence, key: &str) -> Result<bool> {
             self.mem.delete_fenced(fence, key).await
         }
+        async fn delete_range_fenced(&self, fence: &Fence, start: &str, end: &str) -> Result<()> {
+            self.mem.delete_range_fenced(fence, start, end).await
+        }
     }
 
     #[tokio::test(start_paused = true)]

@@ -11,7 +11,10 @@
 //! too often, and tells a late report from a current one by its
 //! [`TaskRef`] (task, pass, attempt). Its [`Snapshot`] is what the shell
 //! persists (in etcd, with the master's fence) and restores on restart; it is
-//! compact enough for one etcd value even for 100,000 tasks.
+//! compact enough for one etcd value even for 100,000 tasks. Between
+//! snapshots the shell stores only what changed, a [`Delta`] per write from
+//! [`TaskQueue::take_changes`], and replays them with [`Snapshot::apply`]
+//! (the [`master`] module docs say when it writes which).
 //!
 //! ```
 //! use std::time::{Duration, Instant};
@@ -50,6 +53,7 @@
 pub mod client;
 pub mod dataset;
 mod error;
+pub mod journal;
 pub mod master;
 pub mod protocol;
 pub mod queue;
@@ -61,7 +65,10 @@ pub use dataset::{
     TaskSpec,
 };
 pub use error::{Error, Result};
-pub use master::{Master, MasterOptions, StoredState, MAX_DISCARDS_LISTED};
+pub use journal::{Changes, Delta};
+pub use master::{
+    JournalRecord, Master, MasterOptions, StoredState, JOURNAL_MAX_RECORDS, MAX_DISCARDS_LISTED,
+};
 pub use protocol::{MasterStatus, PassStats, ReportReply, TaskReply, TaskStats};
 pub use queue::{
     Assignment, GetTask, JobState, QueueConfig, QueueEvent, Report, Status, TaskQueue, TaskRef, TaskState,

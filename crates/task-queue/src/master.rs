@@ -2,26 +2,41 @@
 //! trainers over a [`Transport`], and keeps the queue durable in
 //! [`Discovery`] through the lock's fence.
 //!
-//! Writes are batched by group commit: every change marks the queue dirty,
-//! one writer task stores the latest snapshot, and a trainer's report is
-//! acknowledged only once a snapshot containing it is stored. So a finished
-//! task stays finished across a master restart, at the cost of one etcd write
-//! per batch of reports, not per report. Handing out a task is not waited
-//! for: a task handed out just before a crash is handed out again, and the
-//! first trainer's late report is then stale.
+//! Writes are batched by group commit: a report wakes one writer task, which
+//! stores everything that changed since its last write, and a trainer's
+//! report is acknowledged only once a write containing it is stored. So a
+//! finished task stays finished across a master restart, at the cost of one
+//! etcd write per batch of reports, not per report. Handing out a task does
+//! not wake the writer and is not waited for: it goes out with the next
+//! report's write, or within one tick. A task handed out just before a crash
+//! is handed out again, and the first trainer's late report is then stale.
 //!
-//! What is stored under `master/state` is a [`StoredState`]: the queue's
-//! [`Snapshot`] and the per-pass training statistics, so a master that takes
-//! over reports the passes before it correctly. Its size is the snapshot's
-//! plus a few bytes per pass and per listed discard (at most
-//! [`MAX_DISCARDS_LISTED`]): for 100,000 tasks of one chunk, 100 passes of
-//! statistics and the most discards listed with the longest reasons, 660,448
-//! bytes, under etcd's default 1.5 MiB request limit (test
-//! `stored_state_of_100k_tasks_fits_in_an_etcd_request`).
+//! What is stored is a journal over a snapshot:
+//! - `master/state` holds a [`StoredState`]: the queue's [`Snapshot`] and the
+//!   per-pass training statistics, so a master that takes over reports the
+//!   passes before it correctly. Its size is the snapshot's plus a few bytes
+//!   per pass and per listed discard (at most [`MAX_DISCARDS_LISTED`]): for
+//!   100,000 tasks of one chunk, 100 passes of statistics and the most
+//!   discards listed with the longest reasons, 660,448 bytes, under etcd's
+//!   default 1.5 MiB request limit (test
+//!   `stored_state_of_100k_tasks_fits_in_an_etcd_request`).
+//! - `master/journal/<version>` holds one [`JournalRecord`] per write since
+//!   then: the tasks that changed ([`Delta`]), the current pass's statistics
+//!   and new discards; a few dozen bytes per report.
+//!
+//! A snapshot replaces the journal when a pass starts (every task changes),
+//! when the journal's bytes reach the snapshot's (so a restore reads at most
+//! twice the snapshot), after [`JOURNAL_MAX_RECORDS`] records, after a failed
+//! write (its delta is lost, so the chain must restart), and when a master
+//! starts. The records it covers are then deleted in one fenced range
+//! delete; a record left over by a crash in between is skipped on restore,
+//! because it is not newer than the snapshot. [`StoredState::load`] reads
+//! the key and the records in one read and replays them.
 
 use crate::{
     protocol::{MasterRequest, MasterStatus, PassStats, ReportReply, TaskReply, MASTER_METHOD},
-    Error, GetTask, JobState, QueueConfig, QueueEvent, Report, Result, Snapshot, TaskQueue, TaskSpec,
+    Changes, Delta, Error, GetTask, JobState, QueueConfig, QueueEvent, Report, Result, Snapshot, TaskQueue,
+    TaskSpec,
 };
 use async_trait::async_trait;
 use bytes::Bytes;
@@ -82,6 +97,7 @@ struct Metrics {
     failed: oar_metrics::Counter,
     discards: oar_metrics::Counter,
     state_writes: oar_metrics::Counter,
+    snapshot_writes: oar_metrics::Counter,
     state_bytes: oar_metrics::Gauge,
 }
 
@@ -95,6 +111,7 @@ fn metrics() -> &'static Metrics {
             failed: Default::default(),
             discards: Default::default(),
             state_writes: Default::default(),
+            snapshot_writes: Default::default(),
             state_bytes: Default::default(),
         };
         use oar_metrics::register as r;
@@ -104,8 +121,17 @@ fn metrics() -> &'static Metrics {
         r("oar_task_timeouts", "Tasks taken back at their deadline.", m.timeouts.clone());
         r("oar_task_failures", "Task failures: reported bad, timed out, trainer gone.", m.failed.clone());
         r("oar_task_discards", "Tasks discarded after too many failures.", m.discards.clone());
-        r("oar_master_state_writes", "Fenced writes of the master's state.", m.state_writes.clone());
-        r("oar_master_state_bytes", "Size of the last state written.", m.state_bytes.clone());
+        r(
+            "oar_master_state_writes",
+            "Fenced writes of the master's state: records and snapshots.",
+            m.state_writes.clone(),
+        );
+        r(
+            "oar_master_snapshot_writes",
+            "Fenced writes of a whole snapshot of the master's state.",
+            m.snapshot_writes.clone(),
+        );
+        r("oar_master_state_bytes", "Size of the last write of the master's state.", m.state_bytes.clone());
         m
     });
     &METRICS
@@ -120,6 +146,7 @@ pub struct Master {
     shared: Arc<Shared>,
     discovery: Arc<dyn Discovery>,
     fence: Fence,
+    keys: JobKeys,
     listener: Box<dyn Listener>,
     session: Option<Session>,
     background: Vec<tokio::task::JoinHandle<()>>,
@@ -148,8 +175,9 @@ impl Shared {
         self.queue.lock().unwrap_or_else(PoisonError::into_inner)
     }
 
-    /// Log the core's events, publish the status, and wake the writer.
-    fn changed(&self, core: &mut Core) {
+    /// Log the core's events, publish the status, and wake the writer if
+    /// `store` (a hand-out does not: it goes out with the next write).
+    fn changed(&self, core: &mut Core, store: bool) {
         let m = metrics();
         for event in core.queue.drain_events() {
             match &event {
@@ -189,7 +217,9 @@ impl Shared {
         }
         m.pass.set(q.pass as i64);
         self.status.send_replace(status);
-        self.dirty.notify_one();
+        if store {
+            self.dirty.notify_one();
+        }
     }
 
     fn stop(&self, why: String) {
@@ -244,9 +274,8 @@ impl Master {
         }
 
         let now = Instant::now();
-        let core = match discovery.get(&keys.master_state()).await? {
-            Some(kv) => {
-                let stored = StoredState::decode(&kv.value)?;
+        let core = match StoredState::load(&*discovery, &keys).await? {
+            Some(stored) => {
                 let queue = TaskQueue::restore(stored.queue, options.queue.clone(), now)?;
                 tracing::info!(status = ?queue.status(), "restored the task queue from discovery");
                 Core { queue, passes: stored.passes, discarded: stored.discarded }
@@ -286,10 +315,12 @@ impl Master {
                     );
                 }
             }
-            shared.changed(&mut core);
+            shared.changed(&mut core, true);
         }
-        // Store the starting state before serving, so a restore never goes back.
-        persist(&*discovery, &fence, &keys, &shared, true).await?;
+        // Store the starting state before serving, so a restore never goes
+        // back, and start the journal afresh.
+        let mut journal = Journal::default();
+        persist(&*discovery, &fence, &keys, &shared, &mut journal, true).await?;
 
         let handler = Arc::new(MasterHandler {
             shared: shared.clone(),
@@ -306,7 +337,7 @@ impl Master {
         let lease_lost = session.lost_signal();
         let guard = shared.clone();
         let background = vec![
-            tokio::spawn(writer(discovery.clone(), fence.clone(), keys, shared.clone())),
+            tokio::spawn(writer(discovery.clone(), fence.clone(), keys.clone(), shared.clone(), journal)),
             tokio::spawn(ticker(shared.clone(), options.tick_interval)),
             tokio::spawn(trainer_watcher(departures, shared.clone())),
             tokio::spawn(async move {
@@ -318,6 +349,7 @@ impl Master {
             shared,
             discovery,
             fence,
+            keys,
             listener,
             session: Some(session),
             background,
@@ -370,10 +402,20 @@ impl Master {
         Ok(())
     }
 
-    /// Stop serving and give up the lock.
+    /// Stop serving, store what is not stored yet (hand-outs since the last
+    /// write) as a snapshot, and give up the lock.
     pub async fn shutdown(mut self) -> Result<()> {
         self.listener.close();
         self.background.iter().for_each(|t| t.abort());
+        if self.shared.stopped_reason().is_none() {
+            // A snapshot, whatever the aborted writer had stored: a record
+            // it left in flight is then covered, and skipped on restore.
+            let mut journal = Journal::default();
+            let last = persist(&*self.discovery, &self.fence, &self.keys, &self.shared, &mut journal, true);
+            if let Err(e) = last.await {
+                tracing::warn!(error = %e, "storing the task queue at shutdown failed");
+            }
+        }
         if let Some(session) = self.session.take() {
             session.close().await?;
         }
@@ -388,32 +430,99 @@ impl Drop for Master {
     }
 }
 
-/// Store the queue's current snapshot through the fence, unless a snapshot
-/// at least as new is already stored (`always`: store it regardless, as at
-/// start-up, when nothing of this master's is stored yet).
+/// Records written since the last snapshot after which the next write is a
+/// snapshot, whatever their size: bounds the keys a restore lists.
+pub const JOURNAL_MAX_RECORDS: usize = 1000;
+
+/// The writer's bookkeeping of what is stored.
+#[derive(Debug, Default)]
+struct Journal {
+    /// Records stored since the last snapshot, and their bytes.
+    records: usize,
+    bytes: usize,
+    /// The last snapshot's bytes.
+    snapshot_bytes: usize,
+    /// The next write must be a snapshot: a write failed, so its delta is
+    /// not stored and the chain of deltas is broken.
+    snapshot_due: bool,
+    /// How many of the core's listed discards are stored.
+    discards_stored: usize,
+}
+
+impl Journal {
+    fn wants_snapshot(&self) -> bool {
+        self.snapshot_due || self.records >= JOURNAL_MAX_RECORDS || self.bytes >= self.snapshot_bytes
+    }
+}
+
+/// Store what changed since the last write through the fence: a journal
+/// record, or a snapshot when one is due (`always`: store a snapshot even if
+/// nothing changed, as at start-up, when nothing of this master's is stored
+/// yet).
 async fn persist(
     discovery: &dyn Discovery,
     fence: &Fence,
     keys: &JobKeys,
     shared: &Shared,
+    journal: &mut Journal,
     always: bool,
 ) -> Result<()> {
-    let (bytes, version) = {
-        let core = shared.core();
-        let stored = StoredState {
-            queue: core.queue.snapshot(),
-            passes: core.passes.clone(),
-            discarded: core.discarded.clone(),
-        };
-        (stored.encode(), core.queue.version())
-    };
-    if !always && *shared.persisted.borrow() >= version {
-        return Ok(());
+    enum Write {
+        Snapshot(StoredState),
+        Record(JournalRecord),
     }
+    let (write, version, discards) = {
+        let mut core = shared.core();
+        let version = core.queue.version();
+        if !always && *shared.persisted.borrow() >= version {
+            return Ok(());
+        }
+        let write = match core.queue.take_changes(always || journal.wants_snapshot()) {
+            Changes::Snapshot(queue) => Write::Snapshot(StoredState {
+                queue,
+                passes: core.passes.clone(),
+                discarded: core.discarded.clone(),
+            }),
+            Changes::Delta(delta) => {
+                let pass_stats = core.passes.get(delta.pass() as usize).copied();
+                let discarded = core.discarded.get(journal.discards_stored..).unwrap_or_default().to_vec();
+                Write::Record(JournalRecord { delta, pass_stats, discarded })
+            }
+        };
+        (write, version, core.discarded.len())
+    };
+    // Encoded outside the lock: trainers' calls need it meanwhile.
+    let (key, bytes) = match &write {
+        Write::Snapshot(state) => (keys.master_state(), state.encode()),
+        Write::Record(record) => (keys.master_journal_record(version), record.encode()),
+    };
     let size = bytes.len();
-    discovery.put_fenced(fence, &keys.master_state(), bytes).await?;
-    metrics().state_writes.inc();
-    metrics().state_bytes.set(size as i64);
+    if let Err(e) = discovery.put_fenced(fence, &key, bytes).await {
+        journal.snapshot_due = true;
+        return Err(e.into());
+    }
+    let m = metrics();
+    m.state_writes.inc();
+    m.state_bytes.set(size as i64);
+    match write {
+        Write::Snapshot(_) => {
+            m.snapshot_writes.inc();
+            *journal = Journal { snapshot_bytes: size, discards_stored: discards, ..Journal::default() };
+            // The records up to this version are covered now. A failure
+            // here leaves records a restore skips; the next snapshot retries.
+            let covered = keys.master_journal_record(version.saturating_add(1));
+            match discovery.delete_range_fenced(fence, &keys.master_journal(), &covered).await {
+                Ok(()) => {}
+                Err(e @ oar_discovery::Error::FenceLost { .. }) => return Err(e.into()),
+                Err(e) => tracing::warn!(error = %e, "deleting covered journal records failed"),
+            }
+        }
+        Write::Record(_) => {
+            journal.records += 1;
+            journal.bytes += size;
+            journal.discards_stored = discards;
+        }
+    }
     shared.persisted.send_if_modified(|v| {
         let raised = version > *v;
         *v = (*v).max(version);
@@ -422,12 +531,18 @@ async fn persist(
     Ok(())
 }
 
-/// The one writer: stores the newest snapshot whenever the queue changed.
+/// The one writer: stores what changed whenever a change wants storing.
 /// Changes made while a write is in flight go out together in the next one.
-async fn writer(discovery: Arc<dyn Discovery>, fence: Fence, keys: JobKeys, shared: Arc<Shared>) {
+async fn writer(
+    discovery: Arc<dyn Discovery>,
+    fence: Fence,
+    keys: JobKeys,
+    shared: Arc<Shared>,
+    mut journal: Journal,
+) {
     loop {
         shared.dirty.notified().await;
-        if let Err(e) = persist(&*discovery, &fence, &keys, &shared, false).await {
+        if let Err(e) = persist(&*discovery, &fence, &keys, &shared, &mut journal, false).await {
             match e {
                 Error::Discovery(oar_discovery::Error::FenceLost { .. }) => {
                     shared.stop(format!("lost the master lock: {e}"));
@@ -450,7 +565,11 @@ async fn ticker(shared: Arc<Shared>, every: Duration) {
         interval.tick().await;
         let mut core = shared.core();
         if core.queue.tick(Instant::now()) > 0 {
-            shared.changed(&mut core);
+            shared.changed(&mut core, true);
+        } else if core.queue.version() > *shared.persisted.borrow() {
+            // Hand-outs since the last write: store them within a tick, so
+            // a master taking over knows who holds what.
+            shared.dirty.notify_one();
         }
     }
 }
@@ -465,7 +584,7 @@ async fn trainer_watcher(mut departures: TrainerDepartures, shared: Arc<Shared>)
                 let returned = core.queue.trainer_gone(&trainer, Instant::now());
                 tracing::info!(trainer, returned, "trainer gone; its tasks return to todo");
                 if returned > 0 {
-                    shared.changed(&mut core);
+                    shared.changed(&mut core, true);
                 }
             }
             Err(e) => {
@@ -503,7 +622,7 @@ impl MasterHandler {
         };
         if let TaskReply::Assigned { task_ref, .. } = &reply {
             tracing::info!(trainer, task = task_ref.task.0, pass = task_ref.pass, "task assigned");
-            self.shared.changed(&mut core);
+            self.shared.changed(&mut core, false);
         }
         reply
     }
@@ -518,7 +637,7 @@ impl MasterHandler {
             if apply(&mut core) == Report::Stale {
                 return Ok(ReportReply::Stale);
             }
-            self.shared.changed(&mut core);
+            self.shared.changed(&mut core, true);
             core.queue.version()
         };
         let mut persisted = self.shared.persisted.subscribe();
@@ -646,6 +765,66 @@ impl StoredState {
         Ok(stored)
     }
 
+    /// The state after `records` (in version order), skipping those this
+    /// state already covers: a restore's replay of the journal. Errors if
+    /// the rest do not follow on from this state's version without a gap.
+    pub fn replay(self, records: &[JournalRecord]) -> Result<StoredState> {
+        let covered = self.queue.version();
+        let newer: Vec<&JournalRecord> = records.iter().filter(|r| r.delta.version() > covered).collect();
+        if newer.is_empty() {
+            return Ok(self);
+        }
+        let queue = self.queue.apply(newer.iter().map(|r| &r.delta))?;
+        let StoredState { mut passes, mut discarded, .. } = self;
+        for record in newer {
+            if let Some(stats) = &record.pass_stats {
+                let pass = record.delta.pass() as usize;
+                if passes.len() <= pass {
+                    passes.resize(pass + 1, PassStats::default());
+                }
+                passes[pass] = *stats;
+            }
+            let room = MAX_DISCARDS_LISTED.saturating_sub(discarded.len());
+            discarded.extend(record.discarded.iter().take(room).cloned());
+        }
+        Ok(StoredState { queue, passes, discarded })
+    }
+
+    /// The latest state stored for the job: `master/state` with the
+    /// journal's records replayed, from one consistent read; `None` if no
+    /// master stored anything yet. Errors name the key that is bad.
+    pub async fn load(discovery: &dyn Discovery, keys: &JobKeys) -> Result<Option<StoredState>> {
+        let listing = discovery.get_prefix(&format!("{}master/", keys.prefix())).await?;
+        Self::from_listing(listing.kvs.iter().map(|kv| (kv.key.as_str(), kv.value.as_slice())), keys)
+    }
+
+    /// [`load`](Self::load) over keys and values already read (any keys;
+    /// those that are not the master's state or journal are ignored), for a
+    /// reader that lists the whole job at once.
+    pub fn from_listing<'a>(
+        kvs: impl IntoIterator<Item = (&'a str, &'a [u8])>,
+        keys: &JobKeys,
+    ) -> Result<Option<StoredState>> {
+        let state_key = keys.master_state();
+        let journal = keys.master_journal();
+        let mut state = None;
+        let mut records = Vec::new();
+        for (key, value) in kvs {
+            let named = |e: Error| match e {
+                Error::BadSnapshot(why) => Error::BadSnapshot(format!("{key}: {why}")),
+                other => other,
+            };
+            if key == state_key {
+                state = Some(StoredState::decode(value).map_err(named)?);
+            } else if key.starts_with(&journal) {
+                records.push((key, JournalRecord::decode(value).map_err(named)?));
+            }
+        }
+        records.sort_by(|a, b| a.0.cmp(b.0));
+        let records: Vec<JournalRecord> = records.into_iter().map(|(_, r)| r).collect();
+        state.map(|s| s.replay(&records)).transpose()
+    }
+
     /// The job's status as the master last stored it.
     pub fn status(&self, config: QueueConfig) -> Result<MasterStatus> {
         let queue = TaskQueue::restore(self.queue.clone(), config, Instant::now())?;
@@ -654,6 +833,40 @@ impl StoredState {
             passes: self.passes.clone(),
             discarded: self.discarded.clone(),
         })
+    }
+}
+
+/// One write of the master's journal, under `master/journal/<version>`:
+/// the tasks that changed since the write before, the statistics of their
+/// pass, and the discards listed since.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct JournalRecord {
+    /// The changed tasks.
+    pub delta: Delta,
+    /// The statistics of the delta's pass, once the pass has any.
+    pub pass_stats: Option<PassStats>,
+    /// Discards listed since the previous write.
+    pub discarded: Vec<(u64, String)>,
+}
+
+/// First bytes of an encoded [`JournalRecord`].
+const RECORD_MAGIC: &[u8; 4] = b"OARJ";
+/// The encoding's format number, after the magic.
+const RECORD_FORMAT: u8 = 1;
+
+impl JournalRecord {
+    /// The bytes to store: magic, format number, postcard body.
+    pub fn encode(&self) -> Vec<u8> {
+        let mut out = RECORD_MAGIC.to_vec();
+        out.push(RECORD_FORMAT);
+        // Cannot fail: every field has a known length and no custom serialiser errs.
+        postcard::to_extend(self, out).unwrap_or_default()
+    }
+
+    /// Parses bytes made by [`encode`](Self::encode). Whether the record fits
+    /// the state it is replayed on is checked by [`StoredState::replay`].
+    pub fn decode(bytes: &[u8]) -> Result<JournalRecord> {
+        crate::snapshot::decode_framed(bytes, RECORD_MAGIC, RECORD_FORMAT, "not a master journal record")
     }
 }
 
@@ -686,6 +899,70 @@ mod tests {
         let back = StoredState::decode(&bytes).unwrap();
         assert_eq!(back, stored);
         assert_eq!(back.status(config).unwrap().passes.len(), 100);
+    }
+
+    /// A state of three tasks and the journal records of finishing two.
+    fn state_and_records() -> (StoredState, Vec<JournalRecord>, QueueConfig) {
+        let tasks = tasks_from_chunks(
+            (0..3).map(|i| crate::Chunk { path: "a".into(), start: i * 10, end: i * 10 + 10 }).collect(),
+            1,
+        )
+        .unwrap();
+        let config = QueueConfig { task_timeout: Duration::from_secs(60), max_failures: 3, passes: 1 };
+        let mut queue = TaskQueue::new(tasks, config.clone()).unwrap();
+        let Changes::Snapshot(snapshot) = queue.take_changes(false) else {
+            panic!("first take is a snapshot")
+        };
+        let state = StoredState { queue: snapshot, passes: Vec::new(), discarded: Vec::new() };
+        let now = Instant::now();
+        let mut records = Vec::new();
+        for n in 1..=2u64 {
+            let GetTask::Assigned(a) = queue.get_task("t", now) else { panic!("a task") };
+            queue.task_finished(a.task_ref, now);
+            let Changes::Delta(delta) = queue.take_changes(false) else { panic!("a delta") };
+            let stats =
+                PassStats { examples: n, loss_sum: 0.5 * n as f64, tasks_finished: n, skipped_lines: 0 };
+            records.push(JournalRecord { delta, pass_stats: Some(stats), discarded: Vec::new() });
+        }
+        (state, records, config)
+    }
+
+    #[test]
+    fn replay_applies_newer_records_and_skips_covered_ones() {
+        let (state, records, config) = state_and_records();
+        let replayed = state.clone().replay(&records).unwrap();
+        let status = replayed.status(config.clone()).unwrap();
+        assert_eq!((status.queue.done, status.passes[0].tasks_finished), (2, 2));
+        // Replaying again over the result skips what it covers.
+        assert_eq!(replayed.clone().replay(&records).unwrap(), replayed);
+        // A gap in the chain is an error that names the versions.
+        let err = state.replay(&records[1..]).unwrap_err().to_string();
+        assert!(err.contains("does not follow version"), "{err}");
+    }
+
+    #[test]
+    fn a_bad_journal_record_is_an_error_naming_its_key() {
+        let (state, records, _) = state_and_records();
+        let keys = oar_discovery::JobKeys::new("j").unwrap();
+        let state_bytes = state.encode();
+        let first = records[0].encode();
+        let listing = [
+            (keys.master_state(), state_bytes.clone()),
+            (keys.master_journal_record(records[0].delta.version()), first.clone()),
+            (keys.master_journal_record(99), b"OARJ\x01\xff".to_vec()),
+        ];
+        let err = StoredState::from_listing(listing.iter().map(|(k, v)| (k.as_str(), &v[..])), &keys)
+            .unwrap_err()
+            .to_string();
+        assert!(
+            err.contains("/oar/j/master/journal/00000000000000000099") && err.contains("corrupt"),
+            "{err}"
+        );
+        let good = &listing[..2];
+        let stored =
+            StoredState::from_listing(good.iter().map(|(k, v)| (k.as_str(), &v[..])), &keys).unwrap();
+        assert_eq!(stored.unwrap().passes[0].examples, 1);
+        assert!(StoredState::from_listing(std::iter::empty(), &keys).unwrap().is_none());
     }
 
     #[test]

@@ -24,6 +24,7 @@ use std::time::{Duration, Instant};
 use serde::{Deserialize, Serialize};
 
 use crate::dataset::{TaskId, TaskSpec};
+use crate::journal::{Changes, Delta};
 use crate::snapshot::{Meta, Snapshot, StateView, Unpacked};
 use crate::{Error, Result};
 
@@ -233,6 +234,20 @@ enum Slot {
     Discarded { reason: String },
 }
 
+impl Slot {
+    /// The public state, without the deadline.
+    fn state(&self) -> TaskState {
+        match self {
+            Slot::Todo => TaskState::Todo,
+            Slot::Pending { trainer, attempt, .. } => {
+                TaskState::Pending { trainer: trainer.clone(), attempt: *attempt }
+            }
+            Slot::Done => TaskState::Done,
+            Slot::Discarded { reason } => TaskState::Discarded { reason: reason.clone() },
+        }
+    }
+}
+
 /// The task-queue core. See the [module docs](self) for the rules.
 #[derive(Clone, Debug)]
 pub struct TaskQueue {
@@ -252,6 +267,14 @@ pub struct TaskQueue {
     failures_total: u64,
     version: u64,
     events: Vec<QueueEvent>,
+    /// Positions changed since the last [`take_changes`](Self::take_changes),
+    /// in change order, repeats included.
+    changed: Vec<usize>,
+    /// The next `take_changes` must be a snapshot: nothing was taken yet, a
+    /// pass started, or the change log outgrew the queue.
+    snapshot_due: bool,
+    /// The version at the last `take_changes`.
+    taken_version: u64,
 }
 
 /// Cuts a reason to [`MAX_REASON_BYTES`] at a char boundary.
@@ -302,6 +325,9 @@ impl TaskQueue {
             failures_total: 0,
             version: 0,
             events: Vec::new(),
+            changed: Vec::new(),
+            snapshot_due: true,
+            taken_version: 0,
         })
     }
 
@@ -322,6 +348,7 @@ impl TaskQueue {
         self.slots[i] = Slot::Pending { trainer: trainer.to_string(), attempt, deadline };
         self.pending.insert((deadline, i));
         self.version += 1;
+        self.mark(i);
         let task = self.tasks[i].clone();
         let task_ref = TaskRef { task: task.id, pass: self.pass, attempt };
         GetTask::Assigned(Assignment { task, task_ref, deadline })
@@ -374,6 +401,7 @@ impl TaskQueue {
         self.slots[i] = Slot::Done;
         self.done += 1;
         self.version += 1;
+        self.mark(i);
         self.check_pass_end();
         Report::Accepted
     }
@@ -442,6 +470,7 @@ impl TaskQueue {
         self.failures[i] += 1;
         self.failures_total += 1;
         self.version += 1;
+        self.mark(i);
         let count = self.failures[i];
         if count >= self.config.max_failures {
             let reason = format!("{count} failure(s) in pass {}, the last: {detail}", self.pass);
@@ -485,7 +514,54 @@ impl TaskQueue {
                 }
             }
             self.done = 0;
+            // Every task changed: the next record is a snapshot.
+            self.snapshot_due = true;
+            self.changed.clear();
         }
+    }
+
+    /// Notes that task `i` changed, for the next delta.
+    fn mark(&mut self, i: usize) {
+        if self.snapshot_due {
+            return;
+        }
+        self.changed.push(i);
+        // Past one entry per task a delta is no smaller than a snapshot (and
+        // a queue whose shell never takes changes must not grow).
+        if self.changed.len() > self.tasks.len() {
+            self.snapshot_due = true;
+            self.changed.clear();
+        }
+    }
+
+    /// What changed since the last call, for the shell to store: a
+    /// [`Delta`] of the changed tasks, or a [`Snapshot`] of the whole queue
+    /// when `want_snapshot` is set (say, because the shell's journal grew
+    /// long, or its last write failed) or a delta cannot describe the change
+    /// (the first call, or a new pass). Each call starts the next delta from
+    /// the current version, so the shell must store what it gets, in order,
+    /// or ask for a snapshot next time.
+    pub fn take_changes(&mut self, want_snapshot: bool) -> Changes {
+        let from_version = std::mem::replace(&mut self.taken_version, self.version);
+        if want_snapshot || self.snapshot_due {
+            self.snapshot_due = false;
+            self.changed.clear();
+            return Changes::Snapshot(self.snapshot());
+        }
+        // Each task once, at its last change.
+        let mut seen = std::collections::HashSet::with_capacity(self.changed.len());
+        let mut last_first: Vec<usize> = self.changed.drain(..).rev().filter(|&i| seen.insert(i)).collect();
+        last_first.reverse();
+        let changes =
+            last_first.into_iter().map(|i| (i as u64, self.failures[i], self.slots[i].state())).collect();
+        Changes::Delta(Delta {
+            from_version,
+            version: self.version,
+            pass: self.pass,
+            state: self.state,
+            failures_total: self.failures_total,
+            changes,
+        })
     }
 
     /// The trainers holding pending tasks, sorted, each once.
@@ -520,14 +596,7 @@ impl TaskQueue {
     /// Where task `id` stands, or `None` if there is no such task.
     pub fn task_state(&self, id: TaskId) -> Option<TaskState> {
         let i = self.index_of(id)?;
-        Some(match &self.slots[i] {
-            Slot::Todo => TaskState::Todo,
-            Slot::Pending { trainer, attempt, .. } => {
-                TaskState::Pending { trainer: trainer.clone(), attempt: *attempt }
-            }
-            Slot::Done => TaskState::Done,
-            Slot::Discarded { reason } => TaskState::Discarded { reason: reason.clone() },
-        })
+        Some(self.slots[i].state())
     }
 
     /// The events since the last call, oldest first. The shell should drain
@@ -605,6 +674,9 @@ impl TaskQueue {
             failures_total,
             version,
             events: Vec::new(),
+            changed: Vec::new(),
+            snapshot_due: true,
+            taken_version: version,
             config,
         };
         let deadline = queue.deadline(now);

@@ -212,3 +212,63 @@ async fn a_restarted_master_takes_back_the_tasks_of_trainers_gone_while_no_maste
     );
     assert_eq!(status.queue.failures, 1);
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn reports_are_journal_records_and_a_crashed_master_s_successor_replays_them() {
+    let env = Env::new();
+    let keys = JobKeys::new(JOB).unwrap();
+    let two_passes = |holder: &str| {
+        let mut o = options(holder);
+        o.queue.passes = 2;
+        o
+    };
+    let start = |holder: &str| {
+        // Enough tasks that a few records stay smaller than a snapshot.
+        Master::start(env.discovery.clone(), env.transport.clone(), "mem:0", tasks(200), two_passes(holder))
+    };
+    let first = start("m1").await.unwrap();
+    let snapshot_revision = env.discovery.get(&keys.master_state()).await.unwrap().unwrap().mod_revision;
+    let client = env.client();
+    let stats = TaskStats { examples: 10, loss_sum: 2.5, skipped_lines: 1 };
+    for _ in 0..3 {
+        let (_, r) = take(&client, "t1").await;
+        assert_eq!(client.task_finished("t1", r, stats).await.unwrap(), ReportReply::Accepted);
+    }
+    let (_, failed) = take(&client, "t1").await;
+    assert_eq!(client.task_failed("t1", failed, "bad disk").await.unwrap(), ReportReply::Accepted);
+    let records = env.discovery.get_prefix(&keys.master_journal()).await.unwrap().kvs;
+    assert!(records.len() >= 4, "one record per acknowledged report at least: {}", records.len());
+    assert!(records.iter().all(|kv| kv.value.len() < 200), "records are small");
+    assert_eq!(
+        env.discovery.get(&keys.master_state()).await.unwrap().unwrap().mod_revision,
+        snapshot_revision,
+        "reports must not rewrite the snapshot"
+    );
+    let before = first.status().borrow().clone();
+    assert_eq!((before.queue.done, before.queue.failures, before.passes[0].examples), (3, 1, 30));
+
+    // A crash: no final write. The successor gets the lock when the lease ends.
+    drop(first);
+    let second = tokio::time::timeout(Duration::from_secs(10), start("m2")).await.unwrap().unwrap();
+    assert_eq!(*second.status().borrow(), before, "snapshot + journal restore every report");
+    assert!(
+        env.discovery.get_prefix(&keys.master_journal()).await.unwrap().kvs.is_empty(),
+        "a starting master stores a snapshot and deletes the records it covers"
+    );
+
+    // Finishing pass 0 starts pass 1 with a snapshot; then records again.
+    while second.status().borrow().queue.pass == 0 {
+        let (_, r) = take(&client, "t2").await;
+        assert_eq!(client.task_finished("t2", r, stats).await.unwrap(), ReportReply::Accepted);
+    }
+    let (_, r) = take(&client, "t2").await;
+    assert_eq!(client.task_finished("t2", r, stats).await.unwrap(), ReportReply::Accepted);
+    let records = env.discovery.get_prefix(&keys.master_journal()).await.unwrap().kvs;
+    assert!(
+        !records.is_empty() && records.len() <= 2,
+        "the pass's snapshot cleared the journal: {}",
+        records.len()
+    );
+    let stored = oar_task_queue::StoredState::load(&*env.discovery, &keys).await.unwrap().unwrap();
+    assert_eq!(stored.status(two_passes("x").queue).unwrap(), *second.status().borrow());
+}

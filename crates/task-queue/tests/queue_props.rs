@@ -4,8 +4,8 @@ use std::collections::{HashMap, VecDeque};
 use std::time::{Duration, Instant};
 
 use oar_task_queue::{
-    Chunk, GetTask, JobState, QueueConfig, QueueEvent, Report, Snapshot, Status, TaskId, TaskQueue, TaskRef,
-    TaskSpec, TaskState,
+    Changes, Chunk, Delta, GetTask, JobState, QueueConfig, QueueEvent, Report, Snapshot, Status, TaskId,
+    TaskQueue, TaskRef, TaskSpec, TaskState,
 };
 use proptest::prelude::*;
 
@@ -37,6 +37,11 @@ enum Op {
     Tick(u64),
     /// Snapshot, encode, decode, restore, and carry on with the restored queue.
     Restore,
+    /// Take the changes for the journal (asking for a snapshot or not) and
+    /// check that the stored snapshot plus deltas equal the queue.
+    Take(bool),
+    /// Take the changes, then restore from the journal and carry on.
+    RestoreFromJournal,
 }
 
 fn op() -> impl Strategy<Value = Op> {
@@ -57,6 +62,8 @@ fn op() -> impl Strategy<Value = Op> {
         1 => (0..3usize).prop_map(Op::Gone),
         2 => (0..1500u64).prop_map(Op::Tick),
         1 => Just(Op::Restore),
+        3 => prop_oneof![5 => Just(Op::Take(false)), 1 => Just(Op::Take(true))],
+        1 => Just(Op::RestoreFromJournal),
     ]
 }
 
@@ -81,6 +88,8 @@ struct Harness {
     todo: VecDeque<TaskId>,
     saw_job_done: bool,
     saw_job_failed: bool,
+    /// What a shell would have stored: the last snapshot and the deltas since.
+    journal: Option<(Snapshot, Vec<Delta>)>,
 }
 
 fn observe(q: &TaskQueue, ids: &[TaskId]) -> Observed {
@@ -138,6 +147,7 @@ impl Harness {
             failures: HashMap::new(),
             saw_job_done: false,
             saw_job_failed: false,
+            journal: None,
         }
     }
 
@@ -170,6 +180,26 @@ impl Harness {
             }
         }
         Ok(())
+    }
+
+    /// Takes the queue's changes into the journal and checks that replaying
+    /// the journal gives the queue's own snapshot, todo order included.
+    fn take(&mut self, want_snapshot: bool) -> Result<Snapshot, TestCaseError> {
+        match self.q.take_changes(want_snapshot) {
+            Changes::Snapshot(snapshot) => self.journal = Some((snapshot, Vec::new())),
+            Changes::Delta(delta) => {
+                prop_assert!(!want_snapshot, "asked for a snapshot, got a delta");
+                let Some((_, deltas)) = self.journal.as_mut() else {
+                    return Err(TestCaseError::fail("a delta before any snapshot"));
+                };
+                prop_assert_eq!(delta.version(), self.q.version());
+                deltas.push(delta);
+            }
+        }
+        let (base, deltas) = self.journal.as_ref().unwrap();
+        let replayed = base.apply(deltas).map_err(|e| TestCaseError::fail(e.to_string()))?;
+        prop_assert_eq!(&replayed, &self.q.snapshot(), "journal replay differs from the queue");
+        Ok(replayed)
     }
 
     fn step(&mut self, op: &Op) -> Result<(), TestCaseError> {
@@ -254,6 +284,21 @@ impl Harness {
                     self.deadlines.insert(id, self.now + self.config.task_timeout);
                 }
                 restored = true;
+                // A restored queue starts its journal with a snapshot.
+                self.journal = None;
+            }
+            Op::Take(want_snapshot) => {
+                self.take(want_snapshot)?;
+            }
+            Op::RestoreFromJournal => {
+                let replayed = self.take(false)?;
+                self.q = TaskQueue::restore(replayed, self.config.clone(), self.now).unwrap();
+                prop_assert_eq!(self.q.version(), v0);
+                for (id, _, _) in pending_tasks(&before, &self.ids) {
+                    self.deadlines.insert(id, self.now + self.config.task_timeout);
+                }
+                restored = true;
+                self.journal = None;
             }
         }
         let after = observe(&self.q, &self.ids);

@@ -62,7 +62,8 @@ impl JobView {
             tasks: None,
             result: None,
         };
-        let mut state = None;
+        let state =
+            StoredState::from_listing(all.kvs.iter().map(|kv| (kv.key.as_str(), &kv.value[..])), &keys)?;
         let ps_prefix = format!("{}ps/", keys.prefix());
         for kv in &all.kvs {
             let key = kv.key.as_str();
@@ -72,8 +73,6 @@ impl JobView {
                 view.master_holder = Some(text(&kv.value));
             } else if key == keys.master_addr() {
                 view.master_addr = Some(text(&kv.value));
-            } else if key == keys.master_state() {
-                state = Some(StoredState::decode(&kv.value)?);
             } else if key == keys.ps_desired() {
                 view.pservers_desired = text(&kv.value).trim().parse().ok();
             } else if key == keys.result() {
