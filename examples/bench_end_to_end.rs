@@ -46,7 +46,9 @@
 //!
 //! Where the time goes (one trainer), per steady pass: the job's transport
 //! is wrapped in a timing layer (`Timed`, a `Transport` of this file that
-//! forwards every call) which counts, per kind of call (pull, push, master =
+//! forwards every call) which counts, per kind of call (pull, push = a push
+//! or an async push-pull, which brings the next batch's parameters back with
+//! the push, master =
 //! `get_task` / `task_finished`, other = join/leave), the calls and the wall
 //! time during which at least one of them was in flight (a pull of 2 shards
 //! is 2 concurrent calls, counted once in time; the master's one scoring pull
@@ -655,7 +657,7 @@ impl Connection for TimedConnection {
             MASTER_METHOD => MASTER,
             PSERVER_METHOD => match request.meta::<PsRequest>() {
                 Ok(PsRequest::Pull { .. }) => PULL,
-                Ok(PsRequest::Push { .. }) => PUSH,
+                Ok(PsRequest::Push { .. } | PsRequest::PushPull { .. }) => PUSH,
                 _ => OTHER,
             },
             _ => OTHER,

@@ -107,8 +107,14 @@ async fn main() {
     }
     let ca = DevCa::new().expect("CA");
     let transport = Arc::new(QuicTransport::new(ca.tls_config("bench").expect("tls")).expect("quic"));
-    println!("push then pull of N float32, one trainer; median of {reps}; ratio = oar time / TCP time");
-    println!("{:>6} {:>3} {:>11} {:>11} {:>7} {:>10}", "N", "P", "oar (ms)", "TCP (ms)", "ratio", "oar GB/s");
+    println!(
+        "push then pull of N float32, one trainer; median of {reps}; ratio = oar time / TCP time; \
+         push-pull = both in one call per pserver (async mode)"
+    );
+    println!(
+        "{:>6} {:>3} {:>11} {:>11} {:>7} {:>10} {:>15} {:>7}",
+        "N", "P", "oar (ms)", "TCP (ms)", "ratio", "oar GB/s", "push-pull (ms)", "ratio"
+    );
     for &millions in &sizes {
         let n = millions * 1_000_000;
         for servers in [1u32, 2] {
@@ -167,7 +173,7 @@ async fn main() {
             client.pull(&mut params).await.expect("pull");
             tcp_round_trip(&mut streams, &out, &mut back).await;
 
-            let (mut oar, mut tcp) = (Vec::new(), Vec::new());
+            let (mut oar, mut tcp, mut combined) = (Vec::new(), Vec::new(), Vec::new());
             for _ in 0..reps {
                 let t = Instant::now();
                 tcp_round_trip(&mut streams, &out, &mut back).await;
@@ -176,15 +182,20 @@ async fn main() {
                 client.push(&grads, 1.0).await.expect("push");
                 client.pull(&mut params).await.expect("pull");
                 oar.push(t.elapsed().as_secs_f64());
+                let t = Instant::now();
+                client.push_pull(&grads, 1.0, &mut params).await.expect("push-pull");
+                combined.push(t.elapsed().as_secs_f64());
             }
-            let (o, r) = (median(&mut oar), median(&mut tcp));
+            let (o, r, c) = (median(&mut oar), median(&mut tcp), median(&mut combined));
             let gbs = 2.0 * 4.0 * n as f64 / o / 1e9;
             println!(
-                "{:>5}M {servers:>3} {:>11.1} {:>11.1} {:>7.2} {gbs:>10.2}",
+                "{:>5}M {servers:>3} {:>11.1} {:>11.1} {:>7.2} {gbs:>10.2} {:>15.1} {:>7.2}",
                 millions,
                 o * 1e3,
                 r * 1e3,
-                o / r
+                o / r,
+                c * 1e3,
+                c / r
             );
             for p in pservers {
                 let _ = p.shutdown().await;

@@ -215,11 +215,7 @@ impl PserverClient {
         let placement = self.inner.placement.clone();
         let replies = self
             .on_all(|index| {
-                let mut payload = BytesMut::new();
-                for block in placement.blocks_on(index) {
-                    let param = grads.param(block.id.param as usize);
-                    oar_transport::put_f32s(&mut payload, &param[block.offset..block.offset + block.len]);
-                }
+                let payload = shard_payload(&placement, index, grads);
                 let state = shards[index as usize];
                 let request = PsRequest::Push {
                     fingerprint,
@@ -228,7 +224,7 @@ impl PserverClient {
                     step: state.pulled_step,
                     weight,
                 };
-                (request, payload.freeze())
+                (request, payload)
             })
             .await?;
         let mut result = PushResult::Accepted;
@@ -251,6 +247,44 @@ impl PserverClient {
             }
         }
         Ok(result)
+    }
+
+    /// Async mode: push `grads` (the mean gradient over `weight` examples)
+    /// and pull every parameter into `params` in one round trip per shard:
+    /// each shard applies the push and answers with its parameters after it.
+    /// Sync pservers refuse it.
+    pub async fn push_pull(&mut self, grads: &ParamBuf, weight: f32, params: &mut ParamBuf) -> Result<()> {
+        let fingerprint = self.inner.placement.fingerprint();
+        let trainer = self.inner.trainer.clone();
+        let shards = self.shards.clone();
+        let placement = self.inner.placement.clone();
+        let replies = self
+            .on_all(|index| {
+                let request = PsRequest::PushPull {
+                    fingerprint,
+                    trainer: trainer.clone(),
+                    seq: shards[index as usize].seq,
+                    weight,
+                };
+                (request, shard_payload(&placement, index, grads))
+            })
+            .await?;
+        for (index, reply, payload) in replies {
+            match reply {
+                PsReply::PushedPulled { step, .. } => {
+                    self.copy_shard(index, &payload, params)?;
+                    let shard = &mut self.shards[index as usize];
+                    shard.seq += 1;
+                    shard.pulled_step = step;
+                    shard.next_step = None;
+                    shard.incarnation = self.inner.incarnations[index as usize].load(Ordering::SeqCst);
+                }
+                other => {
+                    return Err(Error::Protocol(format!("shard {index} answered a push-pull with {other:?}")))
+                }
+            }
+        }
+        Ok(())
     }
 
     /// In async mode a pull never waits for a step.
@@ -308,6 +342,16 @@ impl PserverClient {
         replies.sort_by_key(|(index, _, _)| *index);
         Ok(replies)
     }
+}
+
+/// The blocks of shard `index`, cut from `grads` and concatenated.
+fn shard_payload(placement: &Placement, index: u32, grads: &ParamBuf) -> Bytes {
+    let mut payload = BytesMut::new();
+    for block in placement.blocks_on(index) {
+        let param = grads.param(block.id.param as usize);
+        oar_transport::put_f32s(&mut payload, &param[block.offset..block.offset + block.len]);
+    }
+    payload.freeze()
 }
 
 impl Inner {

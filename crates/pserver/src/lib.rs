@@ -13,7 +13,11 @@
 //! gradients; the store applies them with an [`Optimizer`] (SGD, momentum,
 //! AdaGrad and Adam built in, see [`OptimizerConfig`]):
 //!
-//! - [`Mode::Async`]: every push is applied on arrival.
+//! - [`Mode::Async`]: every push is applied on arrival. A trainer that pulls
+//!   right after it pushes sends both as one [`PserverClient::push_pull`]:
+//!   each shard applies the push and answers with its parameters, one round
+//!   trip instead of two (a retried push-pull is applied once and still
+//!   answered with the parameters).
 //! - [`Mode::Sync`]: for step n the store waits for a push from every member
 //!   trainer, combines them as a weighted mean summed in trainer-id order
 //!   (so K trainers on batches `b_1..b_K` give one update with the mean

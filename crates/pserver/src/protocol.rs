@@ -47,6 +47,19 @@ pub enum PsRequest {
         /// How long the server may wait for `min_step` before answering `ready: false`.
         max_wait_ms: u64,
     },
+    /// Async mode only: a push, answered with this server's parameters after
+    /// it, as a pull would: one round trip where a push and a pull take two.
+    PushPull {
+        /// Placement fingerprint.
+        fingerprint: u64,
+        /// The pushing trainer.
+        trainer: String,
+        /// As in [`PsRequest::Push`]: a retry carries the same number and is
+        /// applied once (its reply still carries the parameters).
+        seq: u64,
+        /// Examples behind the gradient.
+        weight: f32,
+    },
 }
 
 /// A pserver's answer.
@@ -79,5 +92,13 @@ pub enum PsReply {
         step: u64,
         /// False when `min_step` was not reached in time (no payload then).
         ready: bool,
+    },
+    /// Answer to [`PsRequest::PushPull`]: what happened to the push, and
+    /// the parameters after it in the payload.
+    PushedPulled {
+        /// What happened to the push.
+        outcome: PushOutcome,
+        /// The step of the parameters sent.
+        step: u64,
     },
 }

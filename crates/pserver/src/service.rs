@@ -556,6 +556,42 @@ impl PsHandler {
         }
     }
 
+    /// This server's parameters, its blocks concatenated, as a pull sends them.
+    fn params(&self, store: &ParamStore) -> std::result::Result<Bytes, RemoteError> {
+        let server = store.server();
+        let total: usize = self.shared.placement.blocks_on(server).map(|b| b.len).sum();
+        let mut payload = BytesMut::with_capacity(total * 4);
+        for block in self.shared.placement.blocks_on(server) {
+            let values = store.block(block.id).map_err(RemoteError::internal)?;
+            oar_transport::put_f32s(&mut payload, values);
+        }
+        let m = metrics();
+        m.pulls.inc();
+        m.pull_bytes.inc_by(payload.len() as u64);
+        Ok(payload.freeze())
+    }
+
+    /// Async mode: apply a push and answer with the parameters after it.
+    fn push_pull(&self, request: PsRequest, payload: &[u8]) -> std::result::Result<Frame, RemoteError> {
+        let PsRequest::PushPull { fingerprint, trainer, seq, weight } = request else {
+            return Err(RemoteError::internal("not a push-pull"));
+        };
+        if self.shared.store()?.mode() != Mode::Async {
+            return Err(RemoteError::bad_request(format!(
+                "push-pull from {trainer}: only async pservers take it (a sync push waits for its step)"
+            )));
+        }
+        let outcome =
+            match self.push(PsRequest::Push { fingerprint, trainer, seq, step: 0, weight }, payload)? {
+                PsReply::Pushed(outcome) => outcome,
+                other => return Err(RemoteError::internal(format!("an async push answered {other:?}"))),
+            };
+        let store = self.shared.store()?;
+        let params = self.params(&store)?;
+        let reply = PsReply::PushedPulled { outcome, step: store.step() };
+        Frame::new(PSERVER_METHOD, &reply, params).map_err(RemoteError::internal)
+    }
+
     async fn pull(
         &self,
         fingerprint: u64,
@@ -571,22 +607,12 @@ impl PsHandler {
             {
                 let store = self.shared.store()?;
                 if min_step.is_none_or(|m| store.step() >= m) {
-                    let server = store.server();
-                    let total: usize = self.shared.placement.blocks_on(server).map(|b| b.len).sum();
-                    let mut payload = BytesMut::with_capacity(total * 4);
-                    for block in self.shared.placement.blocks_on(server) {
-                        let values = store.block(block.id).map_err(RemoteError::internal)?;
-                        oar_transport::put_f32s(&mut payload, values);
-                    }
+                    let payload = self.params(&store)?;
                     let reply = PsReply::Pulled { step: store.step(), ready: true };
-                    let m = metrics();
-                    m.pulls.inc();
-                    m.pull_bytes.inc_by(payload.len() as u64);
                     if min_step.is_some() {
-                        m.barrier_wait.observe(started.elapsed().as_secs_f64());
+                        metrics().barrier_wait.observe(started.elapsed().as_secs_f64());
                     }
-                    return Frame::new(PSERVER_METHOD, &reply, payload.freeze())
-                        .map_err(RemoteError::internal);
+                    return Frame::new(PSERVER_METHOD, &reply, payload).map_err(RemoteError::internal);
                 }
                 if tokio::time::Instant::now() >= deadline {
                     let reply = PsReply::Pulled { step: store.step(), ready: false };
@@ -627,6 +653,7 @@ impl Handler for PsHandler {
                 PsReply::Ok
             }
             push @ PsRequest::Push { .. } => self.push(push, &request.payload)?,
+            push_pull @ PsRequest::PushPull { .. } => return self.push_pull(push_pull, &request.payload),
             PsRequest::Pull { fingerprint, min_step, max_wait_ms } => {
                 let wait = Duration::from_millis(max_wait_ms).min(MAX_PULL_WAIT);
                 return self.pull(fingerprint, min_step, wait).await;

@@ -236,3 +236,70 @@ async fn a_pserver_told_its_index_claims_that_one_and_an_index_out_of_range_is_r
     assert!(err.to_string().contains("index 3 is out of range"), "{err}");
     assert_eq!(start(None).await.unwrap().index(), 0);
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_push_pull_applies_once_and_answers_the_parameters_after_it() {
+    let env = Env::new();
+    let _ps = env.pserver(Mode::Async).await;
+    let mut trainer = env.client("t1", Duration::from_secs(2));
+    let mut reader = env.client("reader", Duration::from_secs(2));
+    let mut before = ParamBuf::zeros(&specs());
+    reader.pull(&mut before).await.unwrap();
+
+    let mut grads = ParamBuf::zeros(&specs());
+    grads.fill(1.0);
+    let mut got = ParamBuf::zeros(&specs());
+    trainer.push_pull(&grads, 4.0, &mut got).await.unwrap();
+    let mut pulled = ParamBuf::zeros(&specs());
+    reader.pull(&mut pulled).await.unwrap();
+    assert_eq!(got.as_slice(), pulled.as_slice(), "a push-pull answers what a pull then reads");
+    for (a, b) in got.as_slice().iter().zip(before.as_slice()) {
+        assert!((a - (b - 0.5)).abs() < 1e-6, "one SGD step of lr 0.5 on gradient 1: {b} -> {a}");
+    }
+
+    // The same push-pull sent again (a retry: same trainer and seq) is not
+    // applied twice, and still answers the parameters.
+    let ps_addr = _ps.addr().to_string();
+    let conn = env.transport.connect(&ps_addr).await.unwrap();
+    let retry = PsRequest::PushPull {
+        fingerprint: env.placement.fingerprint(),
+        trainer: "t1".into(),
+        seq: 0,
+        weight: 4.0,
+    };
+    let (reply, payload): (PsReply, Bytes) = call(
+        conn.as_ref(),
+        PSERVER_METHOD,
+        &retry,
+        f32s_to_bytes(&vec![1.0; total()]),
+        Duration::from_secs(1),
+    )
+    .await
+    .unwrap();
+    assert_eq!(reply, PsReply::PushedPulled { outcome: PushOutcome::Duplicate, step: 1 });
+    assert_eq!(payload, f32s_to_bytes(got.as_slice()));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_sync_pserver_refuses_a_push_pull_by_name() {
+    let env = Env::new();
+    let ps = env.pserver(Mode::Sync).await;
+    let conn = env.transport.connect(ps.addr()).await.unwrap();
+    let request = PsRequest::PushPull {
+        fingerprint: env.placement.fingerprint(),
+        trainer: "t1".into(),
+        seq: 0,
+        weight: 1.0,
+    };
+    let result = call(
+        conn.as_ref(),
+        PSERVER_METHOD,
+        &request,
+        f32s_to_bytes(&vec![1.0; total()]),
+        Duration::from_secs(1),
+    )
+    .await
+    .map(|(r, _): (PsReply, Bytes)| r);
+    assert_bad_request(result, "only async pservers");
+    assert_eq!(ps.step(), 0);
+}

@@ -745,10 +745,7 @@ const STATE_FORMAT: u8 = 1;
 impl StoredState {
     /// The bytes to store: magic, format number, postcard body.
     pub fn encode(&self) -> Vec<u8> {
-        let mut out = STATE_MAGIC.to_vec();
-        out.push(STATE_FORMAT);
-        // Cannot fail: every field has a known length and no custom serialiser errs.
-        postcard::to_extend(self, out).unwrap_or_default()
+        crate::snapshot::encode_framed(self, STATE_MAGIC, STATE_FORMAT)
     }
 
     /// Parses and validates bytes made by [`encode`](Self::encode). A bare
@@ -857,10 +854,7 @@ const RECORD_FORMAT: u8 = 1;
 impl JournalRecord {
     /// The bytes to store: magic, format number, postcard body.
     pub fn encode(&self) -> Vec<u8> {
-        let mut out = RECORD_MAGIC.to_vec();
-        out.push(RECORD_FORMAT);
-        // Cannot fail: every field has a known length and no custom serialiser errs.
-        postcard::to_extend(self, out).unwrap_or_default()
+        crate::snapshot::encode_framed(self, RECORD_MAGIC, RECORD_FORMAT)
     }
 
     /// Parses bytes made by [`encode`](Self::encode). Whether the record fits

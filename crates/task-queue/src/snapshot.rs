@@ -114,6 +114,16 @@ pub(crate) struct Unpacked {
     pub meta: Meta,
 }
 
+/// `magic`, `format` and the postcard body of `value`: the framing of every
+/// stored value of this crate.
+pub(crate) fn encode_framed<T: Serialize>(value: &T, magic: &[u8; 4], format: u8) -> Vec<u8> {
+    let mut out = magic.to_vec();
+    out.push(format);
+    // Serialising to a Vec cannot fail: every field of this crate's stored
+    // types has a known length and no custom serialiser can error.
+    postcard::to_extend(value, out).unwrap_or_default()
+}
+
 /// Decode `magic`, a format number that must be `format`, and a postcard
 /// body with nothing after it: the framing of every stored value of this
 /// crate. `what` starts the error for a wrong magic.
@@ -255,11 +265,7 @@ impl Snapshot {
 
     /// The bytes to store: magic, format number, postcard body.
     pub fn encode(&self) -> Vec<u8> {
-        let mut out = MAGIC.to_vec();
-        out.push(FORMAT);
-        // Serialising to a Vec cannot fail: every field has a known length and
-        // no custom serialiser can error.
-        postcard::to_extend(self, out).unwrap_or_default()
+        encode_framed(self, MAGIC, FORMAT)
     }
 
     /// Parses and validates bytes made by [`encode`](Self::encode): every task

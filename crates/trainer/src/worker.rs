@@ -106,6 +106,7 @@ pub async fn run_trainer(
         lease: session.guard(),
         joined: false,
         pulled_once: false,
+        fresh: false,
         report: TrainerReport::default(),
     };
     let result = state.run(&master, &session).await;
@@ -155,6 +156,9 @@ struct Loop {
     lease: LeaseGuard,
     joined: bool,
     pulled_once: bool,
+    /// Async: `params` came back with the last push (a push-pull), so the
+    /// pull due at the next batch is already done.
+    fresh: bool,
     report: TrainerReport,
 }
 
@@ -252,7 +256,8 @@ impl Loop {
             self.report.batches += 1;
         }
         if self.options.mode == Mode::Async {
-            self.flush().await?;
+            let pull_next = self.report.batches % self.options.pull_every as u64 == 0;
+            self.flush(pull_next).await?;
         }
         self.report.examples += stats.examples;
         self.report.loss_sum += stats.loss_sum;
@@ -277,11 +282,13 @@ impl Loop {
 
     async fn async_step(&mut self, batch: &[Example]) -> Result<f32> {
         let batches = self.report.batches;
-        if !self.pulled_once || batches % self.options.pull_every as u64 == 0 {
+        let pull_due = !self.pulled_once || batches % self.options.pull_every as u64 == 0;
+        if pull_due && !self.fresh {
             self.pservers.forget_steps();
             self.pservers.pull(&mut self.params).await?;
             self.pulled_once = true;
         }
+        self.fresh = false;
         let loss = self.model.loss_and_grad(&self.params, batch, &mut self.grads);
         let weight = batch.len() as f32;
         for (s, g) in self.sum.as_mut_slice().iter_mut().zip(self.grads.as_slice()) {
@@ -289,19 +296,27 @@ impl Loop {
         }
         self.pending_weight += weight;
         if (batches + 1) % self.options.push_every as u64 == 0 {
-            self.flush().await?;
+            self.flush((batches + 1) % self.options.pull_every as u64 == 0).await?;
         }
         Ok(loss)
     }
 
-    /// Async: push the weighted mean of the gradients accumulated since the last push.
-    async fn flush(&mut self) -> Result<()> {
+    /// Async: push the weighted mean of the gradients accumulated since the
+    /// last push. If the next batch pulls (`pull_next`), pull with the push
+    /// in one round trip.
+    async fn flush(&mut self, pull_next: bool) -> Result<()> {
         if self.pending_weight == 0.0 {
             return Ok(());
         }
         let inv = 1.0 / self.pending_weight;
         self.sum.as_mut_slice().iter_mut().for_each(|s| *s *= inv);
-        self.pservers.push(&self.sum, self.pending_weight).await?;
+        if pull_next {
+            self.pservers.push_pull(&self.sum, self.pending_weight, &mut self.params).await?;
+            self.pulled_once = true;
+            self.fresh = true;
+        } else {
+            self.pservers.push(&self.sum, self.pending_weight).await?;
+        }
         self.sum.fill(0.0);
         self.pending_weight = 0.0;
         Ok(())
