@@ -22,7 +22,8 @@
 //!   arrays per element). It serves until the parent closes its stdin. Its
 //!   figure therefore counts everything the service allocates: the store,
 //!   the optimizer state (resident only once the first update writes it),
-//!   the received push frame and the per-block gradient vectors made from it,
+//!   the received push frame (its gradients are read in place, see
+//!   `oar_pserver::Grad`),
 //!   the pull reply's buffer, quinn's buffers, the runtime.
 //! - **trainer child(ren)**: what the worker's loop (`oar::trainer::worker`)
 //!   holds for a model of that size, and one step as it makes it: a

@@ -868,7 +868,7 @@ mod tests {
 
     fn trained() -> ParamStore {
         let mut st = store(1);
-        let grads = st.blocks().map(|(id, p, _)| (id, vec![0.5; p.len()])).collect();
+        let grads = st.blocks().map(|(id, p, _)| (id, vec![0.5; p.len()].into())).collect();
         st.push(Push { trainer: "t".into(), seq: 3, step: 0, weight: 1.0, grads }).unwrap();
         st
     }

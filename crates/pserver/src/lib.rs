@@ -65,7 +65,7 @@
 //! let before: Vec<Vec<f32>> = held.iter().map(|&id| store.block(id).map(<[f32]>::to_vec)).collect::<Result<_, _>>()?;
 //!
 //! // A trainer pushes a gradient of ones for every block of this shard.
-//! let grads = placement.blocks_on(1).map(|b| (b.id, vec![1.0; b.len])).collect();
+//! let grads = placement.blocks_on(1).map(|b| (b.id, vec![1.0; b.len].into())).collect();
 //! let push = Push { trainer: "trainer-0".into(), seq: 1, step: 0, weight: 1.0, grads };
 //! assert_eq!(store.push(push.clone())?, PushOutcome::Applied { step: 1 });
 //! // A retry of the same push is not applied twice.
@@ -99,4 +99,4 @@ pub use placement::{BlockId, BlockInfo, Placement};
 pub use rng::{hash_str, SplitMix64};
 pub use service::{OptimizerFactory, Pserver, PserverOptions};
 pub use spec::{init_values, validate_specs, Init, ParamBuf, ParamSpec};
-pub use store::{Mode, ParamStore, Push, PushOutcome};
+pub use store::{Grad, Mode, ParamStore, Push, PushOutcome};

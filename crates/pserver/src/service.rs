@@ -6,7 +6,7 @@
 use crate::{
     checkpoint::{CheckpointDir, CheckpointInfo},
     protocol::{PsReply, PsRequest, PSERVER_METHOD},
-    Error, Mode, OptimizerConfig, ParamSpec, ParamStore, Placement, Push, Result,
+    Error, Grad, Mode, OptimizerConfig, ParamSpec, ParamStore, Placement, Push, Result,
 };
 use async_trait::async_trait;
 use bytes::{Bytes, BytesMut};
@@ -508,7 +508,9 @@ impl PsHandler {
         Ok(())
     }
 
-    fn push(&self, request: PsRequest, payload: &[u8]) -> std::result::Result<PsReply, RemoteError> {
+    /// Apply a push. Its gradients are views into the received `payload`,
+    /// not copies: a push costs its message, not its message twice.
+    fn push(&self, request: PsRequest, payload: &Bytes) -> std::result::Result<PsReply, RemoteError> {
         let PsRequest::Push { fingerprint, trainer, seq, step, weight } = request else {
             return Err(RemoteError::internal("not a push"));
         };
@@ -527,8 +529,7 @@ impl PsHandler {
         let mut grads = Vec::new();
         let mut at = 0;
         for block in self.shared.placement.blocks_on(server) {
-            let bytes = &payload[at..at + block.len * 4];
-            grads.push((block.id, oar_transport::bytes_to_f32s(bytes)?));
+            grads.push((block.id, Grad::Wire(payload.slice(at..at + block.len * 4))));
             at += block.len * 4;
         }
         let push = Push { trainer, seq, step, weight, grads };
@@ -572,7 +573,7 @@ impl PsHandler {
     }
 
     /// Async mode: apply a push and answer with the parameters after it.
-    fn push_pull(&self, request: PsRequest, payload: &[u8]) -> std::result::Result<Frame, RemoteError> {
+    fn push_pull(&self, request: PsRequest, payload: &Bytes) -> std::result::Result<Frame, RemoteError> {
         let PsRequest::PushPull { fingerprint, trainer, seq, weight } = request else {
             return Err(RemoteError::internal("not a push-pull"));
         };

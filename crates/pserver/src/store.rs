@@ -19,6 +19,76 @@ pub enum Mode {
     Async,
 }
 
+/// One block's gradient as a push carries it.
+#[derive(Clone, Debug, PartialEq)]
+pub enum Grad {
+    /// Floats in memory.
+    Floats(Vec<f32>),
+    /// Little-endian `f32` bytes as they arrived: a view into the push's
+    /// message (`Bytes::slice`), so a pserver applies a push without copying
+    /// it first. A length that is not a multiple of 4 is refused by the store.
+    Wire(bytes::Bytes),
+}
+
+impl From<Vec<f32>> for Grad {
+    fn from(floats: Vec<f32>) -> Self {
+        Grad::Floats(floats)
+    }
+}
+
+impl Grad {
+    /// Elements (for wire bytes, whole 4-byte values).
+    pub fn len(&self) -> usize {
+        match self {
+            Grad::Floats(v) => v.len(),
+            Grad::Wire(b) => b.len() / 4,
+        }
+    }
+
+    /// Whether there are no elements.
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    /// Whole elements: false for wire bytes with a partial value at the end.
+    fn whole(&self) -> bool {
+        match self {
+            Grad::Floats(_) => true,
+            Grad::Wire(b) => b.len() % 4 == 0,
+        }
+    }
+
+    /// The first value that is NaN or infinite, with its index.
+    fn first_non_finite(&self) -> Option<(usize, f32)> {
+        match self {
+            Grad::Floats(v) => v.iter().position(|x| !x.is_finite()).map(|i| (i, v[i])),
+            Grad::Wire(b) => b
+                .chunks_exact(4)
+                .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
+                .enumerate()
+                .find(|(_, x)| !x.is_finite()),
+        }
+    }
+
+    /// The values: borrowed where the bytes can be read in place (aligned,
+    /// on a little-endian machine), else decoded into `scratch`.
+    fn floats<'a>(&'a self, scratch: &'a mut Vec<f32>) -> &'a [f32] {
+        match self {
+            Grad::Floats(v) => v,
+            Grad::Wire(b) => match oar_transport::f32s_view(b) {
+                Some(view) => view,
+                None => {
+                    let n = b.len() / 4;
+                    scratch.resize(n, 0.0);
+                    // Lengths match by construction.
+                    let _ = oar_transport::copy_f32s_from_bytes(scratch, &b[..n * 4]);
+                    scratch
+                }
+            },
+        }
+    }
+}
+
 /// One trainer's gradients for all the blocks a server holds.
 #[derive(Clone, Debug, PartialEq)]
 pub struct Push {
@@ -36,7 +106,7 @@ pub struct Push {
     /// applied as is).
     pub weight: f32,
     /// One gradient per held block, in any order.
-    pub grads: Vec<(BlockId, Vec<f32>)>,
+    pub grads: Vec<(BlockId, Grad)>,
 }
 
 /// What a push did.
@@ -72,7 +142,7 @@ struct Pending {
     seq: u64,
     weight: f32,
     /// In held-block order.
-    grads: Vec<Vec<f32>>,
+    grads: Vec<Grad>,
 }
 
 /// The blocks of one shard and the logic that updates them.
@@ -225,8 +295,9 @@ impl ParamStore {
         let grads = self.check_grads(&trainer, weight, grads)?;
         match self.mode {
             Mode::Async => {
+                let mut scratch = Vec::new();
                 for (h, g) in self.held.iter_mut().zip(&grads) {
-                    self.optimizer.apply(&mut h.params, g, &mut h.state);
+                    self.optimizer.apply(&mut h.params, g.floats(&mut scratch), &mut h.state);
                 }
                 self.step += 1;
                 self.join(&trainer);
@@ -322,12 +393,7 @@ impl ParamStore {
 
     /// Validate a push's weight and gradients; on success return the
     /// gradients in held-block order.
-    fn check_grads(
-        &self,
-        trainer: &str,
-        weight: f32,
-        mut grads: Vec<(BlockId, Vec<f32>)>,
-    ) -> Result<Vec<Vec<f32>>> {
+    fn check_grads(&self, trainer: &str, weight: f32, mut grads: Vec<(BlockId, Grad)>) -> Result<Vec<Grad>> {
         if !(weight.is_finite() && weight > 0.0) {
             return Err(Error::BadWeight { trainer: trainer.to_string(), weight });
         }
@@ -346,7 +412,7 @@ impl ParamStore {
             }
             prev = Some(*id);
             let expected = self.held[i].params.len();
-            if g.len() != expected {
+            if g.len() != expected || !g.whole() {
                 return Err(Error::GradLength {
                     trainer: trainer.to_string(),
                     block: *id,
@@ -354,13 +420,8 @@ impl ParamStore {
                     got: g.len(),
                 });
             }
-            if let Some(index) = g.iter().position(|x| !x.is_finite()) {
-                return Err(Error::NonFiniteGrad {
-                    trainer: trainer.to_string(),
-                    block: *id,
-                    index,
-                    value: g[index],
-                });
+            if let Some((index, value)) = g.first_non_finite() {
+                return Err(Error::NonFiniteGrad { trainer: trainer.to_string(), block: *id, index, value });
             }
         }
         // Every pushed block is held and distinct, so equal counts mean the
@@ -396,28 +457,27 @@ impl ParamStore {
     /// Combine the buffered gradients (weighted mean, summed in trainer-id
     /// order), apply them once, clear the buffer and advance the step.
     fn apply_barrier(&mut self) {
-        let mut pending = std::mem::take(&mut self.buffer).into_values();
-        let Some(first) = pending.next() else {
+        let pending: Vec<Pending> = std::mem::take(&mut self.buffer).into_values().collect();
+        let Some((first, rest)) = pending.split_first() else {
             return;
         };
-        let mut total = first.weight;
-        let mut acc = first.grads;
-        if first.weight != 1.0 {
-            for a in &mut acc {
-                scale(a, first.weight);
+        let total = rest.iter().fold(first.weight, |t, p| t + p.weight);
+        // Block by block, so the only memory beyond the buffered pushes is
+        // one block's sum (wire gradients are read in place).
+        let (mut acc, mut scratch) = (Vec::new(), Vec::new());
+        for (b, h) in self.held.iter_mut().enumerate() {
+            acc.clear();
+            acc.extend_from_slice(first.grads[b].floats(&mut scratch));
+            if first.weight != 1.0 {
+                scale(&mut acc, first.weight);
             }
-        }
-        for p in pending {
-            total += p.weight;
-            for (a, g) in acc.iter_mut().zip(&p.grads) {
-                axpy(a, p.weight, g);
+            for p in rest {
+                axpy(&mut acc, p.weight, p.grads[b].floats(&mut scratch));
             }
-        }
-        for (h, a) in self.held.iter_mut().zip(&mut acc) {
             if total != 1.0 {
-                div(a, total);
+                div(&mut acc, total);
             }
-            self.optimizer.apply(&mut h.params, a, &mut h.state);
+            self.optimizer.apply(&mut h.params, &acc, &mut h.state);
         }
         self.step += 1;
     }
@@ -464,7 +524,10 @@ mod tests {
         weight: f32,
         f: impl Fn(BlockId, usize) -> f32,
     ) -> Push {
-        let grads = store.blocks().map(|(id, p, _)| (id, (0..p.len()).map(|i| f(id, i)).collect())).collect();
+        let grads = store
+            .blocks()
+            .map(|(id, p, _)| (id, Grad::Floats((0..p.len()).map(|i| f(id, i)).collect())))
+            .collect();
         Push { trainer: trainer.into(), seq, step, weight, grads }
     }
 
@@ -579,18 +642,39 @@ mod tests {
         let foreign = pl.blocks_on(1).next().unwrap().id;
         let before = snapshot(&st);
         let mut cases: Vec<(Push, &str)> = Vec::new();
+        fn floats(g: &mut Grad) -> &mut Vec<f32> {
+            match g {
+                Grad::Floats(v) => v,
+                Grad::Wire(_) => panic!("push_for makes floats"),
+            }
+        }
+        let wire = |g: &Grad| match g {
+            Grad::Floats(v) => oar_transport::f32s_to_bytes(v),
+            Grad::Wire(b) => b.clone(),
+        };
         let mut p = good.clone();
-        p.grads.push((foreign, vec![0.0; 4]));
+        p.grads.push((foreign, vec![0.0; 4].into()));
         cases.push((p, "not held by server 0"));
         let mut p = good.clone();
-        p.grads[0].1.pop();
+        floats(&mut p.grads[0].1).pop();
         cases.push((p, "expected"));
         let mut p = good.clone();
-        p.grads[1].1[2] = f32::NAN;
+        floats(&mut p.grads[1].1)[2] = f32::NAN;
         cases.push((p, "index 2"));
         let mut p = good.clone();
-        p.grads[0].1[0] = f32::INFINITY;
+        floats(&mut p.grads[0].1)[0] = f32::INFINITY;
         cases.push((p, "inf"));
+        // The same checks on wire bytes: a partial value, and a NaN.
+        let mut p = good.clone();
+        let mut bytes = wire(&p.grads[0].1).to_vec();
+        bytes.push(0);
+        p.grads[0].1 = Grad::Wire(bytes.into());
+        cases.push((p, "expected"));
+        let mut p = good.clone();
+        let mut nan = floats(&mut p.grads[1].1).clone();
+        nan[1] = f32::NAN;
+        p.grads[1].1 = Grad::Wire(oar_transport::f32s_to_bytes(&nan));
+        cases.push((p, "index 1"));
         for w in [0.0, -1.0, f32::NAN] {
             let mut p = good.clone();
             p.weight = w;

@@ -39,8 +39,8 @@ fn push(st: &ParamStore, trainer: &str, seq: u64, seed: u64) -> Push {
                         .wrapping_add(u64::from(id.param) * 7 + u64::from(id.block) * 13);
                     ((h.wrapping_add(i as u64 * 17)) % 23) as f32 * 0.1 - 1.1
                 })
-                .collect();
-            (id, g)
+                .collect::<Vec<f32>>();
+            (id, g.into())
         })
         .collect();
     Push { trainer: trainer.into(), seq, step: st.step(), weight: 1.0, grads }

@@ -4,7 +4,7 @@
 use std::collections::{BTreeMap, BTreeSet, HashMap};
 
 use oar_pserver::{
-    BlockId, Error, Init, Mode, ParamSpec, ParamStore, Placement, Push, PushOutcome, Sgd, SplitMix64,
+    BlockId, Error, Grad, Init, Mode, ParamSpec, ParamStore, Placement, Push, PushOutcome, Sgd, SplitMix64,
 };
 use proptest::prelude::*;
 
@@ -300,7 +300,17 @@ fn run(
                 // Arrival order of blocks does not matter.
                 let rot = (rng.next_u64() % wire.len().max(1) as u64) as usize;
                 wire.rotate_left(rot);
-                let push = Push { trainer: t.to_string(), seq, step, weight, grads: wire };
+                // As a pserver receives them (bytes read in place) or as floats.
+                let as_bytes = rng.next_u64() % 2 == 0;
+                let pushed = wire
+                    .into_iter()
+                    .map(|(id, g)| {
+                        let g =
+                            if as_bytes { Grad::Wire(oar_transport::f32s_to_bytes(&g)) } else { g.into() };
+                        (id, g)
+                    })
+                    .collect();
+                let push = Push { trainer: t.to_string(), seq, step, weight, grads: pushed };
                 let members_before = store.members();
                 let got = match store.push(push) {
                     Ok(PushOutcome::Duplicate) => Expect::Duplicate,

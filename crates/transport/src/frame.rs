@@ -50,6 +50,17 @@ pub fn put_f32s(buf: &mut bytes::BytesMut, values: &[f32]) {
     buf.extend_from_slice(&le_bytes(values));
 }
 
+/// `src` read in place as little-endian `f32`, when it can be: on a
+/// little-endian machine, with `src` 4-byte aligned and a multiple of 4
+/// bytes long. `None` otherwise; decode with [`copy_f32s_from_bytes`] then.
+pub fn f32s_view(src: &[u8]) -> Option<&[f32]> {
+    if cfg!(target_endian = "little") {
+        bytemuck::try_cast_slice(src).ok()
+    } else {
+        None
+    }
+}
+
 /// Copy little-endian `f32` from `src` into `dst`, which must be exactly as long.
 pub fn copy_f32s_from_bytes(dst: &mut [f32], src: &[u8]) -> Result<()> {
     if src.len() != dst.len() * 4 {

@@ -121,7 +121,7 @@ mod tls;
 pub mod wire;
 
 pub use error::{Error, RemoteError, RemoteErrorKind, Result};
-pub use frame::{bytes_to_f32s, copy_f32s_from_bytes, f32s_to_bytes, put_f32s, Frame};
+pub use frame::{bytes_to_f32s, copy_f32s_from_bytes, f32s_to_bytes, f32s_view, put_f32s, Frame};
 pub use mem::{MemNetwork, MemTransport};
 pub use quic::{PathTuning, QuicListener, QuicOptions, QuicTransport};
 pub use retry::{RetryPolicy, Transient};
