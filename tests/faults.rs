@@ -54,7 +54,9 @@ fn mid_task(trainer: &Proc) -> bool {
 #[test]
 fn a_trainer_killed_mid_task_has_its_task_done_by_another() {
     let cluster = Cluster::start("trainer-kill");
-    let passes = 6;
+    // Enough passes that the job is still running after the tries it takes
+    // to catch trainer-1 mid-task (a pass takes a fraction of a second).
+    let passes = 20;
     let pservers: Vec<_> = (0..2).map(|i| cluster.pserver(&format!("pserver-{i}"), 1.0)).collect();
     let mut trainers: Vec<_> = (0..3).map(|i| cluster.trainer(&format!("trainer-{i}"))).collect();
     // Small batches: a task is several sync steps, so a trainer is often mid-task.

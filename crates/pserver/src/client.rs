@@ -6,6 +6,13 @@
 //! parallel. A shard that is away is retried, with the same sequence number
 //! (so a push is applied once), until the retry policy's deadline.
 //!
+//! No copies on the trainer's side: a push sends each block of the
+//! gradient from where it is in the trainer's buffer, and a pull writes
+//! each shard's reply into the parameters' blocks as the bytes arrive
+//! ([`oar_transport::Connection::call_parts`]), so a trainer needs no
+//! message-sized buffer (peak memory 1.03x its parameters and gradients
+//! for a 100M-float model; `BENCHMARKS.md`, "Memory").
+//!
 //! A shard whose pserver was replaced (a new claim of `ps/<index>`, seen by
 //! its create revision) restarted from its last checkpoint, possibly at an
 //! earlier step, and without the gradients buffered for the current sync
@@ -21,7 +28,6 @@ use crate::{
     protocol::{PsReply, PsRequest, PSERVER_METHOD},
     Error, ParamBuf, Placement, PushOutcome, Result,
 };
-use bytes::{Bytes, BytesMut};
 use oar_discovery::{Discovery, JobKeys};
 use oar_transport::{Connection, RetryPolicy, Transport};
 use std::{
@@ -31,7 +37,6 @@ use std::{
     },
     time::Duration,
 };
-use tokio::task::JoinSet;
 
 /// How long one pull asks a server to wait for the next sync step.
 const PULL_WAIT: Duration = Duration::from_secs(1);
@@ -140,7 +145,7 @@ impl PserverClient {
     /// is every step while no trainer joins or leaves.
     pub async fn join(&mut self) -> Result<()> {
         let trainer = self.inner.trainer.clone();
-        self.on_all(|_| (PsRequest::Join { trainer: trainer.clone() }, Bytes::new())).await?;
+        self.on_all(|_| PsRequest::Join { trainer: trainer.clone() }).await?;
         // Pull the current step afresh: the barrier may have moved while we were out.
         self.shards.iter_mut().for_each(|s| s.next_step = None);
         Ok(())
@@ -149,12 +154,13 @@ impl PserverClient {
     /// Leave the sync barrier of every shard (when idle), so others do not wait.
     pub async fn leave(&mut self) -> Result<()> {
         let trainer = self.inner.trainer.clone();
-        self.on_all(|_| (PsRequest::Leave { trainer: trainer.clone() }, Bytes::new())).await?;
+        self.on_all(|_| PsRequest::Leave { trainer: trainer.clone() }).await?;
         Ok(())
     }
 
     /// Pull every parameter into `params`. In sync mode after a push, waits
-    /// for the step that push belongs to be applied on every shard.
+    /// for the step that push belongs to be applied on every shard. Each
+    /// shard's reply is written straight into `params` as it arrives.
     pub async fn pull(&mut self, params: &mut ParamBuf) -> Result<()> {
         let fingerprint = self.inner.placement.fingerprint();
         let deadline = tokio::time::Instant::now() + self.inner.retry.give_up_after;
@@ -169,26 +175,19 @@ impl PserverClient {
                     shard.next_step = None;
                 }
             }
-            let shards = self.shards.clone();
-            let replies = self
-                .on_shards(&pending, |index| {
-                    let request = PsRequest::Pull {
-                        fingerprint,
-                        min_step: shards[index as usize].next_step,
-                        max_wait_ms: PULL_WAIT.as_millis() as u64,
-                    };
-                    (request, Bytes::new())
+            let calls = pending
+                .iter()
+                .map(|&index| PsRequest::Pull {
+                    fingerprint,
+                    min_step: self.shards[index as usize].next_step,
+                    max_wait_ms: PULL_WAIT.as_millis() as u64,
                 })
-                .await?;
+                .collect();
+            let replies = self.exchange(&pending, calls, None, Some(&mut *params)).await?;
             let mut waiting = Vec::new();
-            for (index, reply, payload) in replies {
+            for (index, reply) in replies {
                 match reply {
-                    PsReply::Pulled { step, ready: true } => {
-                        self.copy_shard(index, &payload, params)?;
-                        let shard = &mut self.shards[index as usize];
-                        shard.pulled_step = step;
-                        shard.incarnation = self.inner.incarnations[index as usize].load(Ordering::SeqCst);
-                    }
+                    PsReply::Pulled { step, ready: true } => self.pulled(index, step),
                     PsReply::Pulled { ready: false, .. } => waiting.push(index),
                     other => {
                         return Err(Error::Protocol(format!("shard {index} answered a pull with {other:?}")))
@@ -207,28 +206,27 @@ impl PserverClient {
     }
 
     /// Push `grads` (the mean gradient over `weight` examples), split into
-    /// the placement's blocks, to every shard at once.
+    /// the placement's blocks, to every shard at once, each block sent from
+    /// where it is in `grads`.
     pub async fn push(&mut self, grads: &ParamBuf, weight: f32) -> Result<PushResult> {
         let fingerprint = self.inner.placement.fingerprint();
-        let trainer = self.inner.trainer.clone();
-        let shards = self.shards.clone();
-        let placement = self.inner.placement.clone();
-        let replies = self
-            .on_all(|index| {
-                let payload = shard_payload(&placement, index, grads);
-                let state = shards[index as usize];
-                let request = PsRequest::Push {
+        let all: Vec<u32> = (0..self.inner.placement.servers()).collect();
+        let calls = all
+            .iter()
+            .map(|&index| {
+                let state = self.shards[index as usize];
+                PsRequest::Push {
                     fingerprint,
-                    trainer: trainer.clone(),
+                    trainer: self.inner.trainer.clone(),
                     seq: state.seq,
                     step: state.pulled_step,
                     weight,
-                };
-                (request, payload)
+                }
             })
-            .await?;
+            .collect();
+        let replies = self.exchange(&all, calls, Some(grads), None).await?;
         let mut result = PushResult::Accepted;
-        for (index, reply, _) in replies {
+        for (index, reply) in replies {
             let shard = &mut self.shards[index as usize];
             shard.seq += 1;
             match reply {
@@ -255,29 +253,24 @@ impl PserverClient {
     /// Sync pservers refuse it.
     pub async fn push_pull(&mut self, grads: &ParamBuf, weight: f32, params: &mut ParamBuf) -> Result<()> {
         let fingerprint = self.inner.placement.fingerprint();
-        let trainer = self.inner.trainer.clone();
-        let shards = self.shards.clone();
-        let placement = self.inner.placement.clone();
-        let replies = self
-            .on_all(|index| {
-                let request = PsRequest::PushPull {
-                    fingerprint,
-                    trainer: trainer.clone(),
-                    seq: shards[index as usize].seq,
-                    weight,
-                };
-                (request, shard_payload(&placement, index, grads))
+        let all: Vec<u32> = (0..self.inner.placement.servers()).collect();
+        let calls = all
+            .iter()
+            .map(|&index| PsRequest::PushPull {
+                fingerprint,
+                trainer: self.inner.trainer.clone(),
+                seq: self.shards[index as usize].seq,
+                weight,
             })
-            .await?;
-        for (index, reply, payload) in replies {
+            .collect();
+        let replies = self.exchange(&all, calls, Some(grads), Some(params)).await?;
+        for (index, reply) in replies {
             match reply {
                 PsReply::PushedPulled { step, .. } => {
-                    self.copy_shard(index, &payload, params)?;
                     let shard = &mut self.shards[index as usize];
                     shard.seq += 1;
-                    shard.pulled_step = step;
                     shard.next_step = None;
-                    shard.incarnation = self.inner.incarnations[index as usize].load(Ordering::SeqCst);
+                    self.pulled(index, step);
                 }
                 other => {
                     return Err(Error::Protocol(format!("shard {index} answered a push-pull with {other:?}")))
@@ -292,66 +285,213 @@ impl PserverClient {
         self.shards.iter_mut().for_each(|s| s.next_step = None);
     }
 
-    fn copy_shard(&self, index: u32, payload: &[u8], params: &mut ParamBuf) -> Result<()> {
-        let expected: usize = self.inner.placement.blocks_on(index).map(|b| b.len * 4).sum();
-        if payload.len() != expected {
-            return Err(Error::Protocol(format!(
-                "shard {index} sent {} bytes of parameters, expected {expected}",
-                payload.len()
-            )));
-        }
-        let mut at = 0;
-        for block in self.inner.placement.blocks_on(index) {
-            let dst = &mut params.param_mut(block.id.param as usize)[block.offset..block.offset + block.len];
-            oar_transport::copy_f32s_from_bytes(dst, &payload[at..at + block.len * 4])?;
-            at += block.len * 4;
-        }
-        Ok(())
+    /// Shard `index` answered with its parameters at `step`.
+    fn pulled(&mut self, index: u32, step: u64) {
+        let shard = &mut self.shards[index as usize];
+        shard.pulled_step = step;
+        shard.incarnation = self.inner.incarnations[index as usize].load(Ordering::SeqCst);
     }
 
-    async fn on_all(
-        &self,
-        make: impl FnMut(u32) -> (PsRequest, Bytes),
-    ) -> Result<Vec<(u32, PsReply, Bytes)>> {
+    async fn on_all(&self, make: impl FnMut(u32) -> PsRequest) -> Result<Vec<(u32, PsReply)>> {
         let all: Vec<u32> = (0..self.inner.placement.servers()).collect();
-        self.on_shards(&all, make).await
+        let calls = all.iter().copied().map(make).collect();
+        self.exchange(&all, calls, None, None).await
     }
 
-    /// Send one request to each of `shards` in parallel, each retried on its own.
-    async fn on_shards(
+    /// Call each of `shards` with its request (`requests`, same order) at
+    /// once, each retried on its own. With `grads`, a request's payload is
+    /// the shard's blocks of it, sent from where they are; with `params`, a
+    /// reply's payload is written into the shard's blocks of it as it
+    /// arrives. Replies come back in shard order.
+    async fn exchange(
         &self,
         shards: &[u32],
-        mut make: impl FnMut(u32) -> (PsRequest, Bytes),
-    ) -> Result<Vec<(u32, PsReply, Bytes)>> {
-        let mut calls = JoinSet::new();
-        for &index in shards {
-            let (request, payload) = make(index);
-            let inner = self.inner.clone();
-            calls.spawn(async move {
-                let result = inner.call(index, &request, payload).await;
-                (index, result)
-            });
-        }
+        requests: Vec<PsRequest>,
+        grads: Option<&ParamBuf>,
+        params: Option<&mut ParamBuf>,
+    ) -> Result<Vec<(u32, PsReply)>> {
+        let placement = &self.inner.placement;
+        let mut sinks = match params {
+            Some(params) => ShardSink::split(placement, shards, params)?,
+            None => shards.iter().map(|_| ShardSink::empty()).collect(),
+        };
+        let payloads: Vec<Vec<std::borrow::Cow<'_, [u8]>>> = shards
+            .iter()
+            .map(|&index| match grads {
+                Some(grads) => placement
+                    .blocks_on(index)
+                    .map(|b| {
+                        let param = grads.param(b.id.param as usize);
+                        oar_transport::f32s_as_le_bytes(&param[b.offset..b.offset + b.len])
+                    })
+                    .collect(),
+                None => Vec::new(),
+            })
+            .collect();
+        let calls = shards.iter().zip(requests).zip(payloads.iter()).zip(sinks.iter_mut()).map(
+            |(((&index, request), payload), sink)| {
+                let inner = &self.inner;
+                async move {
+                    let parts: Vec<&[u8]> = payload.iter().map(|p| p.as_ref()).collect();
+                    let reply = inner.call(index, &request, &parts, sink).await;
+                    (index, reply, sink.is_complete())
+                }
+            },
+        );
         let mut replies = Vec::with_capacity(shards.len());
-        while let Some(joined) = calls.join_next().await {
-            let (index, result) =
-                joined.map_err(|e| Error::Protocol(format!("a shard call panicked: {e}")))?;
-            let (reply, payload) = result?;
-            replies.push((index, reply, payload));
+        for (index, reply, complete) in join_all(calls.collect()).await {
+            let reply = reply?;
+            let carries_params =
+                matches!(reply, PsReply::Pulled { ready: true, .. } | PsReply::PushedPulled { .. });
+            if carries_params && !complete {
+                return Err(Error::Protocol(format!("shard {index} answered without its parameters")));
+            }
+            replies.push((index, reply));
         }
-        replies.sort_by_key(|(index, _, _)| *index);
         Ok(replies)
     }
 }
 
-/// The blocks of shard `index`, cut from `grads` and concatenated.
-fn shard_payload(placement: &Placement, index: u32, grads: &ParamBuf) -> Bytes {
-    let mut payload = BytesMut::new();
-    for block in placement.blocks_on(index) {
-        let param = grads.param(block.id.param as usize);
-        oar_transport::put_f32s(&mut payload, &param[block.offset..block.offset + block.len]);
+/// Poll every future in `futures` until all are done (they run
+/// concurrently on the calling task); outputs in the same order.
+async fn join_all<F: std::future::Future>(futures: Vec<F>) -> Vec<F::Output> {
+    let mut futures: Vec<std::pin::Pin<Box<F>>> = futures.into_iter().map(Box::pin).collect();
+    let mut outputs: Vec<Option<F::Output>> = futures.iter().map(|_| None).collect();
+    std::future::poll_fn(|cx| {
+        let mut pending = false;
+        for (future, output) in futures.iter_mut().zip(outputs.iter_mut()) {
+            if output.is_none() {
+                match future.as_mut().poll(cx) {
+                    std::task::Poll::Ready(value) => *output = Some(value),
+                    std::task::Poll::Pending => pending = true,
+                }
+            }
+        }
+        if pending {
+            std::task::Poll::Pending
+        } else {
+            std::task::Poll::Ready(())
+        }
+    })
+    .await;
+    outputs.into_iter().flatten().collect()
+}
+
+/// Where one shard's reply payload goes: the shard's blocks of the
+/// trainer's parameters, in the placement's order, written as the bytes
+/// arrive. Accepts exactly those blocks' bytes, or none (a pull that is not
+/// ready, or a reply that carries no parameters).
+struct ShardSink<'a> {
+    blocks: Vec<&'a mut [f32]>,
+    expected: u64,
+    received: u64,
+    /// Where the next value goes: block, element.
+    at: (usize, usize),
+    /// Bytes of a value split across two writes.
+    carry: ([u8; 4], usize),
+}
+
+impl<'a> ShardSink<'a> {
+    fn empty() -> ShardSink<'a> {
+        ShardSink { blocks: Vec::new(), expected: 0, received: 0, at: (0, 0), carry: ([0; 4], 0) }
     }
-    payload.freeze()
+
+    /// One sink per shard of `shards`, over disjoint parts of `params`.
+    fn split(placement: &Placement, shards: &[u32], params: &'a mut ParamBuf) -> Result<Vec<ShardSink<'a>>> {
+        // (flat offset, len, position of the shard in `shards`), carved in
+        // offset order, then handed to each shard in its block order.
+        let mut ranges = Vec::new();
+        for (k, &index) in shards.iter().enumerate() {
+            for b in placement.blocks_on(index) {
+                let offset = params.offset(b.id.param as usize).ok_or_else(|| {
+                    Error::Protocol(format!("block {:?} names a parameter the model does not have", b.id))
+                })?;
+                ranges.push((offset + b.offset, b.len, k));
+            }
+        }
+        let mut order: Vec<usize> = (0..ranges.len()).collect();
+        order.sort_by_key(|&i| ranges[i].0);
+        let mut carved: Vec<Option<&'a mut [f32]>> = ranges.iter().map(|_| None).collect();
+        let mut rest: &'a mut [f32] = params.as_mut_slice();
+        let mut base = 0;
+        for i in order {
+            let (start, len, _) = ranges[i];
+            let skip = start.checked_sub(base).filter(|&s| s + len <= rest.len()).ok_or_else(|| {
+                Error::Protocol(format!("blocks overlap or run past the model at element {start}"))
+            })?;
+            let (block, after) = std::mem::take(&mut rest)[skip..].split_at_mut(len);
+            carved[i] = Some(block);
+            rest = after;
+            base = start + len;
+        }
+        let mut sinks: Vec<ShardSink<'a>> = shards.iter().map(|_| ShardSink::empty()).collect();
+        for ((_, len, k), block) in ranges.into_iter().zip(carved) {
+            let sink = &mut sinks[k];
+            sink.expected += len as u64 * 4;
+            sink.blocks.extend(block);
+        }
+        Ok(sinks)
+    }
+
+    /// Whether all the expected bytes arrived.
+    fn is_complete(&self) -> bool {
+        self.received == self.expected
+    }
+
+    /// Put one value at the current place.
+    fn put(&mut self, value: f32) {
+        while self.at.0 < self.blocks.len() && self.at.1 == self.blocks[self.at.0].len() {
+            self.at = (self.at.0 + 1, 0);
+        }
+        if let Some(block) = self.blocks.get_mut(self.at.0) {
+            block[self.at.1] = value;
+            self.at.1 += 1;
+        }
+    }
+}
+
+impl oar_transport::PayloadSink for ShardSink<'_> {
+    fn start(&mut self, len: u64) -> oar_transport::Result<()> {
+        if len != self.expected && len != 0 {
+            return Err(oar_transport::Error::PayloadLength {
+                expected: self.expected as usize,
+                got: len as usize,
+            });
+        }
+        self.received = 0;
+        self.at = (0, 0);
+        self.carry.1 = 0;
+        Ok(())
+    }
+
+    fn write(&mut self, mut bytes: &[u8]) {
+        self.received += bytes.len() as u64;
+        if self.carry.1 > 0 {
+            let take = (4 - self.carry.1).min(bytes.len());
+            self.carry.0[self.carry.1..self.carry.1 + take].copy_from_slice(&bytes[..take]);
+            self.carry.1 += take;
+            bytes = &bytes[take..];
+            if self.carry.1 < 4 {
+                return;
+            }
+            self.carry.1 = 0;
+            self.put(f32::from_le_bytes(self.carry.0));
+        }
+        while bytes.len() >= 4 {
+            while self.at.0 < self.blocks.len() && self.at.1 == self.blocks[self.at.0].len() {
+                self.at = (self.at.0 + 1, 0);
+            }
+            let Some(block) = self.blocks.get_mut(self.at.0) else { return };
+            let n = (block.len() - self.at.1).min(bytes.len() / 4);
+            let (values, rest) = bytes.split_at(n * 4);
+            // Lengths match by construction: `n` values, `4n` bytes.
+            let _ = oar_transport::copy_f32s_from_bytes(&mut block[self.at.1..self.at.1 + n], values);
+            self.at.1 += n;
+            bytes = rest;
+        }
+        self.carry.0[..bytes.len()].copy_from_slice(bytes);
+        self.carry.1 = bytes.len();
+    }
 }
 
 impl Inner {
@@ -374,24 +514,92 @@ impl Inner {
         Ok(conn)
     }
 
-    async fn call(&self, index: u32, request: &PsRequest, payload: Bytes) -> Result<(PsReply, Bytes)> {
-        self.retry
-            .run(|| async {
-                let conn = self.connection(index).await?;
-                let result = oar_transport::call(
+    /// One call to shard `index`, retried while the shard is away: the
+    /// request's payload is `parts` joined; the reply's goes into `sink`.
+    async fn call(
+        &self,
+        index: u32,
+        request: &PsRequest,
+        parts: &[&[u8]],
+        sink: &mut ShardSink<'_>,
+    ) -> Result<PsReply> {
+        let mut retrying = self.retry.start();
+        loop {
+            let result = match self.connection(index).await {
+                Ok(conn) => oar_transport::call_parts(
                     conn.as_ref(),
                     PSERVER_METHOD,
                     request,
-                    payload.clone(),
+                    parts,
+                    sink,
                     self.call_timeout,
                 )
                 .await
-                .map_err(Error::from);
-                if result.is_err() {
+                .map_err(Error::from),
+                Err(e) => Err(e),
+            };
+            match result {
+                Ok(reply) => return Ok(reply),
+                Err(e) => {
                     *self.conns[index as usize].lock().unwrap_or_else(PoisonError::into_inner) = None;
+                    if !retrying.again(&e).await {
+                        return Err(e);
+                    }
                 }
-                result
-            })
-            .await
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::{Init, ParamSpec};
+    use oar_transport::PayloadSink;
+    use proptest::prelude::*;
+
+    proptest! {
+        /// Whatever the model's layout and however the reply's bytes are cut
+        /// into writes, each shard's sink puts every value in its place.
+        #[test]
+        fn shard_sinks_put_every_value_in_place(
+            lens in prop::collection::vec(1usize..40, 1..5),
+            servers in 1u32..4,
+            block_size in 1usize..17,
+            cuts in prop::collection::vec(0usize..200, 0..12),
+        ) {
+            let specs: Vec<ParamSpec> =
+                lens.iter().enumerate().map(|(i, &n)| ParamSpec::new(format!("p{i}"), vec![n], Init::Zeros)).collect();
+            let placement = Placement::new(&specs, servers, block_size).unwrap();
+            let mut want = ParamBuf::zeros(&specs);
+            want.as_mut_slice().iter_mut().enumerate().for_each(|(i, x)| *x = i as f32 + 0.5);
+            let mut got = ParamBuf::zeros(&specs);
+            let shards: Vec<u32> = (0..servers).rev().collect();
+            let mut sinks = ShardSink::split(&placement, &shards, &mut got).unwrap();
+            for (sink, &index) in sinks.iter_mut().zip(&shards) {
+                // What shard `index` sends: its blocks of `want`, in order.
+                let mut bytes = Vec::new();
+                for b in placement.blocks_on(index) {
+                    let param = want.param(b.id.param as usize);
+                    bytes.extend_from_slice(&f32s_as_le(&param[b.offset..b.offset + b.len]));
+                }
+                prop_assert!(sink.start(bytes.len() as u64 + 4).is_err(), "a wrong length is refused");
+                sink.start(bytes.len() as u64).unwrap();
+                let mut at = 0;
+                for &cut in &cuts {
+                    let end = (at + cut).min(bytes.len());
+                    sink.write(&bytes[at..end]);
+                    at = end;
+                }
+                sink.write(&bytes[at..]);
+                prop_assert!(sink.is_complete());
+            }
+            drop(sinks);
+            prop_assert_eq!(got.as_slice(), want.as_slice());
+        }
+    }
+
+    fn f32s_as_le(values: &[f32]) -> Vec<u8> {
+        values.iter().flat_map(|v| v.to_le_bytes()).collect()
     }
 }

@@ -41,13 +41,13 @@ impl Frame {
 
 /// Little-endian bytes of `values`, in one bulk copy.
 pub fn f32s_to_bytes(values: &[f32]) -> Bytes {
-    Bytes::copy_from_slice(&le_bytes(values))
+    Bytes::copy_from_slice(&f32s_as_le_bytes(values))
 }
 
 /// Append the little-endian bytes of `values` to `buf` (one bulk copy):
 /// how a payload of several blocks is assembled.
 pub fn put_f32s(buf: &mut bytes::BytesMut, values: &[f32]) {
-    buf.extend_from_slice(&le_bytes(values));
+    buf.extend_from_slice(&f32s_as_le_bytes(values));
 }
 
 /// `src` read in place as little-endian `f32`, when it can be: on a
@@ -86,8 +86,8 @@ pub fn bytes_to_f32s(src: &[u8]) -> Result<Vec<f32>> {
 }
 
 /// The little-endian bytes of `values`: borrowed as they are on
-/// little-endian machines, converted elsewhere.
-fn le_bytes(values: &[f32]) -> std::borrow::Cow<'_, [u8]> {
+/// little-endian machines (no copy), converted elsewhere.
+pub fn f32s_as_le_bytes(values: &[f32]) -> std::borrow::Cow<'_, [u8]> {
     #[cfg(target_endian = "little")]
     return std::borrow::Cow::Borrowed(bytemuck::cast_slice(values));
     #[cfg(not(target_endian = "little"))]

@@ -121,10 +121,12 @@ mod tls;
 pub mod wire;
 
 pub use error::{Error, RemoteError, RemoteErrorKind, Result};
-pub use frame::{bytes_to_f32s, copy_f32s_from_bytes, f32s_to_bytes, f32s_view, put_f32s, Frame};
+pub use frame::{
+    bytes_to_f32s, copy_f32s_from_bytes, f32s_as_le_bytes, f32s_to_bytes, f32s_view, put_f32s, Frame,
+};
 pub use mem::{MemNetwork, MemTransport};
 pub use quic::{PathTuning, QuicListener, QuicOptions, QuicTransport};
-pub use retry::{RetryPolicy, Transient};
+pub use retry::{RetryPolicy, Retrying, Transient};
 pub use tls::{Cipher, DevCa, Issued, TlsConfig, ALPN, DEFAULT_SERVER_NAME};
 
 use async_trait::async_trait;
@@ -141,6 +143,18 @@ pub trait Handler: Send + Sync + 'static {
     async fn handle(&self, request: Frame) -> std::result::Result<Frame, RemoteError>;
 }
 
+/// Where the payload of a reply goes when a call does not keep it
+/// ([`Connection::call_parts`]): written in place as it arrives, e.g. into a
+/// model's parameters, instead of into a buffer of its own.
+pub trait PayloadSink: Send {
+    /// The reply carries `len` bytes of payload. An error refuses them (the
+    /// call fails with it). Called once per reply, before any `write`; a
+    /// retried call starts again.
+    fn start(&mut self, len: u64) -> Result<()>;
+    /// The next bytes of the payload, in order, `len` in all.
+    fn write(&mut self, bytes: &[u8]);
+}
+
 /// A client's handle to one peer. Cheap to share; calls may run concurrently.
 ///
 /// A connection to a peer that went away and came back at the same address
@@ -149,6 +163,27 @@ pub trait Handler: Send + Sync + 'static {
 pub trait Connection: Send + Sync + 'static {
     /// Send `request` and wait at most `timeout` for the response.
     async fn call(&self, request: Frame, timeout: Duration) -> Result<Frame>;
+
+    /// A call whose request payload is `payload` joined, sent from where the
+    /// parts are (not copied into one buffer first), and whose reply payload
+    /// goes into `sink` as it arrives (the returned frame's payload is
+    /// empty). The default joins the parts and copies the reply, for
+    /// transports that hold whole messages in memory anyway.
+    async fn call_parts(
+        &self,
+        method: u16,
+        meta: bytes::Bytes,
+        payload: &[&[u8]],
+        sink: &mut dyn PayloadSink,
+        timeout: Duration,
+    ) -> Result<Frame> {
+        let mut joined = bytes::BytesMut::with_capacity(payload.iter().map(|p| p.len()).sum());
+        payload.iter().for_each(|part| joined.extend_from_slice(part));
+        let reply = self.call(Frame { method, meta, payload: joined.freeze() }, timeout).await?;
+        sink.start(reply.payload.len() as u64)?;
+        sink.write(&reply.payload);
+        Ok(Frame { payload: bytes::Bytes::new(), ..reply })
+    }
     /// The address this connection talks to.
     fn peer(&self) -> &str;
 }
@@ -184,13 +219,43 @@ where
     Req: Serialize + ?Sized,
     Resp: DeserializeOwned,
 {
-    let result: Result<(Resp, bytes::Bytes)> = async {
-        let frame = Frame::new(method, request, payload)?;
-        let response = conn.call(frame, timeout).await?;
-        let meta = response.meta()?;
-        Ok((meta, response.payload))
-    }
-    .await;
+    counted(
+        async {
+            let frame = Frame::new(method, request, payload)?;
+            let response = conn.call(frame, timeout).await?;
+            let meta = response.meta()?;
+            Ok((meta, response.payload))
+        }
+        .await,
+    )
+}
+
+/// [`call`] through [`Connection::call_parts`]: the request's payload is
+/// `payload` joined, sent from where it is, and the response's payload is
+/// written into `sink`.
+pub async fn call_parts<Req, Resp>(
+    conn: &dyn Connection,
+    method: u16,
+    request: &Req,
+    payload: &[&[u8]],
+    sink: &mut dyn PayloadSink,
+    timeout: Duration,
+) -> Result<Resp>
+where
+    Req: Serialize + ?Sized,
+    Resp: DeserializeOwned,
+{
+    counted(
+        async {
+            let meta = Frame::new(method, request, bytes::Bytes::new())?.meta;
+            conn.call_parts(method, meta, payload, sink, timeout).await?.meta()
+        }
+        .await,
+    )
+}
+
+/// Counts a failed call in the metrics by the kind of its error.
+fn counted<T>(result: Result<T>) -> Result<T> {
     if let Err(e) = &result {
         metrics().errors.get_or_create(&vec![("kind".to_string(), e.kind_name().to_string())]).inc();
     }

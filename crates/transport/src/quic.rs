@@ -4,7 +4,7 @@
 use crate::{
     tls::TlsConfig,
     wire::{self, Expect, Kind},
-    Connection, Error, Frame, Handler, Listener, RemoteError, Result, Transport,
+    Connection, Error, Frame, Handler, Listener, PayloadSink, RemoteError, Result, Transport,
 };
 use async_trait::async_trait;
 use bytes::Bytes;
@@ -293,6 +293,41 @@ async fn read_frame(
     }
 }
 
+/// Read a reply from `recv` like [`read_frame`], but pass a response's
+/// payload to `sink` as it arrives instead of keeping it.
+async fn read_reply_into(
+    recv: &mut quinn::RecvStream,
+    max_message: u64,
+    peer: &str,
+    sink: &mut dyn PayloadSink,
+) -> Result<(Kind, Frame)> {
+    let mut decoder = wire::Decoder::streaming(Expect::Reply, max_message);
+    let mut started = false;
+    while let Some(chunk) = recv.read_chunk(usize::MAX, true).await.map_err(|e| read_error(peer, e))? {
+        let payload = decoder.feed_streaming(&chunk.bytes)?;
+        if let Some(header) = decoder.header() {
+            if header.kind == Kind::Response && !started {
+                sink.start(header.payload_len)?;
+                started = true;
+            }
+        }
+        // An error reply's payload (normally none) is not the caller's data.
+        if started && !payload.is_empty() {
+            sink.write(payload);
+        }
+    }
+    decoder.finish()
+}
+
+/// What one call sends, and where its reply's payload goes.
+enum Exchange<'a> {
+    /// A whole frame's buffers; the reply is kept whole.
+    Whole([Bytes; 2]),
+    /// The header and metadata, then the payload's parts sent from where
+    /// they are; the reply's payload goes to `sink`.
+    Parts { head: Bytes, parts: &'a [&'a [u8]], sink: &'a mut dyn PayloadSink },
+}
+
 /// Write all of `bufs`, failing with [`Error::Stalled`] when the peer takes
 /// nothing for `idle` (it stopped reading).
 async fn write_idle(
@@ -524,11 +559,23 @@ impl QuicConnection {
         &self,
         send: &mut quinn::SendStream,
         recv: &mut quinn::RecvStream,
-        request: [Bytes; 2],
+        exchange: Exchange<'_>,
     ) -> Result<Frame> {
         let addr = &self.peer.addr_text;
-        let mut bufs = request;
-        match send.write_all_chunks(&mut bufs).await {
+        let (sent, sink) = match exchange {
+            Exchange::Whole(mut bufs) => (send.write_all_chunks(&mut bufs).await, None),
+            Exchange::Parts { head, parts, sink } => {
+                let mut sent = send.write_chunk(head).await;
+                for part in parts {
+                    if sent.is_err() {
+                        break;
+                    }
+                    sent = send.write_all(part).await;
+                }
+                (sent, Some(sink))
+            }
+        };
+        match sent {
             Ok(()) => {
                 let _ = send.finish();
             }
@@ -544,7 +591,10 @@ impl QuicConnection {
             }
         }
         let max = self.transport.inner.config.options.max_message;
-        let (kind, frame) = read_frame(recv, Expect::Reply, max, None, addr).await?;
+        let (kind, frame) = match sink {
+            None => read_frame(recv, Expect::Reply, max, None, addr).await?,
+            Some(sink) => read_reply_into(recv, max, addr, sink).await?,
+        };
         match kind {
             Kind::Response => Ok(frame),
             Kind::Error => Err(Error::Remote { addr: addr.clone(), error: frame.meta::<RemoteError>()? }),
@@ -556,19 +606,48 @@ impl QuicConnection {
 #[async_trait]
 impl Connection for QuicConnection {
     async fn call(&self, request: Frame, call_timeout: Duration) -> Result<Frame> {
+        self.check_size(request.meta.len(), request.payload.len() as u64)?;
+        let bufs = wire::encode(Kind::Request, &request)?;
+        self.run(Exchange::Whole(bufs), call_timeout).await
+    }
+
+    async fn call_parts(
+        &self,
+        method: u16,
+        meta: Bytes,
+        payload: &[&[u8]],
+        sink: &mut dyn PayloadSink,
+        call_timeout: Duration,
+    ) -> Result<Frame> {
+        let payload_len = payload.iter().map(|p| p.len() as u64).sum();
+        self.check_size(meta.len(), payload_len)?;
+        let frame = Frame { method, meta, payload: Bytes::new() };
+        let header = wire::Header { payload_len, ..wire::Header::of(Kind::Request, &frame)? };
+        let [head, _] = wire::encode_with(header, &frame);
+        self.run(Exchange::Parts { head, parts: payload, sink }, call_timeout).await
+    }
+
+    fn peer(&self) -> &str {
+        &self.peer.addr_text
+    }
+}
+
+impl QuicConnection {
+    /// Refuse a request over the message limit before sending anything.
+    fn check_size(&self, meta: usize, payload: u64) -> Result<()> {
+        let max = self.transport.inner.config.options.max_message;
+        let size = meta as u64 + payload;
+        if size > max {
+            return Err(Error::TooLarge { meta: meta as u64, payload, claimed: size, max });
+        }
+        Ok(())
+    }
+
+    /// Make one call: open a stream (dialing again once if the cached
+    /// connection is dead), exchange, and clean up on a timeout.
+    async fn run(&self, exchange: Exchange<'_>, call_timeout: Duration) -> Result<Frame> {
         let deadline = Instant::now() + call_timeout;
         let addr = &self.peer.addr_text;
-        let max = self.transport.inner.config.options.max_message;
-        let size = request.meta.len() as u64 + request.payload.len() as u64;
-        if size > max {
-            return Err(Error::TooLarge {
-                meta: request.meta.len() as u64,
-                payload: request.payload.len() as u64,
-                claimed: size,
-                max,
-            });
-        }
-        let bufs = wire::encode(Kind::Request, &request)?;
         // A cached connection found dead when opening the stream is replaced
         // once: nothing was sent on it, so dialing again is safe.
         let mut attempt = 0;
@@ -588,7 +667,7 @@ impl Connection for QuicConnection {
         };
         let rx_before = conn.stats().udp_rx.datagrams;
         let started = Instant::now();
-        let result = timeout_at(deadline, self.exchange(&mut send, &mut recv, bufs)).await;
+        let result = timeout_at(deadline, self.exchange(&mut send, &mut recv, exchange)).await;
         match result {
             Ok(Ok(frame)) => Ok(frame),
             Ok(Err(e)) => {
@@ -613,10 +692,6 @@ impl Connection for QuicConnection {
                 Err(Error::Timeout { addr: addr.clone(), after: call_timeout })
             }
         }
-    }
-
-    fn peer(&self) -> &str {
-        &self.peer.addr_text
     }
 }
 

@@ -50,24 +50,52 @@ impl RetryPolicy {
         F: FnMut() -> Fut,
         Fut: Future<Output = Result<T, E>>,
     {
-        let started = tokio::time::Instant::now();
-        let mut backoff = self.first_backoff;
+        let mut retrying = self.start();
         loop {
             match attempt().await {
                 Ok(v) => return Ok(v),
-                Err(e) if !e.is_transient() => return Err(e),
                 Err(e) => {
-                    let elapsed = started.elapsed();
-                    if elapsed >= self.give_up_after {
+                    if !retrying.again(&e).await {
                         return Err(e);
                     }
-                    let pause = backoff.min(self.give_up_after - elapsed);
-                    tracing::debug!(?pause, "transient failure, retrying");
-                    tokio::time::sleep(pause).await;
-                    backoff = (backoff * 2).min(self.max_backoff);
                 }
             }
         }
+    }
+
+    /// The policy's clock and backoff, for a caller that writes its own
+    /// loop (say, because each attempt borrows something mutably): after
+    /// each failure, [`Retrying::again`] says whether to try again.
+    pub fn start(&self) -> Retrying {
+        Retrying { policy: *self, started: tokio::time::Instant::now(), backoff: self.first_backoff }
+    }
+}
+
+/// A retry loop in progress: see [`RetryPolicy::start`].
+#[derive(Debug)]
+pub struct Retrying {
+    policy: RetryPolicy,
+    started: tokio::time::Instant,
+    backoff: Duration,
+}
+
+impl Retrying {
+    /// After a failed attempt: `false` if `error` will not go away by
+    /// itself or the policy's time is up (give up with it); otherwise waits
+    /// the backoff, doubles it (up to the maximum) and returns `true`.
+    pub async fn again<E: Transient>(&mut self, error: &E) -> bool {
+        if !error.is_transient() {
+            return false;
+        }
+        let elapsed = self.started.elapsed();
+        if elapsed >= self.policy.give_up_after {
+            return false;
+        }
+        let pause = self.backoff.min(self.policy.give_up_after - elapsed);
+        tracing::debug!(?pause, "transient failure, retrying");
+        tokio::time::sleep(pause).await;
+        self.backoff = (self.backoff * 2).min(self.policy.max_backoff);
+        true
     }
 }
 

@@ -165,11 +165,16 @@ impl Header {
 /// The bytes to send for `frame` as `kind`: a small buffer with the header
 /// and the metadata, and the payload [`Bytes`] itself (shared, not copied).
 pub fn encode(kind: Kind, frame: &Frame) -> Result<[Bytes; 2]> {
-    let header = Header::of(kind, frame)?;
+    Ok(encode_with(Header::of(kind, frame)?, frame))
+}
+
+/// As [`encode`], with `header` as given: for a sender that sends the
+/// payload itself, from elsewhere, and declares its length in the header.
+pub fn encode_with(header: Header, frame: &Frame) -> [Bytes; 2] {
     let mut head = BytesMut::with_capacity(HEADER_LEN + frame.meta.len());
     head.extend_from_slice(&header.to_bytes());
     head.extend_from_slice(&frame.meta);
-    Ok([head.freeze(), frame.payload.clone()])
+    [head.freeze(), frame.payload.clone()]
 }
 
 /// One buffer of exactly `len` bytes' capacity, or an error instead of an
@@ -197,6 +202,11 @@ pub struct Decoder {
     header: Option<Header>,
     meta: BytesMut,
     payload: BytesMut,
+    /// The payload is handed to the caller ([`Decoder::feed_streaming`]),
+    /// not kept.
+    streaming: bool,
+    /// Payload bytes taken in so far.
+    payload_seen: u64,
 }
 
 impl Decoder {
@@ -210,7 +220,17 @@ impl Decoder {
             header: None,
             meta: BytesMut::new(),
             payload: BytesMut::new(),
+            streaming: false,
+            payload_seen: 0,
         }
+    }
+
+    /// A decoder that keeps the header and metadata but hands each piece
+    /// of the payload back from [`feed_streaming`](Self::feed_streaming), so
+    /// the caller can put it where it belongs without a buffer of the
+    /// payload's size; [`finish`](Self::finish) then gives an empty payload.
+    pub fn streaming(expect: Expect, max_message: u64) -> Decoder {
+        Decoder { streaming: true, ..Decoder::new(expect, max_message) }
     }
 
     /// The header, once its bytes are in and checked.
@@ -224,8 +244,7 @@ impl Decoder {
             None => (HEADER_LEN - self.head_filled) as u64,
             Some(h) => {
                 let meta_left = u64::from(h.meta_len) - self.meta.len() as u64;
-                let payload_left = h.payload_len - self.payload.len() as u64;
-                meta_left + payload_left
+                meta_left + (h.payload_len - self.payload_seen)
             }
         }
     }
@@ -237,34 +256,53 @@ impl Decoder {
 
     /// Take in the next bytes of the stream. Checks the header as soon as it
     /// is complete; bytes beyond the end of the frame are an error.
-    pub fn feed(&mut self, mut input: &[u8]) -> Result<()> {
+    pub fn feed(&mut self, input: &[u8]) -> Result<()> {
+        let payload = self.take(input)?;
+        if !self.streaming {
+            self.payload.extend_from_slice(payload);
+        }
+        Ok(())
+    }
+
+    /// As [`feed`](Self::feed), returning the part of `input` that is
+    /// payload (for a decoder made by [`streaming`](Self::streaming), which
+    /// does not keep it). The header, once [`header`](Self::header) has it,
+    /// says how much payload is coming.
+    pub fn feed_streaming<'i>(&mut self, input: &'i [u8]) -> Result<&'i [u8]> {
+        self.take(input)
+    }
+
+    /// Consume header and metadata bytes of `input`; return its payload bytes.
+    fn take<'i>(&mut self, mut input: &'i [u8]) -> Result<&'i [u8]> {
         if self.header.is_none() {
             let take = (HEADER_LEN - self.head_filled).min(input.len());
             self.head[self.head_filled..self.head_filled + take].copy_from_slice(&input[..take]);
             self.head_filled += take;
             input = &input[take..];
             if self.head_filled < HEADER_LEN {
-                return Ok(());
+                return Ok(&[]);
             }
             let header = Header::parse(&self.head, self.expect, self.max_message)?;
             // Lengths are checked: now allocate each buffer once, at its size.
             self.meta = alloc_exact(u64::from(header.meta_len))?;
-            self.payload = alloc_exact(header.payload_len)?;
+            if !self.streaming {
+                self.payload = alloc_exact(header.payload_len)?;
+            }
             self.header = Some(header);
         }
-        let Some(header) = self.header else { return Ok(()) };
+        let Some(header) = self.header else { return Ok(&[]) };
         let meta_left = header.meta_len as usize - self.meta.len();
         let take = meta_left.min(input.len());
         self.meta.extend_from_slice(&input[..take]);
         input = &input[take..];
-        let payload_left = header.payload_len - self.payload.len() as u64;
+        let payload_left = header.payload_len - self.payload_seen;
         let take = usize::try_from(payload_left).unwrap_or(usize::MAX).min(input.len());
-        self.payload.extend_from_slice(&input[..take]);
-        input = &input[take..];
-        if !input.is_empty() {
-            return Err(Error::TrailingData { extra: input.len() as u64 });
+        let (payload, rest) = input.split_at(take);
+        self.payload_seen += take as u64;
+        if !rest.is_empty() {
+            return Err(Error::TrailingData { extra: rest.len() as u64 });
         }
-        Ok(())
+        Ok(payload)
     }
 
     /// The stream has ended: the complete frame, or [`Error::Truncated`]
@@ -284,11 +322,11 @@ impl Decoder {
                 got: self.meta.len() as u64,
             });
         }
-        if (self.payload.len() as u64) < header.payload_len {
+        if self.payload_seen < header.payload_len {
             return Err(Error::Truncated {
                 part: "payload",
                 expected: header.payload_len,
-                got: self.payload.len() as u64,
+                got: self.payload_seen,
             });
         }
         let frame = Frame { method: header.method, meta: self.meta.freeze(), payload: self.payload.freeze() };
