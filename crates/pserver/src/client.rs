@@ -339,7 +339,7 @@ impl PserverClient {
             },
         );
         let mut replies = Vec::with_capacity(shards.len());
-        for (index, reply, complete) in join_all(calls.collect()).await {
+        for (index, reply, complete) in oar_transport::join_all(calls.collect()).await {
             let reply = reply?;
             let carries_params =
                 matches!(reply, PsReply::Pulled { ready: true, .. } | PsReply::PushedPulled { .. });
@@ -350,31 +350,6 @@ impl PserverClient {
         }
         Ok(replies)
     }
-}
-
-/// Poll every future in `futures` until all are done (they run
-/// concurrently on the calling task); outputs in the same order.
-async fn join_all<F: std::future::Future>(futures: Vec<F>) -> Vec<F::Output> {
-    let mut futures: Vec<std::pin::Pin<Box<F>>> = futures.into_iter().map(Box::pin).collect();
-    let mut outputs: Vec<Option<F::Output>> = futures.iter().map(|_| None).collect();
-    std::future::poll_fn(|cx| {
-        let mut pending = false;
-        for (future, output) in futures.iter_mut().zip(outputs.iter_mut()) {
-            if output.is_none() {
-                match future.as_mut().poll(cx) {
-                    std::task::Poll::Ready(value) => *output = Some(value),
-                    std::task::Poll::Pending => pending = true,
-                }
-            }
-        }
-        if pending {
-            std::task::Poll::Pending
-        } else {
-            std::task::Poll::Ready(())
-        }
-    })
-    .await;
-    outputs.into_iter().flatten().collect()
 }
 
 /// Where one shard's reply payload goes: the shard's blocks of the

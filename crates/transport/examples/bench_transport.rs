@@ -26,7 +26,7 @@
 use async_trait::async_trait;
 use bytes::{Bytes, BytesMut};
 use oar_transport::{
-    Cipher, Connection, DevCa, Frame, Handler, QuicOptions, QuicTransport, RemoteError, Transport,
+    join_all, Cipher, Connection, DevCa, Frame, Handler, QuicOptions, QuicTransport, RemoteError, Transport,
 };
 use std::{
     sync::Arc,
@@ -206,29 +206,6 @@ async fn quic_bulk(conn: &dyn Connection, payload: &Bytes, parts: usize) -> Dura
         assert_eq!(total as usize, payload.len());
     }
     t.elapsed()
-}
-
-/// Poll several futures concurrently on the current task (no spawning, no extra crate).
-async fn join_all<F: std::future::Future + Unpin>(mut futures: Vec<F>) -> Vec<F::Output> {
-    let mut out: Vec<Option<F::Output>> = futures.iter().map(|_| None).collect();
-    std::future::poll_fn(|cx| {
-        let mut pending = false;
-        for (f, o) in futures.iter_mut().zip(out.iter_mut()) {
-            if o.is_none() {
-                match std::pin::Pin::new(f).poll(cx) {
-                    std::task::Poll::Ready(v) => *o = Some(v),
-                    std::task::Poll::Pending => pending = true,
-                }
-            }
-        }
-        if pending {
-            std::task::Poll::Pending
-        } else {
-            std::task::Poll::Ready(())
-        }
-    })
-    .await;
-    out.into_iter().flatten().collect()
 }
 
 async fn run(args: Args) -> Result<(), Box<dyn std::error::Error>> {
