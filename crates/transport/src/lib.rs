@@ -11,6 +11,13 @@
 //! [`Handler`]; clients get a [`Connection`]. Every call takes a timeout and
 //! ends with a typed [`Error`], never a hang.
 //!
+//! A client that has the payload in pieces, or wants the reply's payload
+//! somewhere of its own, uses [`Connection::call_parts`] ([`call_parts`]):
+//! the request is sent from borrowed parts and the reply is handed to a
+//! [`PayloadSink`] as it arrives, so neither side of the client needs a
+//! buffer the size of the message (how a trainer pushes gradients from, and
+//! pulls parameters into, its model's buffer).
+//!
 //! ## QUIC
 //!
 //! Each call is one bidirectional stream carrying one request frame and one
