@@ -275,7 +275,6 @@ impl Pserver {
         }
         let _ = shared.index.set(index);
         let _ = shared.store.set(Mutex::new(store));
-        tracing::info!(index, addr = listener.local_addr(), mode = ?options.mode, "pserver serving");
 
         let departures = TrainerDepartures::watch(&*discovery, &keys).await?;
         let lease_lost = session.lost_signal();
@@ -299,6 +298,8 @@ impl Pserver {
                 shared.clone(),
             )));
         }
+        // Logged once everything is up, the departures watch included.
+        tracing::info!(index, addr = listener.local_addr(), mode = ?options.mode, "pserver serving");
         Ok(Pserver {
             shared,
             discovery,

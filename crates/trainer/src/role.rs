@@ -428,7 +428,6 @@ async fn run_pserver(ctx: &JobContext, options: &RoleOptions) -> Result<PserverR
     let server =
         Pserver::start(ctx.discovery.clone(), ctx.transport.clone(), &ctx.listen, ps_options).await?;
     let index = server.index();
-    tracing::info!(index, addr = server.addr(), "pserver serving");
     loop {
         if let Some(why) = server.stopped() {
             return Err(Error::Stopped(format!("pserver {index}: {why}")));
