@@ -37,6 +37,7 @@ use std::{
     },
     time::Duration,
 };
+use tokio::task::JoinSet;
 
 /// How long one pull asks a server to wait for the next sync step.
 const PULL_WAIT: Duration = Duration::from_secs(1);
@@ -328,18 +329,25 @@ impl PserverClient {
                 None => Vec::new(),
             })
             .collect();
-        let calls = shards.iter().zip(requests).zip(payloads.iter()).zip(sinks.iter_mut()).map(
-            |(((&index, request), payload), sink)| {
-                let inner = &self.inner;
-                async move {
-                    let parts: Vec<&[u8]> = payload.iter().map(|p| p.as_ref()).collect();
-                    let reply = inner.call(index, &request, &parts, sink).await;
-                    (index, reply, sink.is_complete())
-                }
-            },
-        );
+        let message_bytes: usize = payloads.iter().flatten().map(|p| p.len()).sum::<usize>()
+            + sinks.iter().map(|s| s.expected as usize).sum::<usize>();
+        let outcomes = if message_bytes <= SPAWN_CALLS_UP_TO {
+            self.exchange_small(shards, requests, &payloads, &mut sinks).await
+        } else {
+            let calls = shards.iter().zip(requests).zip(payloads.iter()).zip(sinks.iter_mut()).map(
+                |(((&index, request), payload), sink)| {
+                    let inner = &self.inner;
+                    async move {
+                        let parts: Vec<&[u8]> = payload.iter().map(|p| p.as_ref()).collect();
+                        let reply = inner.call(index, &request, &parts, sink).await;
+                        (index, reply, sink.is_complete())
+                    }
+                },
+            );
+            oar_transport::join_all(calls.collect()).await
+        };
         let mut replies = Vec::with_capacity(shards.len());
-        for (index, reply, complete) in oar_transport::join_all(calls.collect()).await {
+        for (index, reply, complete) in outcomes {
             let reply = reply?;
             let carries_params =
                 matches!(reply, PsReply::Pulled { ready: true, .. } | PsReply::PushedPulled { .. });
@@ -349,6 +357,73 @@ impl PserverClient {
             replies.push((index, reply));
         }
         Ok(replies)
+    }
+
+    /// [`exchange`](Self::exchange) for small messages: each shard's call
+    /// runs in a task of its own (in parallel on the runtime's threads, which
+    /// beats borrowing when a message is a few KiB), with copies of the
+    /// payload and of the reply, which is then written into the sinks.
+    async fn exchange_small(
+        &self,
+        shards: &[u32],
+        requests: Vec<PsRequest>,
+        payloads: &[Vec<std::borrow::Cow<'_, [u8]>>],
+        sinks: &mut [ShardSink<'_>],
+    ) -> Vec<(u32, Result<PsReply>, bool)> {
+        let mut calls = JoinSet::new();
+        for ((&index, request), payload) in shards.iter().zip(requests).zip(payloads) {
+            let payload: Vec<u8> = payload.concat();
+            let inner = self.inner.clone();
+            calls.spawn(async move {
+                let mut reply_payload = Collected::default();
+                let reply = inner.call(index, &request, &[&payload], &mut reply_payload).await;
+                (index, reply, reply_payload.0)
+            });
+        }
+        let mut outcomes = Vec::with_capacity(shards.len());
+        while let Some(joined) = calls.join_next().await {
+            let (index, reply, bytes) = match joined {
+                Ok(done) => done,
+                Err(e) => {
+                    let failed = Err(Error::Protocol(format!("a shard call panicked: {e}")));
+                    outcomes.push((u32::MAX, failed, false));
+                    continue;
+                }
+            };
+            let Some(k) = shards.iter().position(|&s| s == index) else { continue };
+            let sink = &mut sinks[k];
+            let reply = reply.and_then(|reply| {
+                oar_transport::PayloadSink::start(sink, bytes.len() as u64)?;
+                oar_transport::PayloadSink::write(sink, &bytes);
+                Ok(reply)
+            });
+            outcomes.push((index, reply, sink.is_complete()));
+        }
+        outcomes.sort_by_key(|(index, _, _)| *index);
+        outcomes
+    }
+}
+
+/// Messages (both ways, all shards) up to this many bytes go through
+/// spawned tasks with copies ([`PserverClient::exchange_small`]); larger
+/// ones are sent from and received into the trainer's buffers.
+const SPAWN_CALLS_UP_TO: usize = 256 << 10;
+
+/// A reply's payload kept in a buffer of its own.
+#[derive(Default)]
+struct Collected(Vec<u8>);
+
+impl oar_transport::PayloadSink for Collected {
+    fn start(&mut self, len: u64) -> oar_transport::Result<()> {
+        self.0.clear();
+        // The transport bounds `len` by its message limit; reserve no more
+        // than a small message anyway.
+        self.0.reserve(usize::try_from(len).unwrap_or(0).min(SPAWN_CALLS_UP_TO));
+        Ok(())
+    }
+
+    fn write(&mut self, bytes: &[u8]) {
+        self.0.extend_from_slice(bytes);
     }
 }
 
@@ -496,7 +571,7 @@ impl Inner {
         index: u32,
         request: &PsRequest,
         parts: &[&[u8]],
-        sink: &mut ShardSink<'_>,
+        sink: &mut dyn oar_transport::PayloadSink,
     ) -> Result<PsReply> {
         let mut retrying = self.retry.start();
         loop {
