@@ -488,15 +488,14 @@ impl<'a> ShardSink<'a> {
         self.received == self.expected
     }
 
-    /// Put one value at the current place.
-    fn put(&mut self, value: f32) {
+    /// The rest of the block the next value goes into (past full blocks);
+    /// `None` once every block is full.
+    fn room(&mut self) -> Option<&mut [f32]> {
         while self.at.0 < self.blocks.len() && self.at.1 == self.blocks[self.at.0].len() {
             self.at = (self.at.0 + 1, 0);
         }
-        if let Some(block) = self.blocks.get_mut(self.at.0) {
-            block[self.at.1] = value;
-            self.at.1 += 1;
-        }
+        let at = self.at.1;
+        self.blocks.get_mut(self.at.0).map(|block| &mut block[at..])
     }
 }
 
@@ -525,17 +524,18 @@ impl oar_transport::PayloadSink for ShardSink<'_> {
                 return;
             }
             self.carry.1 = 0;
-            self.put(f32::from_le_bytes(self.carry.0));
+            let value = f32::from_le_bytes(self.carry.0);
+            if let Some(room) = self.room() {
+                room[0] = value;
+                self.at.1 += 1;
+            }
         }
         while bytes.len() >= 4 {
-            while self.at.0 < self.blocks.len() && self.at.1 == self.blocks[self.at.0].len() {
-                self.at = (self.at.0 + 1, 0);
-            }
-            let Some(block) = self.blocks.get_mut(self.at.0) else { return };
-            let n = (block.len() - self.at.1).min(bytes.len() / 4);
+            let Some(room) = self.room() else { return };
+            let n = room.len().min(bytes.len() / 4);
             let (values, rest) = bytes.split_at(n * 4);
             // Lengths match by construction: `n` values, `4n` bytes.
-            let _ = oar_transport::copy_f32s_from_bytes(&mut block[self.at.1..self.at.1 + n], values);
+            let _ = oar_transport::copy_f32s_from_bytes(&mut room[..n], values);
             self.at.1 += n;
             bytes = rest;
         }

@@ -269,15 +269,22 @@ fn read_error(addr: &str, e: quinn::ReadError) -> Error {
 }
 
 /// Read one frame from `recv` until the stream ends. With `idle`, a stream
-/// that sends nothing for that long fails with [`Error::Stalled`].
+/// that sends nothing for that long fails with [`Error::Stalled`]. With a
+/// `sink`, a response's payload goes to it as it arrives instead of into
+/// the frame (an error reply's payload, normally none, is dropped).
 async fn read_frame(
     recv: &mut quinn::RecvStream,
     expect: Expect,
     max_message: u64,
     idle: Option<Duration>,
     peer: &str,
+    mut sink: Option<&mut dyn PayloadSink>,
 ) -> Result<(Kind, Frame)> {
-    let mut decoder = wire::Decoder::new(expect, max_message);
+    let mut decoder = match sink {
+        None => wire::Decoder::new(expect, max_message),
+        Some(_) => wire::Decoder::streaming(expect, max_message),
+    };
+    let mut started = false;
     loop {
         let next = recv.read_chunk(usize::MAX, true);
         let chunk = match idle {
@@ -286,24 +293,13 @@ async fn read_frame(
             }
             None => next.await,
         };
-        match chunk.map_err(|e| read_error(peer, e))? {
-            Some(chunk) => decoder.feed(&chunk.bytes)?,
-            None => return decoder.finish(),
-        }
-    }
-}
-
-/// Read a reply from `recv` like [`read_frame`], but pass a response's
-/// payload to `sink` as it arrives instead of keeping it.
-async fn read_reply_into(
-    recv: &mut quinn::RecvStream,
-    max_message: u64,
-    peer: &str,
-    sink: &mut dyn PayloadSink,
-) -> Result<(Kind, Frame)> {
-    let mut decoder = wire::Decoder::streaming(Expect::Reply, max_message);
-    let mut started = false;
-    while let Some(chunk) = recv.read_chunk(usize::MAX, true).await.map_err(|e| read_error(peer, e))? {
+        let Some(chunk) = chunk.map_err(|e| read_error(peer, e))? else {
+            return decoder.finish();
+        };
+        let Some(sink) = sink.as_deref_mut() else {
+            decoder.feed(&chunk.bytes)?;
+            continue;
+        };
         let payload = decoder.feed_streaming(&chunk.bytes)?;
         if let Some(header) = decoder.header() {
             if header.kind == Kind::Response && !started {
@@ -311,12 +307,10 @@ async fn read_reply_into(
                 started = true;
             }
         }
-        // An error reply's payload (normally none) is not the caller's data.
         if started && !payload.is_empty() {
             sink.write(payload);
         }
     }
-    decoder.finish()
 }
 
 /// Parts of a request up to this many bytes in all are joined into one
@@ -606,10 +600,7 @@ impl QuicConnection {
             }
         }
         let max = self.transport.inner.config.options.max_message;
-        let (kind, frame) = match sink {
-            None => read_frame(recv, Expect::Reply, max, None, addr).await?,
-            Some(sink) => read_reply_into(recv, max, addr, sink).await?,
-        };
+        let (kind, frame) = read_frame(recv, Expect::Reply, max, None, addr, sink).await?;
         match kind {
             Kind::Response => Ok(frame),
             Kind::Error => Err(Error::Remote { addr: addr.clone(), error: frame.meta::<RemoteError>()? }),
@@ -867,7 +858,7 @@ async fn serve_stream(
 ) {
     let options = &config.options;
     let idle = options.stream_idle_timeout;
-    let request = read_frame(&mut recv, Expect::Request, options.max_message, Some(idle), &peer).await;
+    let request = read_frame(&mut recv, Expect::Request, options.max_message, Some(idle), &peer, None).await;
     let (kind, reply) = match request {
         Ok((_, request)) => {
             let method = request.method;
