@@ -22,9 +22,10 @@
 //!   arrays per element). It serves until the parent closes its stdin. Its
 //!   figure therefore counts everything the service allocates: the store,
 //!   the optimizer state (resident only once the first update writes it),
-//!   the received push frame (its gradients are read in place, see
-//!   `oar_pserver::Grad`),
-//!   the pull reply's buffer, quinn's buffers, the runtime.
+//!   the received push parts (the client sends a shard in parts of at most
+//!   8 MiB, two in flight; their gradients are read in place, see
+//!   `oar_pserver::Grad`), the pull replies' buffers (one per part), quinn's
+//!   buffers, the runtime.
 //! - **trainer child(ren)**: what the worker's loop (`oar::trainer::worker`)
 //!   holds for a model of that size, and one step as it makes it: a
 //!   `PserverClient` (its own `MemDiscovery` with `ps/0` pointing at the

@@ -4,11 +4,14 @@
 //!
 //!     cargo run --release -p oar-pserver --example bench_push_pull
 //!     cargo run --release -p oar-pserver --example bench_push_pull -- --sizes 1,10 --reps 7
+//!     cargo run --release -p oar-pserver --example bench_push_pull -- --part-mib 32
 //!
 //! oar: a `PserverClient` (async mode, SGD) pushes a gradient of N floats
 //! (split into the placement's blocks, all shards at once) and pulls the N
 //! parameters back, through `Pserver`s on a `QuicTransport` with a
 //! development CA; N = 1M, 10M, 100M (`--sizes` in millions) and P = 1, 2.
+//! Each shard's blocks go in parts of at most `--part-mib` MiB (the client's
+//! default, 8 MiB, unless given), two parts in flight per shard.
 //! Reference: tokio TCP on loopback, one connection per "pserver", the
 //! client writes its share of the 4N bytes (an 8-byte length first), the
 //! server reads them into a buffer and writes the same number of bytes back,
@@ -94,13 +97,15 @@ async fn futures_join_all<F: std::future::Future<Output = ()>>(futures: impl Ite
 async fn main() {
     let mut sizes: Vec<usize> = vec![1, 10, 100];
     let mut reps = 5usize;
+    let mut part_bytes = oar_pserver::client::DEFAULT_MAX_PART_BYTES;
     let mut args = std::env::args().skip(1);
     while let Some(flag) = args.next() {
         match (flag.as_str(), args.next()) {
             ("--sizes", Some(v)) => sizes = v.split(',').filter_map(|s| s.parse().ok()).collect(),
             ("--reps", Some(v)) => reps = v.parse().unwrap_or(5).max(3),
+            ("--part-mib", Some(v)) => part_bytes = v.parse::<usize>().unwrap_or(8).max(1) << 20,
             _ => {
-                eprintln!("usage: bench_push_pull [--sizes 1,10,100 (millions)] [--reps R]");
+                eprintln!("usage: bench_push_pull [--sizes 1,10,100 (millions)] [--reps R] [--part-mib M]");
                 std::process::exit(2);
             }
         }
@@ -109,7 +114,8 @@ async fn main() {
     let transport = Arc::new(QuicTransport::new(ca.tls_config("bench").expect("tls")).expect("quic"));
     println!(
         "push then pull of N float32, one trainer; median of {reps}; ratio = oar time / TCP time; \
-         push-pull = both in one call per pserver (async mode)"
+         push-pull = both in one call per pserver (async mode); parts of {} MiB",
+        part_bytes >> 20
     );
     println!(
         "{:>6} {:>3} {:>11} {:>11} {:>7} {:>10} {:>15} {:>7}",
@@ -148,6 +154,7 @@ async fn main() {
                 retry,
             )
             .expect("client");
+            client.set_max_part_bytes(part_bytes);
             let grads = {
                 let mut g = ParamBuf::zeros(&specs);
                 g.fill(1e-3);

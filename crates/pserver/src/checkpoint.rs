@@ -169,6 +169,9 @@ impl CheckpointDir {
             )));
         }
         self.check_server(store)?;
+        if store.step_underway() {
+            return Err(Error::CheckpointStepUnderway { step: store.step() });
+        }
         let header = HeaderOut::of(store)?;
         let created = !self.dir.exists();
         fs::create_dir_all(&self.dir).map_err(io_err("creating directory", &self.dir))?;

@@ -13,6 +13,15 @@
 //! message-sized buffer (peak memory 1.03x its parameters and gradients
 //! for a 100M-float model; `BENCHMARKS.md`, "Memory").
 //!
+//! A shard's blocks travel in parts of at most
+//! [`PserverClient::set_max_part_bytes`] bytes (8 MiB by default), each a
+//! call of its own, at most [`PARTS_IN_FLIGHT`] at a time per shard, so a
+//! pserver holds a few parts in flight, not a message as large as its
+//! shard (peak memory 1.07x its parameters and optimizer state for a
+//! 100M-float model with Adam, where whole messages cost 1.36x), and it
+//! applies or copies out one part while the next one travels. A push's
+//! parts share its sequence number; each is deduplicated on its own.
+//!
 //! A shard whose pserver was replaced (a new claim of `ps/<index>`, seen by
 //! its create revision) restarted from its last checkpoint, possibly at an
 //! earlier step, and without the gradients buffered for the current sync
@@ -25,7 +34,7 @@
 //! deduplication table) and nothing waits for a step that cannot come.
 
 use crate::{
-    protocol::{PsReply, PsRequest, PSERVER_METHOD},
+    protocol::{BlockSpan, PsReply, PsRequest, PSERVER_METHOD},
     Error, ParamBuf, Placement, PushOutcome, Result,
 };
 use oar_discovery::{Discovery, JobKeys};
@@ -42,10 +51,26 @@ use tokio::task::JoinSet;
 /// How long one pull asks a server to wait for the next sync step.
 const PULL_WAIT: Duration = Duration::from_secs(1);
 
+/// The default largest part of a shard's blocks sent or asked for in one call.
+pub const DEFAULT_MAX_PART_BYTES: usize = 8 << 20;
+
+/// Calls per shard in flight at once when its blocks go in several parts:
+/// two, so the pserver applies (or copies out) one part while the next
+/// one travels.
+pub const PARTS_IN_FLIGHT: usize = 2;
+
 /// A trainer's connection to every pserver of a job.
 pub struct PserverClient {
     inner: Arc<Inner>,
     shards: Vec<ShardState>,
+    max_part_bytes: usize,
+}
+
+/// One call of an exchange: shard `index`, its blocks at positions `blocks`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+struct Part {
+    index: u32,
+    blocks: BlockSpan,
 }
 
 struct Inner {
@@ -108,7 +133,22 @@ impl PserverClient {
             call_timeout,
             retry,
         };
-        Ok(Self { inner: Arc::new(inner), shards: vec![ShardState::default(); servers] })
+        Ok(Self {
+            inner: Arc::new(inner),
+            shards: vec![ShardState::default(); servers],
+            max_part_bytes: DEFAULT_MAX_PART_BYTES,
+        })
+    }
+
+    /// Cut each shard's blocks into calls of at most `bytes` (a block
+    /// larger than that goes alone). Smaller parts bound what a pserver
+    /// holds in flight; larger ones cost fewer calls.
+    pub fn set_max_part_bytes(&mut self, bytes: usize) {
+        self.max_part_bytes = bytes.max(1);
+    }
+
+    fn parts(&self, shards: &[u32]) -> Vec<Part> {
+        cut_parts(&self.inner.placement, shards, self.max_part_bytes)
     }
 
     /// The placement the client splits gradients by.
@@ -144,11 +184,21 @@ impl PserverClient {
     /// lands in those steps. The equivalence with one process on the union
     /// of the batches holds for every step whose membership was fixed, which
     /// is every step while no trainer joins or leaves.
+    ///
+    /// A shard whose current step is underway (some of its blocks already
+    /// updated) counts the trainer from the next step: the next pull waits
+    /// for that step.
     pub async fn join(&mut self) -> Result<()> {
         let trainer = self.inner.trainer.clone();
-        self.on_all(|_| PsRequest::Join { trainer: trainer.clone() }).await?;
-        // Pull the current step afresh: the barrier may have moved while we were out.
-        self.shards.iter_mut().for_each(|s| s.next_step = None);
+        for (index, reply) in self.on_all(|_| PsRequest::Join { trainer: trainer.clone() }).await? {
+            let PsReply::Joined { step } = reply else {
+                return Err(Error::Protocol(format!("shard {index} answered a join with {reply:?}")));
+            };
+            // Pull from the step we count in: the barrier may have moved while we were out.
+            let shard = &mut self.shards[index as usize];
+            shard.next_step = Some(step);
+            shard.incarnation = self.inner.incarnations[index as usize].load(Ordering::SeqCst);
+        }
         Ok(())
     }
 
@@ -176,23 +226,41 @@ impl PserverClient {
                     shard.next_step = None;
                 }
             }
-            let calls = pending
+            let parts = self.parts(&pending);
+            let calls = parts
                 .iter()
-                .map(|&index| PsRequest::Pull {
+                .map(|part| PsRequest::Pull {
                     fingerprint,
-                    min_step: self.shards[index as usize].next_step,
+                    blocks: part.blocks,
+                    min_step: self.shards[part.index as usize].next_step,
                     max_wait_ms: PULL_WAIT.as_millis() as u64,
                 })
                 .collect();
-            let replies = self.exchange(&pending, calls, None, Some(&mut *params)).await?;
-            let mut waiting = Vec::new();
-            for (index, reply) in replies {
-                match reply {
-                    PsReply::Pulled { step, ready: true } => self.pulled(index, step),
-                    PsReply::Pulled { ready: false, .. } => waiting.push(index),
+            let replies = self.exchange(&parts, calls, None, Some(&mut *params)).await?;
+            // Per shard: every part ready, at the lowest step any part was at
+            // (so a sync push is never for a step some block has not reached).
+            let mut pulled: Vec<(u32, Option<u64>)> = Vec::new();
+            for (part, reply) in replies {
+                let step = match reply {
+                    PsReply::Pulled { step, ready: true } => Some(step),
+                    PsReply::Pulled { ready: false, .. } => None,
                     other => {
-                        return Err(Error::Protocol(format!("shard {index} answered a pull with {other:?}")))
+                        return Err(Error::Protocol(format!(
+                            "shard {} answered a pull with {other:?}",
+                            part.index
+                        )))
                     }
+                };
+                match pulled.last_mut() {
+                    Some((index, at)) if *index == part.index => *at = at.zip(step).map(|(a, b)| a.min(b)),
+                    _ => pulled.push((part.index, step)),
+                }
+            }
+            let mut waiting = Vec::new();
+            for (index, step) in pulled {
+                match step {
+                    Some(step) => self.pulled(index, step),
+                    None => waiting.push(index),
                 }
             }
             if !waiting.is_empty() && tokio::time::Instant::now() >= deadline {
@@ -212,12 +280,14 @@ impl PserverClient {
     pub async fn push(&mut self, grads: &ParamBuf, weight: f32) -> Result<PushResult> {
         let fingerprint = self.inner.placement.fingerprint();
         let all: Vec<u32> = (0..self.inner.placement.servers()).collect();
-        let calls = all
+        let parts = self.parts(&all);
+        let calls = parts
             .iter()
-            .map(|&index| {
-                let state = self.shards[index as usize];
+            .map(|part| {
+                let state = self.shards[part.index as usize];
                 PsRequest::Push {
                     fingerprint,
+                    blocks: part.blocks,
                     trainer: self.inner.trainer.clone(),
                     seq: state.seq,
                     step: state.pulled_step,
@@ -225,24 +295,38 @@ impl PserverClient {
                 }
             })
             .collect();
-        let replies = self.exchange(&all, calls, Some(grads), None).await?;
-        let mut result = PushResult::Accepted;
-        for (index, reply) in replies {
-            let shard = &mut self.shards[index as usize];
-            shard.seq += 1;
-            match reply {
-                PsReply::Pushed(PushOutcome::Applied { .. } | PushOutcome::Buffered { .. }) => {
-                    shard.next_step = Some(shard.pulled_step + 1);
-                }
-                PsReply::Pushed(PushOutcome::Duplicate) => {}
-                PsReply::Stale { current } => {
-                    tracing::debug!(index, current, "stale sync push");
-                    shard.next_step = None;
-                    result = PushResult::Stale;
-                }
+        let replies = self.exchange(&parts, calls, Some(grads), None).await?;
+        // Per shard: stale if any part was; else taken if any part was (the
+        // rest were retries of parts already taken).
+        let mut outcomes: Vec<(u32, Option<u64>, bool)> = Vec::new();
+        for (part, reply) in replies {
+            let index = part.index;
+            let (stale, taken) = match reply {
+                PsReply::Pushed(PushOutcome::Applied { .. } | PushOutcome::Buffered { .. }) => (None, true),
+                PsReply::Pushed(PushOutcome::Duplicate) => (None, false),
+                PsReply::Stale { current } => (Some(current), false),
                 other => {
                     return Err(Error::Protocol(format!("shard {index} answered a push with {other:?}")))
                 }
+            };
+            match outcomes.last_mut() {
+                Some((i, s, t)) if *i == index => {
+                    *s = s.or(stale);
+                    *t |= taken;
+                }
+                _ => outcomes.push((index, stale, taken)),
+            }
+        }
+        let mut result = PushResult::Accepted;
+        for (index, stale, taken) in outcomes {
+            let shard = &mut self.shards[index as usize];
+            shard.seq += 1;
+            if let Some(current) = stale {
+                tracing::debug!(index, current, "stale sync push");
+                shard.next_step = None;
+                result = PushResult::Stale;
+            } else if taken {
+                shard.next_step = Some(shard.pulled_step + 1);
             }
         }
         Ok(result)
@@ -255,28 +339,36 @@ impl PserverClient {
     pub async fn push_pull(&mut self, grads: &ParamBuf, weight: f32, params: &mut ParamBuf) -> Result<()> {
         let fingerprint = self.inner.placement.fingerprint();
         let all: Vec<u32> = (0..self.inner.placement.servers()).collect();
-        let calls = all
+        let parts = self.parts(&all);
+        let calls = parts
             .iter()
-            .map(|&index| PsRequest::PushPull {
+            .map(|part| PsRequest::PushPull {
                 fingerprint,
+                blocks: part.blocks,
                 trainer: self.inner.trainer.clone(),
-                seq: self.shards[index as usize].seq,
+                seq: self.shards[part.index as usize].seq,
                 weight,
             })
             .collect();
-        let replies = self.exchange(&all, calls, Some(grads), Some(params)).await?;
-        for (index, reply) in replies {
-            match reply {
-                PsReply::PushedPulled { step, .. } => {
-                    let shard = &mut self.shards[index as usize];
-                    shard.seq += 1;
-                    shard.next_step = None;
-                    self.pulled(index, step);
-                }
-                other => {
-                    return Err(Error::Protocol(format!("shard {index} answered a push-pull with {other:?}")))
-                }
+        let replies = self.exchange(&parts, calls, Some(grads), Some(params)).await?;
+        let mut steps: Vec<(u32, u64)> = Vec::new();
+        for (part, reply) in replies {
+            let PsReply::PushedPulled { step, .. } = reply else {
+                return Err(Error::Protocol(format!(
+                    "shard {} answered a push-pull with {reply:?}",
+                    part.index
+                )));
+            };
+            match steps.last_mut() {
+                Some((index, at)) if *index == part.index => *at = (*at).min(step),
+                _ => steps.push((part.index, step)),
             }
+        }
+        for (index, step) in steps {
+            let shard = &mut self.shards[index as usize];
+            shard.seq += 1;
+            shard.next_step = None;
+            self.pulled(index, step);
         }
         Ok(())
     }
@@ -293,34 +385,38 @@ impl PserverClient {
         shard.incarnation = self.inner.incarnations[index as usize].load(Ordering::SeqCst);
     }
 
+    /// One call without blocks to every shard.
     async fn on_all(&self, make: impl FnMut(u32) -> PsRequest) -> Result<Vec<(u32, PsReply)>> {
-        let all: Vec<u32> = (0..self.inner.placement.servers()).collect();
-        let calls = all.iter().copied().map(make).collect();
-        self.exchange(&all, calls, None, None).await
+        let all: Vec<Part> = (0..self.inner.placement.servers())
+            .map(|index| Part { index, blocks: BlockSpan::new(0, 0) })
+            .collect();
+        let calls = all.iter().map(|part| part.index).map(make).collect();
+        let replies = self.exchange(&all, calls, None, None).await?;
+        Ok(replies.into_iter().map(|(part, reply)| (part.index, reply)).collect())
     }
 
-    /// Call each of `shards` with its request (`requests`, same order) at
-    /// once, each retried on its own. With `grads`, a request's payload is
-    /// the shard's blocks of it, sent from where they are; with `params`, a
-    /// reply's payload is written into the shard's blocks of it as it
-    /// arrives. Replies come back in shard order.
+    /// Make each of `parts`' calls with its request (`requests`, same
+    /// order), all shards at once and up to [`PARTS_IN_FLIGHT`] per shard,
+    /// each call retried on its own. With `grads`, a request's payload is
+    /// the part's blocks of it, sent from where they are; with `params`, a
+    /// reply's payload is written into the part's blocks of it as it
+    /// arrives. Replies come back in the order of `parts`.
     async fn exchange(
         &self,
-        shards: &[u32],
+        parts: &[Part],
         requests: Vec<PsRequest>,
         grads: Option<&ParamBuf>,
         params: Option<&mut ParamBuf>,
-    ) -> Result<Vec<(u32, PsReply)>> {
+    ) -> Result<Vec<(Part, PsReply)>> {
         let placement = &self.inner.placement;
         let mut sinks = match params {
-            Some(params) => ShardSink::split(placement, shards, params)?,
-            None => shards.iter().map(|_| ShardSink::empty()).collect(),
+            Some(params) => ShardSink::split(placement, parts, params)?,
+            None => parts.iter().map(|_| ShardSink::empty()).collect(),
         };
-        let payloads: Vec<Vec<std::borrow::Cow<'_, [u8]>>> = shards
+        let payloads: Vec<Vec<std::borrow::Cow<'_, [u8]>>> = parts
             .iter()
-            .map(|&index| match grads {
-                Some(grads) => placement
-                    .blocks_on(index)
+            .map(|part| match grads {
+                Some(grads) => part_blocks(placement, part)
                     .map(|b| {
                         let param = grads.param(b.id.param as usize);
                         oar_transport::f32s_as_le_bytes(&param[b.offset..b.offset + b.len])
@@ -331,77 +427,134 @@ impl PserverClient {
             .collect();
         let message_bytes: usize = payloads.iter().flatten().map(|p| p.len()).sum::<usize>()
             + sinks.iter().map(|s| s.expected as usize).sum::<usize>();
-        let outcomes = if message_bytes <= SPAWN_CALLS_UP_TO {
-            self.exchange_small(shards, requests, &payloads, &mut sinks).await
+        let mut outcomes = if message_bytes <= SPAWN_CALLS_UP_TO {
+            self.exchange_small(parts, requests, &payloads, &mut sinks).await
         } else {
-            let calls = shards.iter().zip(requests).zip(payloads.iter()).zip(sinks.iter_mut()).map(
-                |(((&index, request), payload), sink)| {
-                    let inner = &self.inner;
-                    async move {
-                        let parts: Vec<&[u8]> = payload.iter().map(|p| p.as_ref()).collect();
-                        let reply = inner.call(index, &request, &parts, sink).await;
-                        (index, reply, sink.is_complete())
+            // Lanes: each runs its calls one after another; a shard's parts
+            // are dealt to `PARTS_IN_FLIGHT` lanes of their own.
+            let mut lanes: Vec<Vec<_>> = Vec::new();
+            let mut lane_of: std::collections::HashMap<(u32, usize), usize> = Default::default();
+            let mut nth_of_shard: std::collections::HashMap<u32, usize> = Default::default();
+            for (at, (((part, request), payload), sink)) in
+                parts.iter().zip(requests).zip(payloads.iter()).zip(sinks.iter_mut()).enumerate()
+            {
+                let nth = nth_of_shard.entry(part.index).or_default();
+                let key = (part.index, *nth % PARTS_IN_FLIGHT);
+                *nth += 1;
+                let lane = *lane_of.entry(key).or_insert_with(|| {
+                    lanes.push(Vec::new());
+                    lanes.len() - 1
+                });
+                lanes[lane].push((at, *part, request, payload, sink));
+            }
+            let lanes = lanes.into_iter().map(|calls| {
+                let inner = &self.inner;
+                async move {
+                    let mut done = Vec::with_capacity(calls.len());
+                    for (at, part, request, payload, sink) in calls {
+                        let pieces: Vec<&[u8]> = payload.iter().map(|p| p.as_ref()).collect();
+                        let reply = inner.call(part.index, &request, &pieces, sink).await;
+                        let failed = reply.is_err();
+                        done.push((at, reply, sink.is_complete()));
+                        if failed {
+                            break; // The exchange fails anyway.
+                        }
                     }
-                },
-            );
-            oar_transport::join_all(calls.collect()).await
+                    done
+                }
+            });
+            oar_transport::join_all(lanes.collect()).await.into_iter().flatten().collect()
         };
-        let mut replies = Vec::with_capacity(shards.len());
-        for (index, reply, complete) in outcomes {
+        outcomes.sort_by_key(|(at, _, _)| *at);
+        let mut replies = Vec::with_capacity(parts.len());
+        for (at, reply, complete) in outcomes {
+            let part = parts[at];
             let reply = reply?;
             let carries_params =
                 matches!(reply, PsReply::Pulled { ready: true, .. } | PsReply::PushedPulled { .. });
             if carries_params && !complete {
-                return Err(Error::Protocol(format!("shard {index} answered without its parameters")));
+                return Err(Error::Protocol(format!("shard {} answered without its parameters", part.index)));
             }
-            replies.push((index, reply));
+            replies.push((part, reply));
+        }
+        if replies.len() != parts.len() {
+            return Err(Error::Protocol(format!("{} of {} calls answered", replies.len(), parts.len())));
         }
         Ok(replies)
     }
 
-    /// [`exchange`](Self::exchange) for small messages: each shard's call
-    /// runs in a task of its own (in parallel on the runtime's threads, which
-    /// beats borrowing when a message is a few KiB), with copies of the
-    /// payload and of the reply, which is then written into the sinks.
+    /// [`exchange`](Self::exchange) for small messages: each call runs in a
+    /// task of its own (in parallel on the runtime's threads, which beats
+    /// borrowing when a message is a few KiB), with copies of the payload
+    /// and of the reply, which is then written into the sinks. Outcomes are
+    /// tagged with the call's position in `parts`.
     async fn exchange_small(
         &self,
-        shards: &[u32],
+        parts: &[Part],
         requests: Vec<PsRequest>,
         payloads: &[Vec<std::borrow::Cow<'_, [u8]>>],
         sinks: &mut [ShardSink<'_>],
-    ) -> Vec<(u32, Result<PsReply>, bool)> {
+    ) -> Vec<(usize, Result<PsReply>, bool)> {
         let mut calls = JoinSet::new();
-        for ((&index, request), payload) in shards.iter().zip(requests).zip(payloads) {
+        for (at, ((part, request), payload)) in parts.iter().zip(requests).zip(payloads).enumerate() {
             let payload: Vec<u8> = payload.concat();
             let inner = self.inner.clone();
+            let index = part.index;
             calls.spawn(async move {
                 let mut reply_payload = Collected::default();
                 let reply = inner.call(index, &request, &[&payload], &mut reply_payload).await;
-                (index, reply, reply_payload.0)
+                (at, reply, reply_payload.0)
             });
         }
-        let mut outcomes = Vec::with_capacity(shards.len());
+        let mut outcomes = Vec::with_capacity(parts.len());
         while let Some(joined) = calls.join_next().await {
-            let (index, reply, bytes) = match joined {
+            let (at, reply, bytes) = match joined {
                 Ok(done) => done,
                 Err(e) => {
                     let failed = Err(Error::Protocol(format!("a shard call panicked: {e}")));
-                    outcomes.push((u32::MAX, failed, false));
+                    outcomes.push((0, failed, false));
                     continue;
                 }
             };
-            let Some(k) = shards.iter().position(|&s| s == index) else { continue };
-            let sink = &mut sinks[k];
+            let Some(sink) = sinks.get_mut(at) else { continue };
             let reply = reply.and_then(|reply| {
                 oar_transport::PayloadSink::start(sink, bytes.len() as u64)?;
                 oar_transport::PayloadSink::write(sink, &bytes);
                 Ok(reply)
             });
-            outcomes.push((index, reply, sink.is_complete()));
+            outcomes.push((at, reply, sink.is_complete()));
         }
-        outcomes.sort_by_key(|(index, _, _)| *index);
         outcomes
     }
+}
+
+/// Each of `shards`' blocks, cut into parts of at most `max_bytes` (a
+/// larger block alone), in shard then block order. Shards without blocks
+/// have no part.
+fn cut_parts(placement: &Placement, shards: &[u32], max_bytes: usize) -> Vec<Part> {
+    let mut parts = Vec::new();
+    for &index in shards {
+        let (mut start, mut end, mut bytes) = (0u32, 0u32, 0usize);
+        for block in placement.blocks_on(index) {
+            let len = block.len * 4;
+            if end > start && bytes + len > max_bytes {
+                parts.push(Part { index, blocks: BlockSpan::new(start, end) });
+                (start, bytes) = (end, 0);
+            }
+            bytes += len;
+            end += 1;
+        }
+        if end > start {
+            parts.push(Part { index, blocks: BlockSpan::new(start, end) });
+        }
+    }
+    parts
+}
+
+/// The blocks of `part`, in order.
+fn part_blocks<'p>(placement: &'p Placement, part: &Part) -> impl Iterator<Item = &'p crate::BlockInfo> {
+    let span = part.blocks.range();
+    placement.blocks_on(part.index).skip(span.start).take(span.len())
 }
 
 /// Messages (both ways, all shards) up to this many bytes go through
@@ -446,13 +599,13 @@ impl<'a> ShardSink<'a> {
         ShardSink { blocks: Vec::new(), expected: 0, received: 0, at: (0, 0), carry: ([0; 4], 0) }
     }
 
-    /// One sink per shard of `shards`, over disjoint parts of `params`.
-    fn split(placement: &Placement, shards: &[u32], params: &'a mut ParamBuf) -> Result<Vec<ShardSink<'a>>> {
-        // (flat offset, len, position of the shard in `shards`), carved in
-        // offset order, then handed to each shard in its block order.
+    /// One sink per part of `parts`, over disjoint pieces of `params`.
+    fn split(placement: &Placement, parts: &[Part], params: &'a mut ParamBuf) -> Result<Vec<ShardSink<'a>>> {
+        // (flat offset, len, position of the part in `parts`), carved in
+        // offset order, then handed to each part in its block order.
         let mut ranges = Vec::new();
-        for (k, &index) in shards.iter().enumerate() {
-            for b in placement.blocks_on(index) {
+        for (k, part) in parts.iter().enumerate() {
+            for b in part_blocks(placement, part) {
                 let offset = params.offset(b.id.param as usize).ok_or_else(|| {
                     Error::Protocol(format!("block {:?} names a parameter the model does not have", b.id))
                 })?;
@@ -474,7 +627,7 @@ impl<'a> ShardSink<'a> {
             rest = after;
             base = start + len;
         }
-        let mut sinks: Vec<ShardSink<'a>> = shards.iter().map(|_| ShardSink::empty()).collect();
+        let mut sinks: Vec<ShardSink<'a>> = parts.iter().map(|_| ShardSink::empty()).collect();
         for ((_, len, k), block) in ranges.into_iter().zip(carved) {
             let sink = &mut sinks[k];
             sink.expected += len as u64 * 4;
@@ -609,14 +762,16 @@ mod tests {
     use proptest::prelude::*;
 
     proptest! {
-        /// Whatever the model's layout and however the reply's bytes are cut
-        /// into writes, each shard's sink puts every value in its place.
+        /// Whatever the model's layout, however the shards are cut into parts
+        /// and however the reply's bytes are cut into writes, each part's
+        /// sink puts every value in its place.
         #[test]
         fn shard_sinks_put_every_value_in_place(
             lens in prop::collection::vec(1usize..40, 1..5),
             servers in 1u32..4,
             block_size in 1usize..17,
             cuts in prop::collection::vec(0usize..200, 0..12),
+            max_part_bytes in 1usize..100,
         ) {
             let specs: Vec<ParamSpec> =
                 lens.iter().enumerate().map(|(i, &n)| ParamSpec::new(format!("p{i}"), vec![n], Init::Zeros)).collect();
@@ -625,11 +780,21 @@ mod tests {
             want.as_mut_slice().iter_mut().enumerate().for_each(|(i, x)| *x = i as f32 + 0.5);
             let mut got = ParamBuf::zeros(&specs);
             let shards: Vec<u32> = (0..servers).rev().collect();
-            let mut sinks = ShardSink::split(&placement, &shards, &mut got).unwrap();
-            for (sink, &index) in sinks.iter_mut().zip(&shards) {
-                // What shard `index` sends: its blocks of `want`, in order.
+            let parts = cut_parts(&placement, &shards, max_part_bytes);
+            for part in &parts {
+                let bytes: usize = part_blocks(&placement, part).map(|b| b.len * 4).sum();
+                prop_assert!(bytes <= max_part_bytes || part.blocks.range().len() == 1, "{part:?} too large");
+            }
+            let cover: Vec<(u32, usize)> =
+                parts.iter().flat_map(|p| p.blocks.range().map(move |b| (p.index, b))).collect();
+            let all: Vec<(u32, usize)> =
+                shards.iter().flat_map(|&s| (0..placement.blocks_on(s).count()).map(move |b| (s, b))).collect();
+            prop_assert_eq!(cover, all, "the parts cover every block once, in order");
+            let mut sinks = ShardSink::split(&placement, &parts, &mut got).unwrap();
+            for (sink, part) in sinks.iter_mut().zip(&parts) {
+                // What the part's reply carries: its blocks of `want`, in order.
                 let mut bytes = Vec::new();
-                for b in placement.blocks_on(index) {
+                for b in part_blocks(&placement, part) {
                     let param = want.param(b.id.param as usize);
                     bytes.extend_from_slice(&f32s_as_le(&param[b.offset..b.offset + b.len]));
                 }

@@ -122,19 +122,20 @@ pub enum Error {
         /// The repeated block.
         block: BlockId,
     },
-    /// A push lacks a block this server holds.
-    #[error("push from trainer {trainer:?}: block {block} of server {server} is missing (push has {got} blocks, the server holds {expected})")]
-    MissingBlock {
+    /// A push (or part) carries no gradient at all.
+    #[error("push from trainer {trainer:?} carries no blocks")]
+    EmptyPush {
         /// The pushing trainer.
         trainer: String,
-        /// The first missing block.
-        block: BlockId,
-        /// This server's index.
-        server: u32,
-        /// Number of blocks the server holds.
-        expected: usize,
-        /// Number of blocks in the push.
-        got: usize,
+    },
+    /// A part of a push repeats some blocks already taken under its seq
+    /// and brings others: not a retry, and not a part of the same push.
+    #[error("push from trainer {trainer:?} (seq {seq}) repeats some of the blocks already taken under that seq, but not all")]
+    PartOverlap {
+        /// The pushing trainer.
+        trainer: String,
+        /// The push's sequence number.
+        seq: u64,
     },
     /// A gradient's length does not match its block.
     #[error(
@@ -202,6 +203,23 @@ pub enum Error {
         seq: u64,
         /// Sequence number of the buffered push.
         buffered_seq: u64,
+    },
+    /// Sync mode: a trainer that is not a member pushed while the step is
+    /// underway (some blocks already updated without it). It is a member
+    /// from the next step; pull that step and push for it.
+    #[error("push from trainer {trainer:?} for step {step}: the step is underway without it (some blocks are updated); join, pull step {next} and push for it", next = step + 1)]
+    StepUnderway {
+        /// The pushing trainer.
+        trainer: String,
+        /// The step underway.
+        step: u64,
+    },
+    /// A checkpoint of a sync store while its step is underway (some
+    /// blocks updated, not all) would mix two steps; it waits for the step.
+    #[error("cannot checkpoint now: step {step} is underway (some blocks updated, not all)")]
+    CheckpointStepUnderway {
+        /// The step underway.
+        step: u64,
     },
     /// A restored block or optimizer state has the wrong length.
     #[error("restore of block {block}: {what} has {got} values, expected {expected}")]

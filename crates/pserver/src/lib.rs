@@ -25,6 +25,13 @@
 //!   and moves to step n+1. A trainer that dies [`leave`](ParamStore::leave)s
 //!   the barrier instead of hanging it.
 //!
+//! A large shard's push and pull travel in parts of bounded size (a run of
+//! its blocks each, [`protocol::BlockSpan`]), and the store takes a push
+//! part by part: async applies each part on arrival; sync keeps its barrier
+//! block by block, updating a block as soon as every member has pushed it.
+//! So a pserver never holds a message the size of its shard: its peak
+//! memory stays within a few parts of its parameters and optimizer state.
+//!
 //! Every push carries `(trainer, seq)`; a retried push is acknowledged as a
 //! [`PushOutcome::Duplicate`] and applied once. A bad push (wrong block,
 //! wrong length, NaN, bad weight, wrong step) is rejected with an [`Error`]

@@ -5,7 +5,7 @@
 
 use crate::{
     checkpoint::{CheckpointDir, CheckpointInfo},
-    protocol::{PsReply, PsRequest, PSERVER_METHOD},
+    protocol::{BlockSpan, PsReply, PsRequest, PSERVER_METHOD},
     Error, Grad, Mode, OptimizerConfig, ParamSpec, ParamStore, Placement, Push, Result,
 };
 use async_trait::async_trait;
@@ -362,15 +362,27 @@ impl Drop for Pserver {
     }
 }
 
+/// How long a checkpoint waits for a sync step that is underway to complete.
+const CHECKPOINT_STEP_WAIT: Duration = Duration::from_secs(30);
+
 /// Save the store under its lock, off the async threads. Pushes and pulls
 /// wait while a checkpoint is written (about 0.4 s per 10M floats with Adam
-/// here); the checkpoint is then exactly one step's state.
+/// here); the checkpoint is then exactly one step's state. A sync step
+/// that is underway (a push in parts being applied part by part) is waited
+/// for, up to [`CHECKPOINT_STEP_WAIT`].
 async fn save_checkpoint(dir: CheckpointDir, keep: usize, shared: Arc<Shared>) -> Result<CheckpointInfo> {
     let started = std::time::Instant::now();
     let info = tokio::task::spawn_blocking(move || {
         let store = shared.store.get().ok_or_else(|| Error::Config("pserver is not started".into()))?;
-        let store = store.lock().unwrap_or_else(PoisonError::into_inner);
-        dir.save(&store, keep)
+        loop {
+            let saved = dir.save(&store.lock().unwrap_or_else(PoisonError::into_inner), keep);
+            match saved {
+                Err(Error::CheckpointStepUnderway { .. }) if started.elapsed() < CHECKPOINT_STEP_WAIT => {
+                    std::thread::sleep(Duration::from_millis(2));
+                }
+                saved => return saved,
+            }
+        }
     })
     .await
     .map_err(|e| Error::Protocol(format!("checkpoint task failed: {e}")))??;
@@ -509,27 +521,45 @@ impl PsHandler {
         Ok(())
     }
 
-    /// Apply a push. Its gradients are views into the received `payload`,
-    /// not copies: a push costs its message, not its message twice.
+    /// The blocks of `span` among this server's blocks, or an error naming
+    /// the span and how many blocks the server holds.
+    fn span(&self, server: u32, span: BlockSpan) -> std::result::Result<Vec<&crate::BlockInfo>, RemoteError> {
+        let held: Vec<&crate::BlockInfo> = self.shared.placement.blocks_on(server).collect();
+        if span.start >= span.end || span.end as usize > held.len() {
+            return Err(RemoteError::bad_request(format!(
+                "block span {}..{} is empty or out of range: server {server} holds {} blocks",
+                span.start,
+                span.end,
+                held.len()
+            )));
+        }
+        Ok(held[span.range()].to_vec())
+    }
+
+    /// Apply a push (or a part of one). Its gradients are views into the
+    /// received `payload`, not copies: a push costs its message, not its
+    /// message twice.
     fn push(&self, request: PsRequest, payload: &Bytes) -> std::result::Result<PsReply, RemoteError> {
-        let PsRequest::Push { fingerprint, trainer, seq, step, weight } = request else {
+        let PsRequest::Push { fingerprint, blocks, trainer, seq, step, weight } = request else {
             return Err(RemoteError::internal("not a push"));
         };
         self.check_fingerprint(fingerprint)?;
         let mut store = self.shared.store()?;
-        let server = store.server();
-        let expected: usize = self.shared.placement.blocks_on(server).map(|b| b.len).sum();
+        let span = self.span(store.server(), blocks)?;
+        let expected: usize = span.iter().map(|b| b.len).sum();
         if payload.len() != expected * 4 {
             return Err(RemoteError::bad_request(format!(
-                "push from {trainer}: payload has {} bytes, this server's blocks need {} ({} floats)",
+                "push from {trainer}: payload has {} bytes, blocks {}..{} need {} ({} floats)",
                 payload.len(),
+                blocks.start,
+                blocks.end,
                 expected * 4,
                 expected
             )));
         }
-        let mut grads = Vec::new();
+        let mut grads = Vec::with_capacity(span.len());
         let mut at = 0;
-        for block in self.shared.placement.blocks_on(server) {
+        for block in span {
             grads.push((block.id, Grad::Wire(payload.slice(at..at + block.len * 4))));
             at += block.len * 4;
         }
@@ -550,20 +580,22 @@ impl PsHandler {
                 Ok(PsReply::Pushed(outcome))
             }
             // A step this shard left, or one it never reached because it
-            // restarted from a checkpoint: either way, pull and compute again.
+            // restarted from a checkpoint, or one underway without this
+            // trainer: either way, join, pull and compute again.
             Err(Error::StaleStep { current, .. } | Error::FutureStep { current, .. }) => {
                 Ok(PsReply::Stale { current })
             }
+            Err(Error::StepUnderway { step, .. }) => Ok(PsReply::Stale { current: step }),
             Err(e) => Err(RemoteError::bad_request(e)),
         }
     }
 
-    /// This server's parameters, its blocks concatenated, as a pull sends them.
-    fn params(&self, store: &ParamStore) -> std::result::Result<Bytes, RemoteError> {
-        let server = store.server();
-        let total: usize = self.shared.placement.blocks_on(server).map(|b| b.len).sum();
+    /// The parameters of `span`'s blocks, concatenated, as a pull sends them.
+    fn params(&self, store: &ParamStore, span: BlockSpan) -> std::result::Result<Bytes, RemoteError> {
+        let blocks = self.span(store.server(), span)?;
+        let total: usize = blocks.iter().map(|b| b.len).sum();
         let mut payload = BytesMut::with_capacity(total * 4);
-        for block in self.shared.placement.blocks_on(server) {
+        for block in blocks {
             let values = store.block(block.id).map_err(RemoteError::internal)?;
             oar_transport::put_f32s(&mut payload, values);
         }
@@ -575,7 +607,7 @@ impl PsHandler {
 
     /// Async mode: apply a push and answer with the parameters after it.
     fn push_pull(&self, request: PsRequest, payload: &Bytes) -> std::result::Result<Frame, RemoteError> {
-        let PsRequest::PushPull { fingerprint, trainer, seq, weight } = request else {
+        let PsRequest::PushPull { fingerprint, blocks, trainer, seq, weight } = request else {
             return Err(RemoteError::internal("not a push-pull"));
         };
         if self.shared.store()?.mode() != Mode::Async {
@@ -583,13 +615,14 @@ impl PsHandler {
                 "push-pull from {trainer}: only async pservers take it (a sync push waits for its step)"
             )));
         }
-        let outcome =
-            match self.push(PsRequest::Push { fingerprint, trainer, seq, step: 0, weight }, payload)? {
-                PsReply::Pushed(outcome) => outcome,
-                other => return Err(RemoteError::internal(format!("an async push answered {other:?}"))),
-            };
+        let outcome = match self
+            .push(PsRequest::Push { fingerprint, blocks, trainer, seq, step: 0, weight }, payload)?
+        {
+            PsReply::Pushed(outcome) => outcome,
+            other => return Err(RemoteError::internal(format!("an async push answered {other:?}"))),
+        };
         let store = self.shared.store()?;
-        let params = self.params(&store)?;
+        let params = self.params(&store, blocks)?;
         let reply = PsReply::PushedPulled { outcome, step: store.step() };
         Frame::new(PSERVER_METHOD, &reply, params).map_err(RemoteError::internal)
     }
@@ -597,10 +630,12 @@ impl PsHandler {
     async fn pull(
         &self,
         fingerprint: u64,
+        blocks: BlockSpan,
         min_step: Option<u64>,
         max_wait: Duration,
     ) -> std::result::Result<Frame, RemoteError> {
         self.check_fingerprint(fingerprint)?;
+        self.span(self.shared.store()?.server(), blocks)?;
         let started = tokio::time::Instant::now();
         let deadline = started + max_wait;
         loop {
@@ -609,7 +644,7 @@ impl PsHandler {
             {
                 let store = self.shared.store()?;
                 if min_step.is_none_or(|m| store.step() >= m) {
-                    let payload = self.params(&store)?;
+                    let payload = self.params(&store, blocks)?;
                     let reply = PsReply::Pulled { step: store.step(), ready: true };
                     if min_step.is_some() {
                         metrics().barrier_wait.observe(started.elapsed().as_secs_f64());
@@ -645,10 +680,7 @@ impl Handler for PsHandler {
                     mode: store.mode(),
                 }
             }
-            PsRequest::Join { trainer } => {
-                self.shared.store()?.join(&trainer);
-                PsReply::Ok
-            }
+            PsRequest::Join { trainer } => PsReply::Joined { step: self.shared.store()?.join(&trainer) },
             PsRequest::Leave { trainer } => {
                 self.shared.store()?.leave(&trainer);
                 self.shared.stepped.notify_waiters();
@@ -656,9 +688,9 @@ impl Handler for PsHandler {
             }
             push @ PsRequest::Push { .. } => self.push(push, &request.payload)?,
             push_pull @ PsRequest::PushPull { .. } => return self.push_pull(push_pull, &request.payload),
-            PsRequest::Pull { fingerprint, min_step, max_wait_ms } => {
+            PsRequest::Pull { fingerprint, blocks, min_step, max_wait_ms } => {
                 let wait = Duration::from_millis(max_wait_ms).min(MAX_PULL_WAIT);
-                return self.pull(fingerprint, min_step, wait).await;
+                return self.pull(fingerprint, blocks, min_step, wait).await;
             }
         };
         Frame::new(PSERVER_METHOD, &reply, Bytes::new()).map_err(RemoteError::internal)

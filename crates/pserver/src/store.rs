@@ -89,13 +89,19 @@ impl Grad {
     }
 }
 
-/// One trainer's gradients for all the blocks a server holds.
+/// One trainer's gradients for some or all of the blocks a server holds.
+///
+/// A large gradient may come in parts (the client cuts a shard's blocks
+/// into messages of bounded size, so neither side holds the whole of it
+/// at once): each part is a `Push` with the same `seq` and its own blocks.
+/// The push is whole once every held block has come under that `seq`.
 #[derive(Clone, Debug, PartialEq)]
 pub struct Push {
     /// Trainer id; also the order in which sync gradients are summed.
     pub trainer: String,
     /// Strictly increasing per trainer over the trainer's whole life; a push
-    /// with `seq <=` the last accepted one is a retry and is not applied again.
+    /// with `seq <` the last accepted one, or a part of the last one whose
+    /// blocks were all taken already, is a retry and is not applied again.
     /// A restarted trainer must use a new id or continue above its old seqs.
     pub seq: u64,
     /// Sync: the step the gradient was computed at (must equal the store's
@@ -105,23 +111,26 @@ pub struct Push {
     /// mini-batch size. Async: validated but not used (the gradient is
     /// applied as is).
     pub weight: f32,
-    /// One gradient per held block, in any order.
+    /// One gradient per block of this part (at least one), in any order.
     pub grads: Vec<(BlockId, Grad)>,
 }
 
 /// What a push did.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub enum PushOutcome {
-    /// An update was applied; `step` is the store's step after it.
+    /// Taken and applied. Async: `step` counts the whole pushes applied so
+    /// far (a part that completes its push counts it). Sync: the part
+    /// completed the step; `step` is the new one.
     Applied {
-        /// The new step.
+        /// The store's step after it.
         step: u64,
     },
-    /// Sync: buffered for `step`, waiting for `waiting_for` more members.
+    /// Sync: taken for `step`, which still waits for `waiting_for` members.
+    /// (Blocks every member has pushed are already updated.)
     Buffered {
         /// The step being gathered.
         step: u64,
-        /// Members that have not pushed for it yet.
+        /// Members that have not pushed every block of it yet.
         waiting_for: usize,
     },
     /// A retry of a push already accepted: nothing changed.
@@ -136,27 +145,29 @@ struct Held {
     state: OptimizerState,
 }
 
-/// A gradient buffered for the current sync step.
-#[derive(Debug)]
-struct Pending {
-    seq: u64,
-    weight: f32,
-    /// In held-block order.
-    grads: Vec<Grad>,
-}
-
 /// The blocks of one shard and the logic that updates them.
 ///
 /// In [`Mode::Sync`] the store keeps a membership (trainers that must push for
 /// a step before it is applied). A trainer becomes a member by [`join`](Self::join)
 /// or by pushing, and stops by [`leave`](Self::leave) (the shell calls it when
-/// the trainer's lease is gone). For each step the store buffers one push per
-/// trainer; when every member has pushed, the gradients are combined as
-/// `sum_k w_k g_k / sum_k w_k`, summed in trainer-id (byte string) order so the
-/// result does not depend on arrival order, and applied once.
+/// the trainer's lease is gone). The barrier is kept block by block: once
+/// every member has pushed a block for the step, that block's gradients are
+/// combined as `sum_k w_k g_k / sum_k w_k`, summed in trainer-id (byte
+/// string) order so the result does not depend on arrival order, applied
+/// once, and dropped. The step is complete when every block is updated.
+/// So a push that comes in parts is applied part by part, and the store
+/// holds only the parts some member is still missing, never a whole push
+/// per trainer.
 ///
-/// In [`Mode::Async`] every push is applied on arrival; membership is kept
-/// only for information.
+/// While a step is underway (some blocks updated, not all) its membership
+/// is fixed: a trainer that joins then is a member from the next step on,
+/// and its push for the current step is refused ([`Error::StepUnderway`]),
+/// so every block of a step combines the same trainers. A member that
+/// leaves mid-step keeps the parts it pushed; the blocks it did not push
+/// combine the others'.
+///
+/// In [`Mode::Async`] every push (or part) is applied on arrival; membership
+/// is kept only for information.
 pub struct ParamStore {
     server: u32,
     mode: Mode,
@@ -166,10 +177,23 @@ pub struct ParamStore {
     held: Vec<Held>,
     step: u64,
     members: BTreeSet<String>,
-    /// Sync: pushes for the current step, by trainer id (sorted).
-    buffer: BTreeMap<String, Pending>,
+    /// Sync: trainers that joined while the step was underway; members from the next one.
+    joining: BTreeSet<String>,
+    /// Sync: per held block, the gradients (weight, values) for the current
+    /// step by trainer (sorted), until the block is updated.
+    pending: Vec<BTreeMap<String, (f32, Grad)>>,
+    /// Sync: per held block, whether it is updated for the current step.
+    updated: Vec<bool>,
+    /// Sync: how many blocks are updated for the current step.
+    updated_count: usize,
+    /// Sync: the seq of each trainer's push for the current step.
+    step_seqs: HashMap<String, u64>,
     /// Last accepted seq per trainer.
     last_seq: HashMap<String, u64>,
+    /// The blocks taken so far of a trainer's last push, while some are missing.
+    partial: HashMap<String, Vec<bool>>,
+    /// One block's combined gradient (sync), kept between steps.
+    scratch: Vec<f32>,
 }
 
 impl std::fmt::Debug for ParamStore {
@@ -181,7 +205,8 @@ impl std::fmt::Debug for ParamStore {
             .field("blocks", &self.held.len())
             .field("step", &self.step)
             .field("members", &self.members)
-            .field("buffered", &self.buffer.keys().collect::<Vec<_>>())
+            .field("joining", &self.joining)
+            .field("updated_blocks", &self.updated_count)
             .finish()
     }
 }
@@ -200,7 +225,7 @@ impl ParamStore {
             return Err(Error::ServerOutOfRange { server, servers: placement.servers() });
         }
         let specs = placement.specs();
-        let held = placement
+        let held: Vec<Held> = placement
             .blocks_on(server)
             .map(|b| {
                 let mut params = vec![0.0; b.len];
@@ -211,6 +236,7 @@ impl ParamStore {
                 Held { id: b.id, params, state: optimizer.new_state(b.len) }
             })
             .collect();
+        let blocks = held.len();
         Ok(Self {
             server,
             mode,
@@ -219,8 +245,14 @@ impl ParamStore {
             held,
             step: 0,
             members: BTreeSet::new(),
-            buffer: BTreeMap::new(),
+            joining: BTreeSet::new(),
+            pending: (0..blocks).map(|_| BTreeMap::new()).collect(),
+            updated: vec![false; blocks],
+            updated_count: 0,
+            step_seqs: HashMap::new(),
             last_seq: HashMap::new(),
+            partial: HashMap::new(),
+            scratch: Vec::new(),
         })
     }
 
@@ -244,64 +276,95 @@ impl ParamStore {
         self.optimizer.as_ref()
     }
 
-    /// Number of updates applied (sync: completed barriers; async: pushes applied).
+    /// Number of updates applied (sync: completed steps; async: whole pushes applied).
     pub fn step(&self) -> u64 {
         self.step
     }
 
-    /// Make `trainer` a member from the current step on: the current step's
-    /// barrier now waits for it too. No-op if already a member.
-    pub fn join(&mut self, trainer: &str) {
-        if !self.members.contains(trainer) {
-            self.members.insert(trainer.to_string());
-        }
+    /// Sync: some blocks are updated for the current step and some are not,
+    /// so the parameters mix two steps. A checkpoint waits for this to end
+    /// (a restart from a mixed state would apply those blocks' step twice).
+    pub fn step_underway(&self) -> bool {
+        self.updated_count > 0
     }
 
-    /// Drop `trainer`'s membership. A gradient it already pushed for the
-    /// current step stays in the barrier. Sync: if the barrier is now
-    /// complete (every remaining member pushed, or no member left and something
-    /// is buffered), it is applied and the new step returned.
+    /// Make `trainer` a member, from the current step on or, if that step
+    /// is underway, from the next one (sync). Returns the first step it
+    /// counts in. No-op for a member.
+    pub fn join(&mut self, trainer: &str) -> u64 {
+        if self.members.contains(trainer) {
+            return self.step;
+        }
+        if self.mode == Mode::Sync && self.step_underway() {
+            self.joining.insert(trainer.to_string());
+            return self.step + 1;
+        }
+        self.members.insert(trainer.to_string());
+        self.step
+    }
+
+    /// Drop `trainer`'s membership. The gradients it already pushed for the
+    /// current step stay in the barrier. Sync: blocks every remaining member
+    /// has pushed are updated now, and if that completes the step (every
+    /// block updated, or no member left and something was pushed) the new
+    /// step is returned.
     pub fn leave(&mut self, trainer: &str) -> Option<u64> {
         self.members.remove(trainer);
-        if self.mode == Mode::Sync && self.barrier_complete() {
-            self.apply_barrier();
+        self.joining.remove(trainer);
+        if self.mode == Mode::Sync && self.settle(0..self.held.len()) {
             Some(self.step)
         } else {
             None
         }
     }
 
-    /// Current members, sorted.
+    /// Current members, sorted (not those joining from the next step).
     pub fn members(&self) -> Vec<String> {
         self.members.iter().cloned().collect()
     }
 
-    /// Sync: members that have not pushed for the current step, sorted.
+    /// Sync: members that have not pushed every block of the current step, sorted.
     pub fn waiting_for(&self) -> Vec<String> {
-        self.members.iter().filter(|m| !self.buffer.contains_key(*m)).cloned().collect()
+        self.members.iter().filter(|m| self.is_missing(m)).cloned().collect()
     }
 
-    /// Take one push. Order of checks: duplicate (`seq <=` last accepted:
+    /// Take one push (or part of one). Order of checks: duplicate (`seq <`
+    /// last accepted, or the last one's blocks all taken:
     /// [`PushOutcome::Duplicate`], even for a stale step, so a retried push
     /// whose answer was lost is still acknowledged); then the weight and the
-    /// gradients (exactly this server's blocks, each once, right length, all
-    /// finite); then, in sync mode, the step and a second push for the same
-    /// step. Any error leaves the store unchanged.
+    /// gradients (blocks of this server, at least one, each once, right
+    /// length, all finite, none already taken under this seq); then, in sync
+    /// mode, the step, a second push for the same step, and a newcomer
+    /// while the step is underway. Any error leaves the store unchanged.
     pub fn push(&mut self, push: Push) -> Result<PushOutcome> {
         let Push { trainer, seq, step, weight, grads } = push;
-        if self.last_seq.get(&trainer).is_some_and(|&last| seq <= last) {
+        let last = self.last_seq.get(&trainer).copied();
+        let continues = last == Some(seq);
+        if last.is_some_and(|last| seq < last) || (continues && !self.partial.contains_key(&trainer)) {
             return Ok(PushOutcome::Duplicate);
         }
         let grads = self.check_grads(&trainer, weight, grads)?;
+        if continues {
+            let taken = &self.partial[&trainer];
+            let again = grads.iter().filter(|(i, _)| taken[*i]).count();
+            if again == grads.len() {
+                return Ok(PushOutcome::Duplicate);
+            }
+            if again > 0 {
+                return Err(Error::PartOverlap { trainer, seq });
+            }
+        }
         match self.mode {
             Mode::Async => {
                 let mut scratch = Vec::new();
-                for (h, g) in self.held.iter_mut().zip(&grads) {
+                for (i, g) in &grads {
+                    let h = &mut self.held[*i];
                     self.optimizer.apply(&mut h.params, g.floats(&mut scratch), &mut h.state);
                 }
-                self.step += 1;
                 self.join(&trainer);
-                self.last_seq.insert(trainer, seq);
+                if self.take(&trainer, seq, grads.iter().map(|(i, _)| *i)) {
+                    self.step += 1;
+                }
                 Ok(PushOutcome::Applied { step: self.step })
             }
             Mode::Sync => {
@@ -311,14 +374,21 @@ impl ParamStore {
                 if step > self.step {
                     return Err(Error::FutureStep { trainer, got: step, current: self.step });
                 }
-                if let Some(p) = self.buffer.get(&trainer) {
-                    return Err(Error::AlreadyBuffered { step, seq, buffered_seq: p.seq, trainer });
+                if let Some(&buffered_seq) = self.step_seqs.get(&trainer).filter(|&&s| s != seq) {
+                    return Err(Error::AlreadyBuffered { step, seq, buffered_seq, trainer });
+                }
+                let newcomer = !self.members.contains(&trainer);
+                if (newcomer && self.step_underway()) || grads.iter().any(|(i, _)| self.updated[*i]) {
+                    return Err(Error::StepUnderway { trainer, step });
                 }
                 self.join(&trainer);
-                self.last_seq.insert(trainer.clone(), seq);
-                self.buffer.insert(trainer, Pending { seq, weight, grads });
-                if self.barrier_complete() {
-                    self.apply_barrier();
+                self.step_seqs.insert(trainer.clone(), seq);
+                self.take(&trainer, seq, grads.iter().map(|(i, _)| *i));
+                let blocks: Vec<usize> = grads.iter().map(|(i, _)| *i).collect();
+                for (i, g) in grads {
+                    self.pending[i].insert(trainer.clone(), (weight, g));
+                }
+                if self.settle(blocks) {
                     Ok(PushOutcome::Applied { step: self.step })
                 } else {
                     Ok(PushOutcome::Buffered { step: self.step, waiting_for: self.waiting_for_count() })
@@ -367,11 +437,15 @@ impl ParamStore {
         Ok(())
     }
 
-    /// Set the step (from a checkpoint). Drops gradients buffered for the
-    /// old step, since they were computed against other parameters.
+    /// Set the step (from a checkpoint). Drops what was gathered for the
+    /// old step, since it was computed against other parameters.
     pub fn set_step(&mut self, step: u64) {
         self.step = step;
-        self.buffer.clear();
+        self.pending.iter_mut().for_each(BTreeMap::clear);
+        self.updated.iter_mut().for_each(|u| *u = false);
+        self.updated_count = 0;
+        self.step_seqs.clear();
+        self.members.append(&mut self.joining);
     }
 
     /// The last accepted seq of every trainer seen (for checkpoints, so
@@ -381,105 +455,152 @@ impl ParamStore {
     }
 
     /// Restore a trainer's last accepted seq (from a checkpoint). Keeps the
-    /// larger of the current and given values.
+    /// larger of the current and given values. A restored seq counts as
+    /// whole: parts of it that had not arrived are dropped as retries (at
+    /// most once).
     pub fn restore_last_seq(&mut self, trainer: &str, seq: u64) {
         let e = self.last_seq.entry(trainer.to_string()).or_insert(seq);
-        *e = (*e).max(seq);
+        if seq >= *e {
+            *e = seq;
+            self.partial.remove(trainer);
+        }
     }
 
     fn index(&self, id: BlockId) -> Option<usize> {
         self.held.binary_search_by_key(&id, |h| h.id).ok()
     }
 
-    /// Validate a push's weight and gradients; on success return the
-    /// gradients in held-block order.
-    fn check_grads(&self, trainer: &str, weight: f32, mut grads: Vec<(BlockId, Grad)>) -> Result<Vec<Grad>> {
+    /// Validate a push's weight and gradients; on success return them with
+    /// their held-block indexes, in held-block order.
+    fn check_grads(
+        &self,
+        trainer: &str,
+        weight: f32,
+        grads: Vec<(BlockId, Grad)>,
+    ) -> Result<Vec<(usize, Grad)>> {
         if !(weight.is_finite() && weight > 0.0) {
             return Err(Error::BadWeight { trainer: trainer.to_string(), weight });
         }
-        grads.sort_unstable_by_key(|(id, _)| *id);
-        let mut prev: Option<BlockId> = None;
-        for (id, g) in &grads {
-            let Some(i) = self.index(*id) else {
+        // A shard without blocks (more shards than blocks) takes empty pushes.
+        if grads.is_empty() && !self.held.is_empty() {
+            return Err(Error::EmptyPush { trainer: trainer.to_string() });
+        }
+        let mut indexed = Vec::with_capacity(grads.len());
+        for (id, g) in grads {
+            let Some(i) = self.index(id) else {
                 return Err(Error::PushBlockNotHeld {
                     trainer: trainer.to_string(),
-                    block: *id,
+                    block: id,
                     server: self.server,
                 });
             };
-            if prev == Some(*id) {
-                return Err(Error::DuplicateBlock { trainer: trainer.to_string(), block: *id });
-            }
-            prev = Some(*id);
             let expected = self.held[i].params.len();
             if g.len() != expected || !g.whole() {
                 return Err(Error::GradLength {
                     trainer: trainer.to_string(),
-                    block: *id,
+                    block: id,
                     expected,
                     got: g.len(),
                 });
             }
             if let Some((index, value)) = g.first_non_finite() {
-                return Err(Error::NonFiniteGrad { trainer: trainer.to_string(), block: *id, index, value });
+                return Err(Error::NonFiniteGrad { trainer: trainer.to_string(), block: id, index, value });
             }
+            indexed.push((i, g));
         }
-        // Every pushed block is held and distinct, so equal counts mean the
-        // sorted push lines up with `held`.
-        if grads.len() != self.held.len() {
-            let missing = self
-                .held
-                .iter()
-                .map(|h| h.id)
-                .find(|id| grads.binary_search_by_key(id, |(g, _)| *g).is_err());
-            if let Some(block) = missing {
-                return Err(Error::MissingBlock {
-                    trainer: trainer.to_string(),
-                    block,
-                    server: self.server,
-                    expected: self.held.len(),
-                    got: grads.len(),
-                });
-            }
+        indexed.sort_unstable_by_key(|(i, _)| *i);
+        if let Some(w) = indexed.windows(2).find(|w| w[0].0 == w[1].0) {
+            return Err(Error::DuplicateBlock { trainer: trainer.to_string(), block: self.held[w[0].0].id });
         }
-        Ok(grads.into_iter().map(|(_, g)| g).collect())
+        Ok(indexed)
+    }
+
+    /// Record `blocks` of `trainer`'s push `seq` as taken; true when that
+    /// makes the push whole.
+    fn take(&mut self, trainer: &str, seq: u64, blocks: impl ExactSizeIterator<Item = usize>) -> bool {
+        let fresh = self.last_seq.insert(trainer.to_string(), seq) != Some(seq);
+        if fresh && blocks.len() == self.held.len() {
+            self.partial.remove(trainer);
+            return true;
+        }
+        let n = self.held.len();
+        let taken = self.partial.entry(trainer.to_string()).or_default();
+        if fresh {
+            taken.clear();
+            taken.resize(n, false);
+        }
+        blocks.for_each(|i| taken[i] = true);
+        let whole = taken.iter().all(|&t| t);
+        if whole {
+            self.partial.remove(trainer);
+        }
+        whole
+    }
+
+    /// Whether member `m` has not pushed some block not yet updated (for a
+    /// shard without blocks: has not pushed for the step).
+    fn is_missing(&self, m: &str) -> bool {
+        if self.held.is_empty() {
+            return !self.step_seqs.contains_key(m);
+        }
+        (0..self.held.len()).any(|i| !self.updated[i] && !self.pending[i].contains_key(m))
     }
 
     fn waiting_for_count(&self) -> usize {
-        self.members.iter().filter(|m| !self.buffer.contains_key(*m)).count()
+        self.members.iter().filter(|m| self.is_missing(m)).count()
     }
 
-    /// Something is buffered and every member has pushed.
-    fn barrier_complete(&self) -> bool {
-        !self.buffer.is_empty() && self.members.iter().all(|m| self.buffer.contains_key(m))
-    }
-
-    /// Combine the buffered gradients (weighted mean, summed in trainer-id
-    /// order), apply them once, clear the buffer and advance the step.
-    fn apply_barrier(&mut self) {
-        let pending: Vec<Pending> = std::mem::take(&mut self.buffer).into_values().collect();
-        let Some((first, rest)) = pending.split_first() else {
-            return;
-        };
-        let total = rest.iter().fold(first.weight, |t, p| t + p.weight);
-        // Block by block, so the only memory beyond the buffered pushes is
-        // one block's sum (wire gradients are read in place).
-        let (mut acc, mut scratch) = (Vec::new(), Vec::new());
-        for (b, h) in self.held.iter_mut().enumerate() {
-            acc.clear();
-            acc.extend_from_slice(first.grads[b].floats(&mut scratch));
-            if first.weight != 1.0 {
-                scale(&mut acc, first.weight);
+    /// Sync: update each of `blocks` that every member has pushed; then, if
+    /// every block is updated, or no member is left and some block was,
+    /// complete the step. True when the step completed.
+    fn settle(&mut self, blocks: impl IntoIterator<Item = usize>) -> bool {
+        for i in blocks {
+            let ready = !self.updated[i]
+                && !self.pending[i].is_empty()
+                && self.members.iter().all(|m| self.pending[i].contains_key(m));
+            if ready {
+                self.update_block(i);
             }
-            for p in rest {
-                axpy(&mut acc, p.weight, p.grads[b].floats(&mut scratch));
-            }
-            if total != 1.0 {
-                div(&mut acc, total);
-            }
-            self.optimizer.apply(&mut h.params, &acc, &mut h.state);
         }
-        self.step += 1;
+        let complete = if self.held.is_empty() {
+            !self.step_seqs.is_empty() && !self.members.iter().any(|m| self.is_missing(m))
+        } else {
+            self.updated_count > 0 && (self.updated_count == self.held.len() || self.members.is_empty())
+        };
+        if complete {
+            self.step += 1;
+            self.updated.iter_mut().for_each(|u| *u = false);
+            self.updated_count = 0;
+            self.step_seqs.clear();
+            self.members.append(&mut self.joining);
+        }
+        complete
+    }
+
+    /// Combine block `i`'s gradients (weighted mean, summed in trainer-id
+    /// order), apply them once, and drop them.
+    fn update_block(&mut self, i: usize) {
+        let pushed = std::mem::take(&mut self.pending[i]);
+        let mut grads = pushed.values();
+        let Some((first_weight, first)) = grads.next() else { return };
+        let total = pushed.values().fold(0.0, |t, (w, _)| t + w);
+        let mut decoded = Vec::new();
+        let acc = &mut self.scratch;
+        acc.clear();
+        acc.extend_from_slice(first.floats(&mut decoded));
+        if *first_weight != 1.0 {
+            scale(acc, *first_weight);
+        }
+        for (w, g) in grads {
+            axpy(acc, *w, g.floats(&mut decoded));
+        }
+        if total != 1.0 {
+            div(acc, total);
+        }
+        let h = &mut self.held[i];
+        self.optimizer.apply(&mut h.params, acc, &mut h.state);
+        self.updated[i] = true;
+        self.updated_count += 1;
     }
 }
 
@@ -681,8 +802,8 @@ mod tests {
             cases.push((p, "weight"));
         }
         let mut p = good.clone();
-        p.grads.pop();
-        cases.push((p, "missing"));
+        p.grads.clear();
+        cases.push((p, "carries no blocks"));
         let mut p = good.clone();
         let dup = p.grads[0].clone();
         p.grads.push(dup);
@@ -750,6 +871,112 @@ mod tests {
         assert_eq!(st.leave("z"), Some(3));
         assert!(st.members().is_empty());
         assert_eq!(st.leave("nobody"), None);
+    }
+
+    /// `push`'s gradients for the held blocks at positions `range` only.
+    fn part(mut push: Push, range: std::ops::Range<usize>) -> Push {
+        push.grads = push.grads.drain(range).collect();
+        push
+    }
+
+    #[test]
+    fn sync_parts_apply_block_by_block() {
+        // 9 + 3 elements in blocks of 2: seven blocks on one server.
+        let pl = Placement::new(&specs(), 1, 2).unwrap();
+        let mut st = ParamStore::new(&pl, 0, 1, Box::new(Sgd { lr: 1.0 }), Mode::Sync).unwrap();
+        let blocks = st.block_ids().count();
+        assert_eq!(blocks, 7);
+        st.join("a");
+        st.join("b");
+        let before = snapshot(&st);
+        let a = push_for(&st, "a", 0, 0, 1.0, |_, _| 2.0);
+        let b = push_for(&st, "b", 0, 0, 3.0, |_, _| 6.0);
+        // "a" pushes its first half: nothing is updated, "b" is missing everywhere.
+        let got = st.push(part(a.clone(), 0..3)).unwrap();
+        assert_eq!(got, PushOutcome::Buffered { step: 0, waiting_for: 2 });
+        assert!(!st.step_underway());
+        // "b" pushes the same half: those three blocks are updated ((2 + 18) / 4 = 5).
+        let got = st.push(part(b.clone(), 0..3)).unwrap();
+        assert_eq!(got, PushOutcome::Buffered { step: 0, waiting_for: 2 });
+        assert!(st.step_underway());
+        let now = snapshot(&st);
+        for k in 0..blocks {
+            let moved = if k < 3 { 5.0 } else { 0.0 };
+            assert!(before[k].iter().zip(&now[k]).all(|(x, y)| x - moved == *y), "block {k}");
+        }
+        // A retry of a part already taken is a duplicate; an overlapping one is refused.
+        assert_eq!(st.push(part(a.clone(), 0..3)).unwrap(), PushOutcome::Duplicate);
+        assert_eq!(st.push(part(a.clone(), 1..2)).unwrap(), PushOutcome::Duplicate);
+        assert!(matches!(st.push(part(a.clone(), 2..4)), Err(Error::PartOverlap { seq: 0, .. })));
+        // A newcomer mid-step is refused, and joins from the next step.
+        let c = push_for(&st, "c", 0, 0, 1.0, |_, _| 1.0);
+        assert!(matches!(st.push(part(c, 3..7)), Err(Error::StepUnderway { step: 0, .. })));
+        assert_eq!(st.join("c"), 1);
+        assert_eq!(st.members(), vec!["a".to_string(), "b".to_string()]);
+        // A checkpoint would mix two steps now.
+        let dir = crate::checkpoint::CheckpointDir::new(std::env::temp_dir().join("oar-never-written"), 0);
+        let saved = dir.save(&st, 2);
+        assert!(matches!(saved, Err(Error::CheckpointStepUnderway { step: 0 })), "{saved:?}");
+        // The second halves complete the step; "c" is then a member.
+        assert!(matches!(st.push(part(a, 3..7)).unwrap(), PushOutcome::Buffered { waiting_for: 1, .. }));
+        assert_eq!(st.waiting_for(), vec!["b".to_string()]);
+        assert_eq!(st.push(part(b, 3..7)).unwrap(), PushOutcome::Applied { step: 1 });
+        assert!(!st.step_underway());
+        for (x, y) in before.iter().flatten().zip(snapshot(&st).iter().flatten()) {
+            assert_eq!(x - 5.0, *y);
+        }
+        assert_eq!(st.members(), vec!["a".to_string(), "b".to_string(), "c".to_string()]);
+        assert_eq!(st.join("c"), 1);
+    }
+
+    #[test]
+    fn a_member_leaving_mid_step_keeps_its_parts() {
+        let pl = Placement::new(&specs(), 1, 6).unwrap();
+        let mut st = ParamStore::new(&pl, 0, 1, Box::new(Sgd { lr: 1.0 }), Mode::Sync).unwrap();
+        assert_eq!(st.block_ids().count(), 3);
+        st.join("a");
+        st.join("b");
+        let before = snapshot(&st);
+        st.push(part(push_for(&st, "a", 0, 0, 1.0, |_, _| 1.0), 0..1)).unwrap();
+        st.push(part(push_for(&st, "b", 0, 0, 1.0, |_, _| 3.0), 0..1)).unwrap();
+        st.push(part(push_for(&st, "a", 0, 0, 1.0, |_, _| 1.0), 1..3)).unwrap();
+        // "b" leaves before its second part: blocks 1 and 2 take "a"'s alone.
+        assert_eq!(st.leave("b"), Some(1));
+        let after = snapshot(&st);
+        assert!(before[0].iter().zip(&after[0]).all(|(x, y)| x - 2.0 == *y));
+        for k in 1..3 {
+            assert!(before[k].iter().zip(&after[k]).all(|(x, y)| x - 1.0 == *y));
+        }
+        // Its late part is for a step that is over.
+        let late = part(push_for(&st, "b", 0, 0, 1.0, |_, _| 3.0), 1..3);
+        assert!(matches!(st.push(late), Err(Error::StaleStep { got: 0, current: 1, .. })));
+    }
+
+    #[test]
+    fn async_parts_count_one_step_per_whole_push() {
+        let pl = Placement::new(&specs(), 1, 4).unwrap();
+        let mut st = ParamStore::new(&pl, 0, 1, Box::new(Sgd { lr: 1.0 }), Mode::Async).unwrap();
+        assert_eq!(st.block_ids().count(), 4);
+        let before = snapshot(&st);
+        let p = push_for(&st, "t", 1, 0, 1.0, |_, _| 1.0);
+        assert_eq!(st.push(part(p.clone(), 2..4)).unwrap(), PushOutcome::Applied { step: 0 });
+        assert_eq!(st.push(part(p.clone(), 0..1)).unwrap(), PushOutcome::Applied { step: 0 });
+        assert_eq!(st.push(part(p.clone(), 0..1)).unwrap(), PushOutcome::Duplicate);
+        assert_eq!(st.push(part(p.clone(), 1..2)).unwrap(), PushOutcome::Applied { step: 1 });
+        assert_eq!(st.push(p.clone()).unwrap(), PushOutcome::Duplicate);
+        for (x, y) in before.iter().flatten().zip(snapshot(&st).iter().flatten()) {
+            assert_eq!(x - 1.0, *y);
+        }
+        // A new seq abandons the parts of the last one that never came.
+        let q = push_for(&st, "t", 2, 0, 1.0, |_, _| 1.0);
+        assert_eq!(st.push(part(q, 0..1)).unwrap(), PushOutcome::Applied { step: 1 });
+        let r = push_for(&st, "t", 3, 0, 1.0, |_, _| 1.0);
+        assert_eq!(st.push(r).unwrap(), PushOutcome::Applied { step: 2 });
+        // After a restore, a restored seq counts as whole.
+        let s4 = push_for(&st, "u", 4, 0, 1.0, |_, _| 1.0);
+        st.push(part(s4.clone(), 0..1)).unwrap();
+        st.restore_last_seq("u", 4);
+        assert_eq!(st.push(part(s4, 1..4)).unwrap(), PushOutcome::Duplicate);
     }
 
     #[test]

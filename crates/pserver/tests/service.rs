@@ -5,9 +5,9 @@
 use bytes::Bytes;
 use oar_discovery::{Discovery, JobKeys, MemDiscovery};
 use oar_pserver::{
-    protocol::{PsReply, PsRequest, PSERVER_METHOD},
+    protocol::{BlockSpan, PsReply, PsRequest, PSERVER_METHOD},
     Init, Mode, OptimizerConfig, ParamBuf, ParamSpec, Placement, Pserver, PserverClient, PserverOptions,
-    PushOutcome,
+    PushOutcome, PushResult,
 };
 use oar_transport::{call, f32s_to_bytes, MemNetwork, MemTransport, RemoteErrorKind, RetryPolicy, Transport};
 use std::{sync::Arc, time::Duration};
@@ -60,6 +60,11 @@ fn total() -> usize {
     specs().iter().map(|s| s.len()).sum()
 }
 
+/// Every block of the one server of `Env`.
+fn all_blocks(env: &Env) -> BlockSpan {
+    BlockSpan::new(0, env.placement.blocks_on(0).count() as u32)
+}
+
 async fn raw_push(
     env: &Env,
     ps: &Pserver,
@@ -67,8 +72,19 @@ async fn raw_push(
     grad: Vec<f32>,
     fingerprint: u64,
 ) -> Result<PsReply, oar_transport::Error> {
+    raw_push_blocks(env, ps, seq, grad, fingerprint, all_blocks(env)).await
+}
+
+async fn raw_push_blocks(
+    env: &Env,
+    ps: &Pserver,
+    seq: u64,
+    grad: Vec<f32>,
+    fingerprint: u64,
+    blocks: BlockSpan,
+) -> Result<PsReply, oar_transport::Error> {
     let conn = env.transport.connect(ps.addr()).await.unwrap();
-    let request = PsRequest::Push { fingerprint, trainer: "t1".into(), seq, step: 0, weight: 1.0 };
+    let request = PsRequest::Push { fingerprint, blocks, trainer: "t1".into(), seq, step: 0, weight: 1.0 };
     call(conn.as_ref(), PSERVER_METHOD, &request, f32s_to_bytes(&grad), Duration::from_secs(1))
         .await
         .map(|(r, _): (PsReply, Bytes)| r)
@@ -98,6 +114,15 @@ async fn bad_pushes_are_refused_by_name_and_change_nothing() {
     let mut nan = vec![0.0; total()];
     nan[5] = f32::NAN;
     assert_bad_request(raw_push(&env, &ps, 2, nan, fp).await, "non-finite");
+    let blocks = all_blocks(&env).end;
+    for span in [BlockSpan::new(0, blocks + 1), BlockSpan::new(2, 2), BlockSpan::new(3, 1)] {
+        assert_bad_request(raw_push_blocks(&env, &ps, 2, vec![0.0; total()], fp, span).await, "block span");
+    }
+    // A part's payload must match its blocks, not the whole shard's.
+    assert_bad_request(
+        raw_push_blocks(&env, &ps, 2, vec![0.0; total()], fp, BlockSpan::new(0, 1)).await,
+        "blocks 0..1 need",
+    );
 
     let mut after = ParamBuf::zeros(&specs());
     reader.pull(&mut after).await.unwrap();
@@ -263,6 +288,7 @@ async fn a_push_pull_applies_once_and_answers_the_parameters_after_it() {
     let conn = env.transport.connect(&ps_addr).await.unwrap();
     let retry = PsRequest::PushPull {
         fingerprint: env.placement.fingerprint(),
+        blocks: all_blocks(&env),
         trainer: "t1".into(),
         seq: 0,
         weight: 4.0,
@@ -287,6 +313,7 @@ async fn a_sync_pserver_refuses_a_push_pull_by_name() {
     let conn = env.transport.connect(ps.addr()).await.unwrap();
     let request = PsRequest::PushPull {
         fingerprint: env.placement.fingerprint(),
+        blocks: all_blocks(&env),
         trainer: "t1".into(),
         seq: 0,
         weight: 1.0,
@@ -309,6 +336,14 @@ async fn a_sync_pserver_refuses_a_push_pull_by_name() {
 /// QUIC, with two pservers, every value lands where it belongs.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn large_pushes_and_pulls_over_quic_put_every_value_in_place() {
+    // Each shard whole in one call, then cut in parts of two blocks (four
+    // parts per shard, two in flight).
+    for max_part_bytes in [oar_pserver::client::DEFAULT_MAX_PART_BYTES, 80_000] {
+        quic_round_trips(max_part_bytes).await;
+    }
+}
+
+async fn quic_round_trips(max_part_bytes: usize) {
     let specs = vec![
         ParamSpec { name: "w".into(), shape: vec![300, 500], init: Init::Normal { mean: 0.0, std: 0.1 } },
         ParamSpec { name: "b".into(), shape: vec![1001], init: Init::Zeros },
@@ -320,10 +355,10 @@ async fn large_pushes_and_pulls_over_quic_put_every_value_in_place() {
     let mut servers = Vec::new();
     for _ in 0..2 {
         let mut o = PserverOptions::new(JOB, specs.clone(), 2, Mode::Async, OptimizerConfig::Sgd { lr: 0.5 });
-        o.block_size = 40_000;
+        o.block_size = 10_000;
         servers.push(Pserver::start(discovery.clone(), transport.clone(), "127.0.0.1:0", o).await.unwrap());
     }
-    let placement = Arc::new(Placement::new(&specs, 2, 40_000).unwrap());
+    let placement = Arc::new(Placement::new(&specs, 2, 10_000).unwrap());
     let retry = RetryPolicy { give_up_after: Duration::from_secs(10), ..RetryPolicy::default() };
     let mut client = PserverClient::new(
         discovery.clone(),
@@ -335,6 +370,7 @@ async fn large_pushes_and_pulls_over_quic_put_every_value_in_place() {
         retry,
     )
     .unwrap();
+    client.set_max_part_bytes(max_part_bytes);
     let initial = ParamBuf::init(
         &specs,
         PserverOptions::new(JOB, specs.clone(), 2, Mode::Async, OptimizerConfig::Sgd { lr: 0.5 }).seed,
@@ -359,4 +395,54 @@ async fn large_pushes_and_pulls_over_quic_put_every_value_in_place() {
     for server in servers {
         server.shutdown().await.unwrap();
     }
+}
+
+/// A sync step pushed in parts by two trainers over QUIC: each block
+/// combines both gradients once, weighted, whatever order the parts come in.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sync_pushes_in_parts_combine_every_block_once() {
+    let specs = vec![ParamSpec { name: "w".into(), shape: vec![64_000], init: Init::Zeros }];
+    let ca = oar_transport::DevCa::new().unwrap();
+    let transport: Arc<dyn Transport> =
+        Arc::new(oar_transport::QuicTransport::new(ca.tls_config("ps-test").unwrap()).unwrap());
+    let discovery: Arc<dyn Discovery> = Arc::new(MemDiscovery::new());
+    let mut o = PserverOptions::new(JOB, specs.clone(), 1, Mode::Sync, OptimizerConfig::Sgd { lr: 1.0 });
+    o.block_size = 4_000;
+    let server = Pserver::start(discovery.clone(), transport.clone(), "127.0.0.1:0", o).await.unwrap();
+    let placement = Arc::new(Placement::new(&specs, 1, 4_000).unwrap());
+    let retry = RetryPolicy { give_up_after: Duration::from_secs(10), ..RetryPolicy::default() };
+    let client = |name: &str| {
+        let mut c = PserverClient::new(
+            discovery.clone(),
+            transport.clone(),
+            JOB,
+            placement.clone(),
+            name,
+            Duration::from_secs(10),
+            retry,
+        )
+        .unwrap();
+        // 16 blocks of 16 KB: parts of 3 blocks (and a last one of 1).
+        c.set_max_part_bytes(50_000);
+        c
+    };
+    let (mut a, mut b) = (client("a"), client("b"));
+    a.join().await.unwrap();
+    b.join().await.unwrap();
+    let mut params = ParamBuf::zeros(&specs);
+    a.pull(&mut params).await.unwrap();
+    b.pull(&mut params).await.unwrap();
+    // a: gradient i with weight 1; b: gradient -3i with weight 3. Mean: (i - 9i) / 4 = -2i.
+    let mut ga = ParamBuf::zeros(&specs);
+    ga.as_mut_slice().iter_mut().enumerate().for_each(|(i, g)| *g = i as f32);
+    let mut gb = ParamBuf::zeros(&specs);
+    gb.as_mut_slice().iter_mut().enumerate().for_each(|(i, g)| *g = -3.0 * i as f32);
+    let (ra, rb) = tokio::join!(a.push(&ga, 1.0), b.push(&gb, 3.0));
+    assert_eq!((ra.unwrap(), rb.unwrap()), (PushResult::Accepted, PushResult::Accepted));
+    a.pull(&mut params).await.unwrap();
+    assert_eq!(server.step(), 1, "one step, applied once");
+    for (i, p) in params.as_slice().iter().enumerate() {
+        assert!((p - 2.0 * i as f32).abs() <= 1e-3 * (1.0 + 2.0 * i as f32), "element {i}: {p}");
+    }
+    server.shutdown().await.unwrap();
 }

@@ -17,14 +17,16 @@ enum Event {
     Leave(usize),
     Push {
         trainer: usize,
-        /// 0 next, 1 skip ahead, 2 repeat last (duplicate), 3 older.
+        /// 0 next, 1 skip ahead, 2 repeat last (a retry, or another part of it), 3 older.
         seq_kind: u8,
         /// 0..=3 current step, 4 next step (future), 5 previous step (stale).
         step_kind: u8,
         weight: usize,
-        /// 0..=4 none, 5 NaN, 6 wrong length, 7 missing block, 8 foreign block,
+        /// 0..=4 none, 5 NaN, 6 wrong length, 7 no block at all, 8 foreign block,
         /// 9 duplicate block, 10 bad weight.
         fault: u8,
+        /// 0..=1 every held block; 2..=3 a part: a run of them (from `seed`).
+        span_kind: u8,
         seed: u64,
     },
 }
@@ -33,13 +35,14 @@ fn event() -> impl Strategy<Value = Event> {
     prop_oneof![
         1 => (0..TRAINERS.len()).prop_map(Event::Join),
         1 => (0..TRAINERS.len()).prop_map(Event::Leave),
-        6 => (0..TRAINERS.len(), 0u8..4, 0u8..6, 0usize..4, 0u8..11, any::<u64>()).prop_map(
-            |(trainer, seq_kind, step_kind, weight, fault, seed)| Event::Push {
+        6 => (0..TRAINERS.len(), 0u8..4, 0u8..6, 0usize..4, 0u8..11, 0u8..4, any::<u64>()).prop_map(
+            |(trainer, seq_kind, step_kind, weight, fault, span_kind, seed)| Event::Push {
                 trainer,
                 seq_kind,
                 step_kind,
                 weight,
                 fault,
+                span_kind,
                 seed,
             }
         ),
@@ -60,76 +63,127 @@ fn kind(e: &Error) -> &'static str {
         Error::BadWeight { .. } => "weight",
         Error::NonFiniteGrad { .. } => "nan",
         Error::GradLength { .. } => "length",
-        Error::MissingBlock { .. } => "missing",
+        Error::EmptyPush { .. } => "empty",
         Error::PushBlockNotHeld { .. } => "foreign",
         Error::DuplicateBlock { .. } => "dupblock",
+        Error::PartOverlap { .. } => "overlap",
         Error::StaleStep { .. } => "stale",
         Error::FutureStep { .. } => "future",
         Error::AlreadyBuffered { .. } => "again",
+        Error::StepUnderway { .. } => "underway",
         _ => "other",
     }
 }
 
-/// The reference: a straightforward re-statement of the rules.
+/// The reference: a straightforward re-statement of the rules, block by
+/// block, looking at every block after every event.
 struct Model {
     mode: Mode,
     step: u64,
     members: BTreeSet<String>,
-    /// trainer -> (weight, grads in held order)
-    buffer: BTreeMap<String, (f32, Vec<Vec<f32>>)>,
+    joining: BTreeSet<String>,
+    /// Per held block: trainer -> (weight, gradient) for the current step.
+    pending: Vec<BTreeMap<String, (f32, Vec<f32>)>>,
+    /// Per held block: updated for the current step.
+    updated: Vec<bool>,
+    /// Seq of each trainer's push for the current step.
+    step_seqs: HashMap<String, u64>,
     last_seq: HashMap<String, u64>,
+    /// Blocks taken of each trainer's last push, while some are missing.
+    partial: HashMap<String, BTreeSet<usize>>,
     params: Vec<Vec<f32>>,
 }
 
 impl Model {
-    fn sgd(&mut self, grads: &[Vec<f32>]) {
-        for (p, g) in self.params.iter_mut().zip(grads) {
-            for (x, y) in p.iter_mut().zip(g) {
-                *x -= LR * y;
-            }
+    fn sgd(&mut self, block: usize, grad: &[f32]) {
+        for (x, y) in self.params[block].iter_mut().zip(grad) {
+            *x -= LR * y;
         }
     }
 
-    fn complete(&self) -> bool {
-        !self.buffer.is_empty() && self.members.iter().all(|m| self.buffer.contains_key(m))
+    fn underway(&self) -> bool {
+        self.updated.iter().any(|&u| u)
     }
 
-    /// Sum in trainer order of w_k g_k, divided by the sum of weights.
-    fn apply_barrier(&mut self) {
-        let buffer = std::mem::take(&mut self.buffer);
-        let mut total = 0.0f32;
-        let mut mean: Vec<Vec<f32>> = Vec::new();
-        for (i, (w, grads)) in buffer.values().enumerate() {
-            total += w;
-            if i == 0 {
-                mean = grads.iter().map(|g| g.iter().map(|x| w * x).collect()).collect();
-            } else {
-                for (a, g) in mean.iter_mut().zip(grads) {
-                    for (x, y) in a.iter_mut().zip(g) {
-                        *x += w * y;
-                    }
+    fn missing(&self, m: &str) -> bool {
+        (0..self.params.len()).any(|b| !self.updated[b] && !self.pending[b].contains_key(m))
+    }
+
+    fn waiting_for(&self) -> usize {
+        self.members.iter().filter(|m| self.missing(m)).count()
+    }
+
+    /// Update every block all members pushed; complete the step when every
+    /// block is updated, or no member is left and some block was.
+    fn settle(&mut self) -> bool {
+        for b in 0..self.params.len() {
+            if self.updated[b]
+                || self.pending[b].is_empty()
+                || !self.members.iter().all(|m| self.pending[b].contains_key(m))
+            {
+                continue;
+            }
+            // Sum in trainer order of w_k g_k, divided by the sum of weights.
+            let pushed = std::mem::take(&mut self.pending[b]);
+            let mut total = 0.0f32;
+            let mut mean: Vec<f32> = Vec::new();
+            for (i, (w, g)) in pushed.values().enumerate() {
+                total += w;
+                if i == 0 {
+                    mean = g.iter().map(|x| w * x).collect();
+                } else {
+                    mean.iter_mut().zip(g).for_each(|(x, y)| *x += w * y);
                 }
             }
+            mean.iter_mut().for_each(|x| *x /= total);
+            self.sgd(b, &mean);
+            self.updated[b] = true;
         }
-        for a in &mut mean {
-            for x in a.iter_mut() {
-                *x /= total;
-            }
+        let complete = self.underway() && (self.updated.iter().all(|&u| u) || self.members.is_empty());
+        if complete {
+            self.step += 1;
+            self.updated.iter_mut().for_each(|u| *u = false);
+            self.step_seqs.clear();
+            let joining = std::mem::take(&mut self.joining);
+            self.members.extend(joining);
         }
-        self.sgd(&mean);
-        self.step += 1;
+        complete
+    }
+
+    fn join(&mut self, t: &str) -> u64 {
+        if self.members.contains(t) {
+            self.step
+        } else if self.mode == Mode::Sync && self.underway() {
+            self.joining.insert(t.to_string());
+            self.step + 1
+        } else {
+            self.members.insert(t.to_string());
+            self.step
+        }
     }
 
     fn leave(&mut self, t: &str) -> Option<u64> {
         self.members.remove(t);
-        if self.mode == Mode::Sync && self.complete() {
-            self.apply_barrier();
-            Some(self.step)
-        } else {
-            None
-        }
+        self.joining.remove(t);
+        (self.mode == Mode::Sync && self.settle()).then_some(self.step)
     }
 
+    /// Blocks `blocks` of push `seq` taken; true when the push is whole.
+    fn take(&mut self, t: &str, seq: u64, blocks: &[usize]) -> bool {
+        let fresh = self.last_seq.insert(t.to_string(), seq) != Some(seq);
+        let taken = self.partial.entry(t.to_string()).or_default();
+        if fresh {
+            taken.clear();
+        }
+        taken.extend(blocks.iter().copied());
+        let whole = taken.len() == self.params.len();
+        if whole {
+            self.partial.remove(t);
+        }
+        whole
+    }
+
+    #[allow(clippy::too_many_arguments)]
     fn push(
         &mut self,
         t: &str,
@@ -137,20 +191,34 @@ impl Model {
         step: u64,
         weight: f32,
         fault: Option<&'static str>,
+        blocks: &[usize],
         grads: Vec<Vec<f32>>,
     ) -> Expect {
-        if self.last_seq.get(t).is_some_and(|&l| seq <= l) {
+        let last = self.last_seq.get(t).copied();
+        if last.is_some_and(|l| seq < l) || (last == Some(seq) && !self.partial.contains_key(t)) {
             return Expect::Duplicate;
         }
         if let Some(f) = fault {
             return Expect::Reject(f);
         }
+        if last == Some(seq) {
+            let again = blocks.iter().filter(|b| self.partial[t].contains(b)).count();
+            if again == blocks.len() {
+                return Expect::Duplicate;
+            }
+            if again > 0 {
+                return Expect::Reject("overlap");
+            }
+        }
         match self.mode {
             Mode::Async => {
-                self.sgd(&grads);
-                self.step += 1;
+                for (&b, g) in blocks.iter().zip(&grads) {
+                    self.sgd(b, g);
+                }
                 self.members.insert(t.to_string());
-                self.last_seq.insert(t.to_string(), seq);
+                if self.take(t, seq, blocks) {
+                    self.step += 1;
+                }
                 Expect::Applied { step: self.step }
             }
             Mode::Sync => {
@@ -160,18 +228,22 @@ impl Model {
                 if step > self.step {
                     return Expect::Reject("future");
                 }
-                if self.buffer.contains_key(t) {
+                if self.step_seqs.get(t).is_some_and(|&s| s != seq) {
                     return Expect::Reject("again");
                 }
+                if !self.members.contains(t) && self.underway() {
+                    return Expect::Reject("underway");
+                }
                 self.members.insert(t.to_string());
-                self.last_seq.insert(t.to_string(), seq);
-                self.buffer.insert(t.to_string(), (weight, grads));
-                if self.complete() {
-                    self.apply_barrier();
+                self.step_seqs.insert(t.to_string(), seq);
+                self.take(t, seq, blocks);
+                for (&b, g) in blocks.iter().zip(grads) {
+                    self.pending[b].insert(t.to_string(), (weight, g));
+                }
+                if self.settle() {
                     Expect::Applied { step: self.step }
                 } else {
-                    let waiting_for = self.members.iter().filter(|m| !self.buffer.contains_key(*m)).count();
-                    Expect::Buffered { step: self.step, waiting_for }
+                    Expect::Buffered { step: self.step, waiting_for: self.waiting_for() }
                 }
             }
         }
@@ -202,8 +274,12 @@ fn run(
         mode,
         step: 0,
         members: BTreeSet::new(),
-        buffer: BTreeMap::new(),
+        joining: BTreeSet::new(),
+        pending: held.iter().map(|_| BTreeMap::new()).collect(),
+        updated: vec![false; held.len()],
+        step_seqs: HashMap::new(),
         last_seq: HashMap::new(),
+        partial: HashMap::new(),
         params: snapshot(&store),
     };
     let mut applied = 0;
@@ -214,13 +290,12 @@ fn run(
         let waiting_before = store.waiting_for();
         match ev {
             Event::Join(i) => {
-                store.join(TRAINERS[i]);
-                model.members.insert(TRAINERS[i].to_string());
+                prop_assert_eq!(store.join(TRAINERS[i]), model.join(TRAINERS[i]));
                 prop_assert_eq!(store.step(), step_before);
             }
             Event::Leave(i) => {
                 let t = TRAINERS[i];
-                let something_buffered = !model.buffer.is_empty();
+                let something_buffered = model.underway() || model.pending.iter().any(|p| !p.is_empty());
                 let got = store.leave(t);
                 let want = model.leave(t);
                 prop_assert_eq!(got, want);
@@ -236,7 +311,7 @@ fn run(
                     prop_assert!(got.is_some());
                 }
             }
-            Event::Push { trainer, seq_kind, step_kind, weight, fault, seed } => {
+            Event::Push { trainer, seq_kind, step_kind, weight, fault, span_kind, seed } => {
                 let t = TRAINERS[trainer];
                 let last = model.last_seq.get(t).copied();
                 let seq = match seq_kind {
@@ -252,13 +327,21 @@ fn run(
                 };
                 let mut weight = [1.0f32, 0.5, 3.0, 17.0][weight];
                 let mut rng = SplitMix64::new(seed);
-                let grads: Vec<Vec<f32>> = held
+                // The blocks of this push (positions in `held`): all, or a run of them.
+                let blocks: Vec<usize> = if span_kind < 2 {
+                    (0..held.len()).collect()
+                } else {
+                    let start = (rng.next_u64() % held.len() as u64) as usize;
+                    let len = 1 + (rng.next_u64() % (held.len() - start) as u64) as usize;
+                    (start..start + len).collect()
+                };
+                let grads: Vec<Vec<f32>> = blocks
                     .iter()
-                    .map(|&(_, len)| (0..len).map(|_| rng.next_f32() * 2.0 - 1.0).collect())
+                    .map(|&b| (0..held[b].1).map(|_| rng.next_f32() * 2.0 - 1.0).collect())
                     .collect();
                 let mut wire: Vec<(BlockId, Vec<f32>)> =
-                    held.iter().map(|&(id, _)| id).zip(grads.iter().cloned()).collect();
-                let i = (rng.next_u64() % held.len() as u64) as usize;
+                    blocks.iter().map(|&b| held[b].0).zip(grads.iter().cloned()).collect();
+                let i = (rng.next_u64() % wire.len() as u64) as usize;
                 let fault = match fault {
                     5 => {
                         let j = (rng.next_u64() % wire[i].1.len() as u64) as usize;
@@ -274,8 +357,8 @@ fn run(
                         Some("length")
                     }
                     7 => {
-                        wire.remove(i);
-                        Some("missing")
+                        wire.clear();
+                        Some("empty")
                     }
                     8 => {
                         let foreign = placement
@@ -321,7 +404,7 @@ fn run(
                         Expect::Reject(kind(&e))
                     }
                 };
-                let want = model.push(t, seq, step, weight, fault, grads);
+                let want = model.push(t, seq, step, weight, fault, &blocks, grads);
                 prop_assert_eq!(&got, &want);
                 match got {
                     Expect::Duplicate | Expect::Reject(_) => {
@@ -332,7 +415,8 @@ fn run(
                         prop_assert_eq!(store.waiting_for(), waiting_before);
                     }
                     Expect::Applied { .. } => {
-                        applied += 1;
+                        // Async: a part counts a step only when it makes its push whole.
+                        applied += store.step() - step_before;
                         if mode == Mode::Sync {
                             // Never completes while another member is missing.
                             prop_assert!(waiting_before.iter().all(|m| m == t), "{:?}", waiting_before);
@@ -341,7 +425,6 @@ fn run(
                     Expect::Buffered { waiting_for, .. } => {
                         prop_assert!(waiting_for > 0);
                         prop_assert_eq!(store.waiting_for().len(), waiting_for);
-                        prop_assert_eq!(&snapshot(&store), &before);
                     }
                 }
             }
@@ -350,6 +433,8 @@ fn run(
         let members: Vec<String> = model.members.iter().cloned().collect();
         prop_assert_eq!(store.members(), members);
         prop_assert_eq!(store.step(), model.step);
+        prop_assert_eq!(store.step_underway(), mode == Mode::Sync && model.underway());
+        prop_assert_eq!(store.waiting_for().len(), model.waiting_for());
         // Same arithmetic in the same order: bit-identical.
         prop_assert_eq!(&snapshot(&store), &model.params);
     }
@@ -390,6 +475,7 @@ fn sync_lockstep_applies_every_step() {
                 step_kind: 0,
                 weight: trainer,
                 fault: 0,
+                span_kind: 0,
                 seed: trainer as u64,
             })
         }))
