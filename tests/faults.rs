@@ -92,8 +92,13 @@ fn a_trainer_killed_mid_task_has_its_task_done_by_another() {
     );
     let gone = master.stderr();
     let line = gone.lines().find(|l| l.contains("trainer gone") && l.contains("trainer-1"));
+    // Its task, and the next one if it had fetched it ahead (see `oar_trainer::worker`).
     let returned = line.and_then(|l| log_field(l, "returned"));
-    assert_eq!(returned, Some("1"), "its task returned to todo at its lease's end\n{}", master.dump());
+    assert!(
+        matches!(returned, Some("1" | "2")),
+        "its task returned to todo at its lease's end\n{}",
+        master.dump()
+    );
     assert_each_task_once(&everyone, &report, passes, TASKS_PER_PASS);
     for trainer in [0, 2] {
         let t = &mut trainers[trainer];

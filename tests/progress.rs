@@ -15,8 +15,10 @@ fn a_terminal_gets_a_progress_bar() {
     let out = Command::new("script").args(["-qec", &command, "/dev/null"]).output().expect("script(1) runs");
     let text = String::from_utf8_lossy(&out.stdout);
     assert!(out.status.success(), "{text}");
-    assert!(text.contains("pass 1/3 ["), "no progress bar on a terminal:\n{text}");
-    assert!(text.contains("/196 tasks, ") && text.contains("examples/s, loss"), "{text}");
+    // A bar for some pass: a fast machine can finish pass 1 before the bar starts.
+    assert!(text.contains("/3 ["), "no progress bar on a terminal:\n{text}");
+    // The generated data (3.2 MB) in tasks sized from it: 32 per pass.
+    assert!(text.contains("/32 tasks, ") && text.contains("examples/s, loss"), "{text}");
     assert!(text.contains("pass 3/3: train loss"), "the plain per-pass lines too:\n{text}");
 }
 

@@ -70,8 +70,9 @@ pub struct JobArgs {
     /// Async: pull every M mini-batches.
     #[arg(long, default_value_t = 1)]
     pub pull_every: u32,
-    /// Bytes of data per chunk (a task is one chunk).
-    #[arg(long, default_value_t = 16 << 10)]
+    /// Bytes of data per chunk (a task is one chunk); 0 sizes them from the
+    /// data: about 32 tasks per pass, 16 KiB to 8 MiB each.
+    #[arg(long, default_value_t = 0)]
     pub chunk_bytes: u64,
     /// Seconds a trainer has to finish a task before it goes to another.
     #[arg(long, default_value_t = 60)]

@@ -439,6 +439,21 @@ pub async fn fenced_range_delete(d: &dyn Discovery, prefix: &str) {
     assert_eq!(d.get_prefix(&format!("{prefix}journal/")).await.unwrap().kvs.len(), 2);
 }
 
+/// A [`ChangeSignal`](crate::ChangeSignal) wakes at a write under its
+/// prefix, not at its (here one hour) poll interval; writes elsewhere do
+/// not wake it.
+pub async fn change_signal_wakes_at_a_write(d: &dyn Discovery, prefix: &str) {
+    let watched = format!("{prefix}watched/");
+    let mut signal = crate::ChangeSignal::new(d, &watched).await;
+    d.put(&format!("{prefix}elsewhere"), bytes("x"), None).await.unwrap();
+    let quiet =
+        tokio::time::timeout(Duration::from_millis(300), signal.wait(Duration::from_secs(3600))).await;
+    assert!(quiet.is_err(), "a write outside the prefix woke it");
+    d.put(&format!("{watched}key"), bytes("y"), None).await.unwrap();
+    let woke = tokio::time::timeout(Duration::from_secs(20), signal.wait(Duration::from_secs(3600))).await;
+    assert!(woke.is_ok(), "a write under the prefix did not wake it");
+}
+
 /// A fence dies with the lease of its lock key.
 pub async fn fence_lost_after_lease_expiry(d: &dyn Discovery, prefix: &str) {
     let key = format!("{prefix}lock");
@@ -518,6 +533,7 @@ macro_rules! discovery_conformance {
             fenced_writes_follow_the_lock,
             fenced_range_delete,
             fence_lost_after_lease_expiry,
+            change_signal_wakes_at_a_write,
         );
 
         #[::tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -67,6 +67,10 @@ impl JobKeys {
     pub fn ps_desired(&self) -> String {
         format!("{}ps_desired", self.prefix)
     }
+    /// Every pserver's keys: their addresses and checkpoints.
+    pub fn ps_prefix(&self) -> String {
+        format!("{}ps/", self.prefix)
+    }
     /// Pserver `index`'s address, claimed by create-if-absent under its lease.
     pub fn ps(&self, index: u32) -> String {
         format!("{}ps/{index}", self.prefix)

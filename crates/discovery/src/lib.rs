@@ -197,6 +197,35 @@ impl WatchStream {
     }
 }
 
+/// Wakes a polling loop as soon as something under a prefix changes: each
+/// [`wait`](Self::wait) returns at the next event or after `max`, whichever
+/// comes first. Polling stays the source of truth (the caller reads again
+/// after every wait), the watch only makes it prompt; if the watch cannot be
+/// set up or ends, waits just sleep.
+#[derive(Debug)]
+pub struct ChangeSignal {
+    watch: Option<WatchStream>,
+}
+
+impl ChangeSignal {
+    /// Watch `prefix` from the next write. Create it before the first read
+    /// that the loop polls, so that no change between the two is missed.
+    pub async fn new(discovery: &dyn Discovery, prefix: &str) -> Self {
+        ChangeSignal { watch: discovery.watch_prefix(prefix, 0).await.ok() }
+    }
+
+    /// Return at the next change under the prefix, or after `max`.
+    pub async fn wait(&mut self, max: Duration) {
+        let Some(watch) = &mut self.watch else {
+            return tokio::time::sleep(max).await;
+        };
+        match tokio::time::timeout(max, watch.next()).await {
+            Ok(Some(Ok(_))) | Err(_) => {}
+            Ok(None | Some(Err(_))) => self.watch = None,
+        }
+    }
+}
+
 /// What oar needs from etcd; implemented by [`MemDiscovery`] and the etcd
 /// backend, both checked by the [`conformance`] suite.
 #[async_trait]

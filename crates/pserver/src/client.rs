@@ -37,7 +37,7 @@ use crate::{
     protocol::{BlockSpan, PsReply, PsRequest, PSERVER_METHOD},
     Error, ParamBuf, Placement, PushOutcome, Result,
 };
-use oar_discovery::{Discovery, JobKeys};
+use oar_discovery::{ChangeSignal, Discovery, JobKeys};
 use oar_transport::{Connection, RetryPolicy, Transport};
 use std::{
     sync::{
@@ -159,6 +159,7 @@ impl PserverClient {
     /// Wait until every shard has published its address, at most `timeout`.
     pub async fn wait_for_servers(&self, timeout: Duration) -> Result<()> {
         let deadline = tokio::time::Instant::now() + timeout;
+        let mut changed = ChangeSignal::new(&*self.inner.discovery, &self.inner.keys.ps_prefix()).await;
         loop {
             let mut missing = Vec::new();
             for index in 0..self.inner.placement.servers() {
@@ -172,7 +173,7 @@ impl PserverClient {
             if tokio::time::Instant::now() >= deadline {
                 return Err(Error::ServersMissing { missing, waited: timeout });
             }
-            tokio::time::sleep(Duration::from_millis(50)).await;
+            changed.wait(Duration::from_millis(50)).await;
         }
     }
 

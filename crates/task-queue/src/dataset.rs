@@ -85,6 +85,12 @@ pub fn chunks_from_glob(pattern: &str, chunk_bytes: u64) -> Result<Vec<Chunk>> {
     if chunk_bytes == 0 {
         return Err(Error::InvalidArgument("chunk_bytes must be at least 1, got 0".into()));
     }
+    chunk_files(&glob_files(pattern)?, chunk_bytes)
+}
+
+/// The regular files a glob pattern matches, with their lengths, sorted by
+/// path. Errors naming the pattern if it is invalid or matches no regular file.
+pub fn glob_files(pattern: &str) -> Result<Vec<(String, u64)>> {
     let entries = glob::glob(pattern)
         .map_err(|e| Error::BadPattern { pattern: pattern.to_string(), reason: e.to_string() })?;
     let mut files = Vec::new();
@@ -103,7 +109,30 @@ pub fn chunks_from_glob(pattern: &str, chunk_bytes: u64) -> Result<Vec<Chunk>> {
         return Err(Error::NoMatch { pattern: pattern.to_string() });
     }
     files.sort();
-    chunk_files(&files, chunk_bytes)
+    Ok(files)
+}
+
+/// Tasks per pass that [`auto_chunk_bytes`] aims at.
+pub const AUTO_TASKS_PER_PASS: u64 = 32;
+/// Smallest chunk [`auto_chunk_bytes`] picks.
+pub const AUTO_CHUNK_MIN: u64 = 16 << 10;
+/// Largest chunk [`auto_chunk_bytes`] picks.
+pub const AUTO_CHUNK_MAX: u64 = 8 << 20;
+
+/// A chunk size for `total_bytes` of data: about [`AUTO_TASKS_PER_PASS`]
+/// chunks, rounded up to 4 KiB, between [`AUTO_CHUNK_MIN`] and
+/// [`AUTO_CHUNK_MAX`].
+///
+/// Why: every task costs a trainer two calls to the master, a stored
+/// report, a file opened and a push at its end, a few hundred microseconds
+/// in all; a task must hold enough examples to hide that (a 16 KiB task of
+/// a1a is 0.2 ms of training, so its overhead would dominate), yet a pass
+/// needs enough tasks to keep several trainers busy and to lose little work
+/// when one dies. Small data keeps the minimum, so that it still makes
+/// several tasks.
+pub fn auto_chunk_bytes(total_bytes: u64) -> u64 {
+    let each = total_bytes.div_ceil(AUTO_TASKS_PER_PASS).div_ceil(4096).saturating_mul(4096);
+    each.clamp(AUTO_CHUNK_MIN, AUTO_CHUNK_MAX)
 }
 
 /// Groups consecutive chunks into tasks of `chunks_per_task` chunks (the last
@@ -245,6 +274,18 @@ pub fn line_number_at(path: &str, offset: u64) -> Result<u64> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn auto_chunks_aim_at_a_number_of_tasks_within_bounds() {
+        assert_eq!(auto_chunk_bytes(0), AUTO_CHUNK_MIN);
+        assert_eq!(auto_chunk_bytes(116_421), AUTO_CHUNK_MIN, "a1a keeps the minimum");
+        let a1a_x100 = 11_642_100;
+        let each = auto_chunk_bytes(a1a_x100);
+        assert_eq!(each % 4096, 0);
+        assert_eq!(a1a_x100.div_ceil(each), AUTO_TASKS_PER_PASS);
+        assert_eq!(auto_chunk_bytes(1 << 40), AUTO_CHUNK_MAX);
+        assert_eq!(auto_chunk_bytes(u64::MAX), AUTO_CHUNK_MAX);
+    }
     use proptest::prelude::*;
     use std::io::Write;
 

@@ -61,8 +61,8 @@ pub mod snapshot;
 
 pub use client::MasterClient;
 pub use dataset::{
-    chunk_files, chunks_from_glob, line_number_at, read_chunk_lines, tasks_from_chunks, Chunk, Line, TaskId,
-    TaskSpec,
+    auto_chunk_bytes, chunk_files, chunks_from_glob, glob_files, line_number_at, read_chunk_lines,
+    tasks_from_chunks, Chunk, Line, TaskId, TaskSpec, AUTO_CHUNK_MAX, AUTO_CHUNK_MIN, AUTO_TASKS_PER_PASS,
 };
 pub use error::{Error, Result};
 pub use journal::{Changes, Delta};

@@ -40,7 +40,9 @@ pub struct JobConfig {
     pub pservers: u32,
     /// Largest parameter block, in floats.
     pub block_size: usize,
-    /// Bytes of data per chunk.
+    /// Bytes of data per chunk; 0 (the default) sizes chunks from the
+    /// data with [`oar_task_queue::auto_chunk_bytes`]: about 32 per pass,
+    /// 16 KiB to 8 MiB each.
     pub chunk_bytes: u64,
     /// Chunks per task.
     pub chunks_per_task: usize,
@@ -69,7 +71,7 @@ impl JobConfig {
             pull_every: 1,
             pservers: 2,
             block_size: 1 << 16,
-            chunk_bytes: 16 << 10,
+            chunk_bytes: 0,
             chunks_per_task: 1,
             task_timeout: Duration::from_secs(60),
             max_failures: 3,
@@ -98,8 +100,8 @@ impl JobConfig {
         if self.pservers == 0 {
             return bad("pservers must be at least 1");
         }
-        if self.chunk_bytes == 0 || self.chunks_per_task == 0 {
-            return bad("chunk size and chunks per task must be at least 1");
+        if self.chunks_per_task == 0 {
+            return bad("chunks per task must be at least 1");
         }
         if self.task_timeout.is_zero() || self.max_failures == 0 {
             return bad("task timeout and max failures must be positive");

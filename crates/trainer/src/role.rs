@@ -34,9 +34,12 @@ use crate::{
     worker::{run_trainer, TrainerOptions, TrainerReport},
     Error, Result,
 };
-use oar_discovery::{Discovery, JobKeys};
+use oar_discovery::{ChangeSignal, Discovery, JobKeys};
 use oar_pserver::{OptimizerFactory, ParamBuf, Placement, Pserver, PserverClient, PserverOptions};
-use oar_task_queue::{chunks_from_glob, tasks_from_chunks, JobState, Master, MasterOptions, MasterStatus};
+use oar_task_queue::{
+    auto_chunk_bytes, chunk_files, glob_files, tasks_from_chunks, JobState, Master, MasterOptions,
+    MasterStatus,
+};
 use oar_transport::{RetryPolicy, Transport};
 use serde::{Deserialize, Serialize};
 use std::{
@@ -234,6 +237,7 @@ impl JobReport {
 pub async fn read_config(discovery: &dyn Discovery, job: &str, timeout: Duration) -> Result<JobConfig> {
     let key = JobKeys::new(job)?.config();
     let deadline = tokio::time::Instant::now() + timeout;
+    let mut changed = ChangeSignal::new(discovery, &key).await;
     loop {
         if let Some(kv) = discovery.get(&key).await? {
             return JobConfig::decode(&kv.value);
@@ -244,7 +248,7 @@ pub async fn read_config(discovery: &dyn Discovery, job: &str, timeout: Duration
                 after: timeout,
             });
         }
-        tokio::time::sleep(Duration::from_millis(100)).await;
+        changed.wait(Duration::from_millis(100)).await;
     }
 }
 
@@ -303,8 +307,13 @@ async fn run_master(
         Some(glob) => read_glob(glob, &scoring)?,
         None => train_set.clone(),
     };
-    let tasks =
-        tasks_from_chunks(chunks_from_glob(&config.data, config.chunk_bytes)?, config.chunks_per_task)?;
+    let files = glob_files(&config.data)?;
+    let chunk_bytes = match config.chunk_bytes {
+        0 => auto_chunk_bytes(files.iter().map(|(_, len)| len).sum()),
+        bytes => bytes,
+    };
+    let tasks = tasks_from_chunks(chunk_files(&files, chunk_bytes)?, config.chunks_per_task)?;
+    tracing::info!(chunk_bytes, tasks = tasks.len(), "tasks cut");
 
     let mut master_options = MasterOptions::new(&ctx.job, config.queue());
     master_options.holder = options.id.clone();
@@ -386,10 +395,11 @@ async fn run_master(
 
     // Keep answering `Done` until the trainers are gone, for a while.
     let deadline = tokio::time::Instant::now() + options.linger;
+    let mut changed = ChangeSignal::new(&*ctx.discovery, &keys.trainers()).await;
     while tokio::time::Instant::now() < deadline
         && !ctx.discovery.get_prefix(&keys.trainers()).await?.kvs.is_empty()
     {
-        tokio::time::sleep(Duration::from_millis(100)).await;
+        changed.wait(Duration::from_millis(100)).await;
     }
     master.shutdown().await?;
     Ok(report)
@@ -428,6 +438,7 @@ async fn run_pserver(ctx: &JobContext, options: &RoleOptions) -> Result<PserverR
     let server =
         Pserver::start(ctx.discovery.clone(), ctx.transport.clone(), &ctx.listen, ps_options).await?;
     let index = server.index();
+    let mut changed = ChangeSignal::new(&*ctx.discovery, &JobKeys::new(&ctx.job)?.result()).await;
     loop {
         if let Some(why) = server.stopped() {
             return Err(Error::Stopped(format!("pserver {index}: {why}")));
@@ -444,7 +455,7 @@ async fn run_pserver(ctx: &JobContext, options: &RoleOptions) -> Result<PserverR
             }
             Err(e) => return Err(e),
         }
-        tokio::time::sleep(options.poll_interval).await;
+        changed.wait(options.poll_interval).await;
     }
     let steps = server.step();
     server.shutdown().await?;
@@ -474,6 +485,8 @@ async fn run_trainer_role(ctx: &JobContext, options: &RoleOptions) -> Result<Tra
         call_timeout: options.call_timeout,
         retry: options.retry(),
         servers_timeout: options.startup_timeout,
+        prefetch: true,
+        overlap: true,
     };
     run_trainer(ctx.discovery.clone(), ctx.transport.clone(), model, placement, trainer_options).await
 }

@@ -1,0 +1,120 @@
+//! The async trainer's pipeline (`oar_trainer::worker`): tasks fetched
+//! ahead, reports sent while the next task trains, exchanges with the
+//! pservers overlapped with training. A whole job on QUIC over 127.0.0.1
+//! (master, 2 pservers, trainers in one process), run through the role
+//! functions so that every member's report can be checked against the
+//! others': nothing pushed is lost or applied twice, and every task is
+//! reported once.
+
+use oar::{
+    discovery::MemDiscovery,
+    pserver::{Mode, OptimizerConfig},
+    trainer::{
+        job::JobConfig,
+        model::ModelConfig,
+        role::{self, JobContext, PserverReport, RoleOptions},
+        worker::{TrainerReport, MAX_PUSHES_DUE},
+    },
+    transport::{DevCa, QuicTransport},
+};
+use std::sync::Arc;
+
+/// a1a in 8 KiB tasks (15 per pass), async.
+fn config(push_every: u32) -> JobConfig {
+    let dir = env!("CARGO_MANIFEST_DIR");
+    let mut config =
+        JobConfig::new(&format!("{dir}/testdata/a1a"), ModelConfig::Softmax { features: 123, classes: 2 });
+    config.test_data = Some(format!("{dir}/testdata/a1a.t"));
+    config.mode = Mode::Async;
+    config.push_every = push_every;
+    config.pull_every = push_every;
+    config.pservers = 2;
+    config.passes = 4;
+    config.batch_size = 16;
+    config.chunk_bytes = 8 << 10;
+    config.optimizer = OptimizerConfig::Sgd { lr: 0.1 };
+    config
+}
+
+const TASKS_PER_PASS: u64 = 15;
+
+struct Outcome {
+    job: role::JobReport,
+    pservers: Vec<PserverReport>,
+    trainers: Vec<TrainerReport>,
+}
+
+async fn run(config: JobConfig, trainers: usize) -> Outcome {
+    let transport =
+        Arc::new(QuicTransport::new(DevCa::new().unwrap().tls_config("pipeline").unwrap()).unwrap());
+    let ctx = JobContext::new("pipeline", Arc::new(MemDiscovery::new()), transport, "127.0.0.1:0");
+    let pservers: Vec<_> = (0..config.pservers)
+        .map(|i| {
+            let ctx = ctx.clone();
+            tokio::spawn(async move { role::pserver(&ctx, &RoleOptions::new(format!("pserver-{i}"))).await })
+        })
+        .collect();
+    let trainer_tasks: Vec<_> = (0..trainers)
+        .map(|i| {
+            let ctx = ctx.clone();
+            tokio::spawn(async move { role::trainer(&ctx, &RoleOptions::new(format!("trainer-{i}"))).await })
+        })
+        .collect();
+    let job = role::master(&ctx, &config, &RoleOptions::new("master"), |_| {}).await.unwrap();
+    let mut outcome = Outcome { job, pservers: Vec::new(), trainers: Vec::new() };
+    for p in pservers {
+        outcome.pservers.push(p.await.unwrap().unwrap());
+    }
+    for t in trainer_tasks {
+        outcome.trainers.push(t.await.unwrap().unwrap());
+    }
+    outcome
+}
+
+/// Every example trained on was pushed (the trainers push what they hold
+/// before they stop), and every push reached both shards exactly once (an
+/// async shard counts a step per whole push).
+fn assert_every_push_applied_once(o: &Outcome) {
+    for t in &o.trainers {
+        assert_eq!(t.pushed_examples, t.examples, "gradients left unpushed: {t:?}");
+    }
+    let pushed: u64 = o.trainers.iter().map(|t| t.pushes).sum();
+    assert!(pushed > 0);
+    for p in &o.pservers {
+        assert_eq!(p.steps, pushed, "shard {} applied {} of {pushed} pushes", p.index, p.steps);
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn one_trainer_overlaps_its_exchanges_and_loses_no_push() {
+    let config = config(1);
+    let passes = u64::from(config.passes);
+    let o = run(config, 1).await;
+    assert_eq!(o.job.state, "done");
+    assert_eq!(o.job.tasks_done, passes * TASKS_PER_PASS);
+    let t = &o.trainers[0];
+    assert_eq!(t.tasks_finished, passes * TASKS_PER_PASS, "every task reported and accepted once: {t:?}");
+    assert_eq!(t.tasks_failed, 0);
+    // A push waits for the one in flight, taking the batches since with it,
+    // up to MAX_PUSHES_DUE of them; never more.
+    assert!(t.pushes <= t.batches, "{t:?}");
+    assert!(t.pushes >= t.batches.div_ceil(u64::from(MAX_PUSHES_DUE)), "{t:?}");
+    assert_every_push_applied_once(&o);
+    assert!(o.job.test_accuracy >= 0.8, "it trains: {}", o.job.test_accuracy);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn three_trainers_with_push_every_two_lose_no_push() {
+    let config = config(2);
+    let passes = u64::from(config.passes);
+    let o = run(config, 3).await;
+    assert_eq!(o.job.state, "done");
+    assert_eq!(o.job.tasks_done, passes * TASKS_PER_PASS);
+    let finished: u64 = o.trainers.iter().map(|t| t.tasks_finished).sum();
+    assert_eq!(finished, passes * TASKS_PER_PASS, "{:?}", o.trainers);
+    for t in &o.trainers {
+        assert!(t.pushes <= t.batches.div_ceil(2) + t.tasks_finished, "{t:?}");
+        assert!(t.pushes >= t.batches.div_ceil(2 * u64::from(MAX_PUSHES_DUE)), "{t:?}");
+    }
+    assert_every_push_applied_once(&o);
+}
