@@ -365,7 +365,34 @@ impl AdamStep {
         }
     }
 
+    /// Runs in runs of [`ADAM_RUN`] elements, reading a run of `m` and `v`
+    /// into locals before writing either back. Why: the two slots are one
+    /// array split in halves, so `m[i]` and `v[i]` are `len` floats apart,
+    /// often a multiple of 4 KiB (a 64 Ki-float block, or 64 Mi), and a
+    /// load of `v[i]` issued after the store to `m[i]` then looks to the
+    /// CPU like it may depend on it (4K aliasing). Element by element that
+    /// ran 4x slower on this project's AMD EPYC machine (7 GB/s instead of
+    /// 20-30). The arithmetic per element is unchanged.
     fn kernel(&self, params: &mut [f32], grad: &[f32], m: &mut [f32], v: &mut [f32]) {
+        let n = params.len().min(grad.len()).min(m.len()).min(v.len());
+        let (params, grad, m, v) = (&mut params[..n], &grad[..n], &mut m[..n], &mut v[..n]);
+        let mut p_runs = params.chunks_exact_mut(ADAM_RUN);
+        let mut g_runs = grad.chunks_exact(ADAM_RUN);
+        let mut m_runs = m.chunks_exact_mut(ADAM_RUN);
+        let mut v_runs = v.chunks_exact_mut(ADAM_RUN);
+        for (((p, g), m), v) in (&mut p_runs).zip(&mut g_runs).zip(&mut m_runs).zip(&mut v_runs) {
+            let (mut m_run, mut v_run) = ([0f32; ADAM_RUN], [0f32; ADAM_RUN]);
+            m_run.copy_from_slice(m);
+            v_run.copy_from_slice(v);
+            self.elements(p, g, &mut m_run, &mut v_run);
+            v.copy_from_slice(&v_run);
+            m.copy_from_slice(&m_run);
+        }
+        let (p, g) = (p_runs.into_remainder(), g_runs.remainder());
+        self.elements(p, g, m_runs.into_remainder(), v_runs.into_remainder());
+    }
+
+    fn elements(&self, params: &mut [f32], grad: &[f32], m: &mut [f32], v: &mut [f32]) {
         let AdamStep { step_size, inv_bc2, b1, b2, c1, c2, eps } = *self;
         for (((p, &g), m), v) in params.iter_mut().zip(grad).zip(m).zip(v) {
             *m = b1 * *m + c1 * g;
@@ -374,6 +401,9 @@ impl AdamStep {
         }
     }
 }
+
+/// Elements per run of Adam's kernel: the fastest of 8-256 measured.
+const ADAM_RUN: usize = 32;
 
 /// A built-in optimizer and its hyper-parameters, as carried in a job's config.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
@@ -599,6 +629,24 @@ mod tests {
 
     /// Smallest chunk in the split tests, so they run on small blocks.
     const CHUNK: usize = 1000;
+
+    #[test]
+    fn adam_runs_match_element_by_element_bit_for_bit() {
+        let opt = Adam { lr: 0.01, beta1: 0.9, beta2: 0.999, eps: 1e-8 };
+        let step = AdamStep::new(&opt, 3);
+        for n in [0, 1, ADAM_RUN - 1, ADAM_RUN, ADAM_RUN + 1, 3 * ADAM_RUN + 5, 1000] {
+            let (p0, g) = (random(n, 1), random(n, 2));
+            // Slots as the store holds them: one array, m then v.
+            let slots0: Vec<f32> = random(2 * n, 3).iter().map(|x| x.abs()).collect();
+            let (mut p, mut slots) = (p0.clone(), slots0.clone());
+            let (m, v) = two_slots(&mut slots, n);
+            step.kernel(&mut p, &g, m, v);
+            let (mut want_p, mut want_slots) = (p0, slots0);
+            let (m, v) = two_slots(&mut want_slots, n);
+            step.elements(&mut want_p, &g, m, v);
+            assert!(p == want_p && slots == want_slots, "n = {n}");
+        }
+    }
 
     #[test]
     fn parallel_apply_matches_serial_bit_for_bit() {
