@@ -2,24 +2,20 @@
 //! stack: master, 2 pservers and 3 trainers in one process, talking over
 //! QUIC with mutual TLS on 127.0.0.1.
 
+mod support;
+
 use oar::{
     discovery::MemDiscovery,
     pserver::{Mode, OptimizerConfig},
-    trainer::{job::JobConfig, local::run_local, model::ModelConfig},
+    trainer::{job::JobConfig, local::run_local},
     transport::{DevCa, QuicTransport},
 };
 use std::sync::Arc;
 
 fn a1a_config(mode: Mode) -> JobConfig {
-    let dir = env!("CARGO_MANIFEST_DIR");
-    let mut config =
-        JobConfig::new(&format!("{dir}/testdata/a1a"), ModelConfig::Softmax { features: 123, classes: 2 });
-    config.test_data = Some(format!("{dir}/testdata/a1a.t"));
-    config.mode = mode;
-    config.pservers = 2;
+    let mut config = support::a1a_softmax(mode);
     config.passes = 8;
     config.batch_size = 32;
-    config.chunk_bytes = 8 << 10;
     config.optimizer = OptimizerConfig::Sgd { lr: 0.2 };
     config
 }

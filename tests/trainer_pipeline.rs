@@ -6,12 +6,13 @@
 //! others': nothing pushed is lost or applied twice, and every task is
 //! reported once.
 
+mod support;
+
 use oar::{
     discovery::MemDiscovery,
     pserver::{Mode, OptimizerConfig},
     trainer::{
         job::JobConfig,
-        model::ModelConfig,
         role::{self, JobContext, PserverReport, RoleOptions},
         worker::{TrainerReport, MAX_PUSHES_DUE},
     },
@@ -21,17 +22,11 @@ use std::sync::Arc;
 
 /// a1a in 8 KiB tasks (15 per pass), async.
 fn config(push_every: u32) -> JobConfig {
-    let dir = env!("CARGO_MANIFEST_DIR");
-    let mut config =
-        JobConfig::new(&format!("{dir}/testdata/a1a"), ModelConfig::Softmax { features: 123, classes: 2 });
-    config.test_data = Some(format!("{dir}/testdata/a1a.t"));
-    config.mode = Mode::Async;
+    let mut config = support::a1a_softmax(Mode::Async);
     config.push_every = push_every;
     config.pull_every = push_every;
-    config.pservers = 2;
     config.passes = 4;
     config.batch_size = 16;
-    config.chunk_bytes = 8 << 10;
     config.optimizer = OptimizerConfig::Sgd { lr: 0.1 };
     config
 }
@@ -71,11 +66,20 @@ async fn run(config: JobConfig, trainers: usize) -> Outcome {
     outcome
 }
 
-/// Every example trained on was pushed (the trainers push what they hold
-/// before they stop), and every push reached both shards exactly once (an
-/// async shard counts a step per whole push).
-fn assert_every_push_applied_once(o: &Outcome) {
+/// Run the job and check what must hold whatever the timing: the job is
+/// done, every task of every pass was reported and accepted once, every
+/// example trained on was pushed (the trainers push what they hold before
+/// they stop), and every push reached both shards exactly once (an async
+/// shard counts a step per whole push).
+async fn run_and_check(config: JobConfig, trainers: usize) -> Outcome {
+    let tasks = u64::from(config.passes) * TASKS_PER_PASS;
+    let o = run(config, trainers).await;
+    assert_eq!(o.job.state, "done");
+    assert_eq!(o.job.tasks_done, tasks);
+    let finished: u64 = o.trainers.iter().map(|t| t.tasks_finished).sum();
+    assert_eq!(finished, tasks, "every task reported and accepted once: {:?}", o.trainers);
     for t in &o.trainers {
+        assert_eq!(t.tasks_failed, 0, "{t:?}");
         assert_eq!(t.pushed_examples, t.examples, "gradients left unpushed: {t:?}");
     }
     let pushed: u64 = o.trainers.iter().map(|t| t.pushes).sum();
@@ -83,38 +87,26 @@ fn assert_every_push_applied_once(o: &Outcome) {
     for p in &o.pservers {
         assert_eq!(p.steps, pushed, "shard {} applied {} of {pushed} pushes", p.index, p.steps);
     }
+    o
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn one_trainer_overlaps_its_exchanges_and_loses_no_push() {
-    let config = config(1);
-    let passes = u64::from(config.passes);
-    let o = run(config, 1).await;
-    assert_eq!(o.job.state, "done");
-    assert_eq!(o.job.tasks_done, passes * TASKS_PER_PASS);
+    let o = run_and_check(config(1), 1).await;
     let t = &o.trainers[0];
-    assert_eq!(t.tasks_finished, passes * TASKS_PER_PASS, "every task reported and accepted once: {t:?}");
-    assert_eq!(t.tasks_failed, 0);
     // A push waits for the one in flight, taking the batches since with it,
     // up to MAX_PUSHES_DUE of them; never more.
     assert!(t.pushes <= t.batches, "{t:?}");
     assert!(t.pushes >= t.batches.div_ceil(u64::from(MAX_PUSHES_DUE)), "{t:?}");
-    assert_every_push_applied_once(&o);
     assert!(o.job.test_accuracy >= 0.8, "it trains: {}", o.job.test_accuracy);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn three_trainers_with_push_every_two_lose_no_push() {
-    let config = config(2);
-    let passes = u64::from(config.passes);
-    let o = run(config, 3).await;
-    assert_eq!(o.job.state, "done");
-    assert_eq!(o.job.tasks_done, passes * TASKS_PER_PASS);
-    let finished: u64 = o.trainers.iter().map(|t| t.tasks_finished).sum();
-    assert_eq!(finished, passes * TASKS_PER_PASS, "{:?}", o.trainers);
+    let o = run_and_check(config(2), 3).await;
     for t in &o.trainers {
+        // Every 2 batches, or fewer at a task's end; at most 2 * MAX_PUSHES_DUE.
         assert!(t.pushes <= t.batches.div_ceil(2) + t.tasks_finished, "{t:?}");
         assert!(t.pushes >= t.batches.div_ceil(2 * u64::from(MAX_PUSHES_DUE)), "{t:?}");
     }
-    assert_every_push_applied_once(&o);
 }

@@ -26,6 +26,18 @@ pub fn testdata(name: &str) -> String {
     format!("{}/testdata/{name}", env!("CARGO_MANIFEST_DIR"))
 }
 
+/// Softmax regression on a1a, scored on a1a.t, with 2 pservers and 8 KiB
+/// tasks (15 per pass); callers set the rest.
+pub fn a1a_softmax(mode: oar::pserver::Mode) -> oar::trainer::job::JobConfig {
+    let model = oar::trainer::model::ModelConfig::Softmax { features: 123, classes: 2 };
+    let mut config = oar::trainer::job::JobConfig::new(&testdata("a1a"), model);
+    config.test_data = Some(testdata("a1a.t"));
+    config.mode = mode;
+    config.pservers = 2;
+    config.chunk_bytes = 8 << 10;
+    config
+}
+
 /// Poll `cond` until it holds (true) or `timeout` passes (false).
 pub fn wait_until(timeout: Duration, mut cond: impl FnMut() -> bool) -> bool {
     let deadline = Instant::now() + timeout;
