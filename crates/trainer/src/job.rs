@@ -32,7 +32,9 @@ pub struct JobConfig {
     pub passes: u32,
     /// Examples per mini-batch.
     pub batch_size: usize,
-    /// Async: push the accumulated gradient every this many mini-batches.
+    /// Async: push the accumulated gradient every this many mini-batches
+    /// (with overlap, a push due while one is in flight waits for it and
+    /// carries the batches since; see `oar_trainer::worker`).
     pub push_every: u32,
     /// Async: pull the parameters every this many mini-batches.
     pub pull_every: u32,
