@@ -219,7 +219,9 @@ fn a_master_paused_past_its_lease_is_fenced_and_stops_by_itself() {
 #[test]
 fn a_pserver_cut_off_from_etcd_stops_serving_and_is_replaced() {
     let cluster = Cluster::start("partition");
-    let passes = 10;
+    // Enough passes that the job still runs when the cut-off pserver notices
+    // its lost lease and exits (a pass takes a fraction of a second).
+    let passes = 40;
     let proxy = support::Proxy::start(cluster.etcd.client_addr());
     let mut master = cluster.master("master", &job(passes));
     let mut cut_off = cluster.pserver_via("pserver-cut", 0.5, &proxy.url());
@@ -232,6 +234,8 @@ fn a_pserver_cut_off_from_etcd_stops_serving_and_is_replaced() {
     let status = cut_off.wait(LONG).expect("the cut-off pserver stops by itself");
     assert!(!status.success(), "it must exit with an error\n{}", cut_off.dump());
     assert!(cut_off.stderr().contains("stops serving"), "{}", cut_off.dump());
+    // Shard 0 is gone now, so the job cannot end before its replacement serves.
+    assert_running(&mut master);
 
     let replacement = cluster.pserver("pserver-new", 0.5);
     let others: Vec<&Proc> = trainers.iter().chain([&other, &replacement, &cut_off]).collect();

@@ -302,10 +302,16 @@ async fn run_master(
     let placement = placement(&*model, config)?;
     // Scoring skips bad lines; training reports them through its tasks.
     let scoring = ReaderOptions { skip_bad_lines: true, ..config.reader() };
-    let train_set = read_glob(&config.data, &scoring)?;
+    // The training set is read for the final report's train accuracy only
+    // (unless it is also the test set): read it while the job trains, not
+    // before the master serves.
+    let mut train_read = Some({
+        let (data, scoring) = (config.data.clone(), scoring.clone());
+        tokio::task::spawn_blocking(move || read_glob(&data, &scoring))
+    });
     let test_set = match &config.test_data {
         Some(glob) => read_glob(glob, &scoring)?,
-        None => train_set.clone(),
+        None => read_in_background(train_read.take()).await?.unwrap_or_default(),
     };
     let files = glob_files(&config.data)?;
     let chunk_bytes = match config.chunk_bytes {
@@ -373,7 +379,10 @@ async fn run_master(
     let training_seconds = started.elapsed().as_secs_f64();
 
     let test = score(&mut evaluator, &mut params, &*model, &test_set).await?;
-    let train = evaluate(&*model, &params, &train_set, 1024);
+    let train = match read_in_background(train_read).await? {
+        Some(train_set) => evaluate(&*model, &params, &train_set, 1024),
+        None => evaluate(&*model, &params, &test_set, 1024),
+    };
     let report = JobReport {
         state: if state == JobState::Done { "done".into() } else { "failed".into() },
         passes: last.passes.iter().filter(|p| p.tasks_finished > 0).count() as u32,
@@ -489,6 +498,18 @@ async fn run_trainer_role(ctx: &JobContext, options: &RoleOptions) -> Result<Tra
         overlap: true,
     };
     run_trainer(ctx.discovery.clone(), ctx.transport.clone(), model, placement, trainer_options).await
+}
+
+/// The examples a background read gave, if one was started.
+async fn read_in_background(
+    read: Option<tokio::task::JoinHandle<Result<Vec<Example>>>>,
+) -> Result<Option<Vec<Example>>> {
+    match read {
+        None => Ok(None),
+        Some(read) => {
+            read.await.map_err(|e| Error::Panicked(format!("reading the training set: {e}")))?.map(Some)
+        }
+    }
 }
 
 async fn score(
