@@ -274,6 +274,8 @@ pub fn line_number_at(path: &str, offset: u64) -> Result<u64> {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use proptest::prelude::*;
+    use std::io::Write;
 
     #[test]
     fn auto_chunks_aim_at_a_number_of_tasks_within_bounds() {
@@ -286,8 +288,6 @@ mod tests {
         assert_eq!(auto_chunk_bytes(1 << 40), AUTO_CHUNK_MAX);
         assert_eq!(auto_chunk_bytes(u64::MAX), AUTO_CHUNK_MAX);
     }
-    use proptest::prelude::*;
-    use std::io::Write;
 
     fn write_file(dir: &std::path::Path, name: &str, bytes: &[u8]) -> String {
         let path = dir.join(name);

@@ -31,7 +31,7 @@ use crate::{
     job::JobConfig,
     model::{Example, Model},
     reader::{read_glob, ReaderOptions},
-    worker::{run_trainer, TrainerOptions, TrainerReport},
+    worker::{run_trainer, Background, TrainerOptions, TrainerReport},
     Error, Result,
 };
 use oar_discovery::{ChangeSignal, Discovery, JobKeys};
@@ -305,13 +305,13 @@ async fn run_master(
     // The training set is read for the final report's train accuracy only
     // (unless it is also the test set): read it while the job trains, not
     // before the master serves.
-    let mut train_read = Some({
+    let train_read = Background::from({
         let (data, scoring) = (config.data.clone(), scoring.clone());
         tokio::task::spawn_blocking(move || read_glob(&data, &scoring))
     });
-    let test_set = match &config.test_data {
-        Some(glob) => read_glob(glob, &scoring)?,
-        None => read_in_background(train_read.take()).await?.unwrap_or_default(),
+    let (test_set, train_read) = match &config.test_data {
+        Some(glob) => (read_glob(glob, &scoring)?, Some(train_read)),
+        None => (train_read.join().await??, None),
     };
     let files = glob_files(&config.data)?;
     let chunk_bytes = match config.chunk_bytes {
@@ -379,8 +379,8 @@ async fn run_master(
     let training_seconds = started.elapsed().as_secs_f64();
 
     let test = score(&mut evaluator, &mut params, &*model, &test_set).await?;
-    let train = match read_in_background(train_read).await? {
-        Some(train_set) => evaluate(&*model, &params, &train_set, 1024),
+    let train = match train_read {
+        Some(read) => evaluate(&*model, &params, &read.join().await??, 1024),
         None => evaluate(&*model, &params, &test_set, 1024),
     };
     let report = JobReport {
@@ -498,18 +498,6 @@ async fn run_trainer_role(ctx: &JobContext, options: &RoleOptions) -> Result<Tra
         overlap: true,
     };
     run_trainer(ctx.discovery.clone(), ctx.transport.clone(), model, placement, trainer_options).await
-}
-
-/// The examples a background read gave, if one was started.
-async fn read_in_background(
-    read: Option<tokio::task::JoinHandle<Result<Vec<Example>>>>,
-) -> Result<Option<Vec<Example>>> {
-    match read {
-        None => Ok(None),
-        Some(read) => {
-            read.await.map_err(|e| Error::Panicked(format!("reading the training set: {e}")))?.map(Some)
-        }
-    }
 }
 
 async fn score(

@@ -496,9 +496,7 @@ impl Loop {
         let batches = self.report.batches;
         let pull_due = !self.pulled_once || batches % self.options.pull_every as u64 == 0;
         if pull_due && !self.fresh {
-            let mut pservers = self.pservers.lock().await;
-            pservers.forget_steps();
-            pservers.pull(&mut self.params).await?;
+            async_pull(&mut *self.pservers.lock().await, &mut self.params).await?;
             self.pulled_once = true;
         }
         self.fresh = false;
@@ -541,9 +539,7 @@ impl Loop {
         tokio::task::yield_now().await;
         self.collect(false).await?;
         if !self.pulled_once {
-            let mut pservers = self.pservers.lock().await;
-            pservers.forget_steps();
-            pservers.pull(&mut self.params).await?;
+            async_pull(&mut *self.pservers.lock().await, &mut self.params).await?;
             self.pulled_once = true;
         }
         let loss = self.accumulate(batch);
@@ -597,10 +593,7 @@ impl Loop {
             let result = match (push, pull) {
                 (true, true) => pservers.push_pull(&sum, weight, &mut params).await,
                 (true, false) => pservers.push(&sum, weight).await.map(|_| ()),
-                (false, _) => {
-                    pservers.forget_steps();
-                    pservers.pull(&mut params).await
-                }
+                (false, _) => async_pull(&mut pservers, &mut params).await,
             };
             drop(pservers);
             (sum, params, result)
@@ -633,6 +626,15 @@ impl Loop {
         self.ready.extend(reports);
         Ok(())
     }
+}
+
+/// An async pull: it never waits for a step.
+async fn async_pull(
+    pservers: &mut PserverClient,
+    params: &mut ParamBuf,
+) -> std::result::Result<(), oar_pserver::Error> {
+    pservers.forget_steps();
+    pservers.pull(params).await
 }
 
 /// The master's answer to a trainer asking for a task, with the task's
@@ -674,12 +676,12 @@ async fn read_task(task: &TaskSpec, reader: ReaderOptions) -> Result<(Vec<Exampl
     .await?
 }
 
-/// A spawned task that is aborted when dropped, so that a trainer that
-/// stops leaves nothing running behind it.
-struct Background<T>(tokio::task::JoinHandle<T>);
+/// A spawned task that is aborted when dropped, so that a role that stops
+/// leaves nothing running behind it.
+pub(crate) struct Background<T>(tokio::task::JoinHandle<T>);
 
 impl<T: Send + 'static> Background<T> {
-    fn spawn(future: impl std::future::Future<Output = T> + Send + 'static) -> Self {
+    pub(crate) fn spawn(future: impl std::future::Future<Output = T> + Send + 'static) -> Self {
         Self(tokio::spawn(future))
     }
 }
@@ -695,8 +697,8 @@ impl<T> Background<T> {
         self.0.is_finished()
     }
 
-    async fn join(mut self) -> Result<T> {
-        (&mut self.0).await.map_err(|e| Error::Panicked(format!("a trainer's background task: {e}")))
+    pub(crate) async fn join(mut self) -> Result<T> {
+        (&mut self.0).await.map_err(|e| Error::Panicked(format!("a background task: {e}")))
     }
 }
 
