@@ -42,7 +42,10 @@ use oar_discovery::{Discovery, JobKeys, LeaseGuard, Session};
 use oar_pserver::{Mode, ParamBuf, Placement, PserverClient, PushResult};
 use oar_task_queue::{MasterClient, ReportReply, TaskRef, TaskReply, TaskSpec, TaskStats};
 use oar_transport::{RetryPolicy, Transport};
-use std::{sync::Arc, time::Duration};
+use std::{
+    sync::Arc,
+    time::{Duration, Instant},
+};
 use tracing::Instrument;
 
 /// How a trainer runs.
@@ -159,6 +162,7 @@ pub async fn run_trainer(
             unpushed: Vec::new(),
             since_push: 0,
             since_pull: 0,
+            last_yield: Instant::now(),
         }),
         ready: Vec::new(),
         reporting: None,
@@ -213,6 +217,15 @@ pub const OVERLAP_MAX_BYTES: usize = 64 << 20;
 /// many batches times `push_every`.
 pub const MAX_PUSHES_DUE: u32 = 4;
 
+/// With overlap, the training loop lets the runtime run its other tasks
+/// (the exchange in flight, the reports, the other roles of a one-process
+/// job) once this much time has passed since it last did, rather than after
+/// every batch: a yield costs the runtime a round of its queues and I/O
+/// driver, which at ~10 µs per batch took 0.65 -> 0.80 of the plain loop's
+/// speed (BENCHMARKS.md, end to end). Half a loopback round trip, so an
+/// exchange that completes waits at most that long to be taken.
+const YIELD_EVERY: Duration = Duration::from_micros(50);
+
 struct Loop {
     model: Arc<dyn Model>,
     options: TrainerOptions,
@@ -261,6 +274,8 @@ struct Overlapped {
     /// Batches since the last push and since the last pull.
     since_push: u32,
     since_pull: u32,
+    /// When the loop last let the runtime run other tasks.
+    last_yield: Instant,
 }
 
 /// A task's report and the master's answer.
@@ -536,7 +551,12 @@ impl Loop {
     async fn overlapped_step(&mut self, batch: &[Example]) -> Result<f32> {
         // Nothing below waits while an exchange travels: let the runtime run
         // it (and the other roles of a one-process job) between batches.
-        tokio::task::yield_now().await;
+        if self.overlapped.as_ref().is_some_and(|o| o.last_yield.elapsed() >= YIELD_EVERY) {
+            tokio::task::yield_now().await;
+            if let Some(o) = &mut self.overlapped {
+                o.last_yield = Instant::now();
+            }
+        }
         self.collect(false).await?;
         if !self.pulled_once {
             async_pull(&mut *self.pservers.lock().await, &mut self.params).await?;
