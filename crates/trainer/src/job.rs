@@ -16,7 +16,9 @@ use std::time::Duration;
 pub struct JobConfig {
     /// Training data: a glob of files.
     pub data: String,
-    /// Held-out data for evaluation: a glob of files (none: evaluate on the training data).
+    /// Held-out data for evaluation, read whole by the master: a glob of
+    /// files (none: evaluate on the training data, or on a sample of it,
+    /// see [`crate::role::TRAIN_SAMPLE_BYTES`]).
     pub test_data: Option<String>,
     /// How lines are parsed.
     pub format: Format,

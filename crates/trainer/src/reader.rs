@@ -215,9 +215,35 @@ fn locate(path: &str, offset: u64, reason: String) -> (u64, String) {
 pub fn read_glob(pattern: &str, opts: &ReaderOptions) -> Result<Vec<Example>> {
     let chunks = oar_task_queue::chunks_from_glob(pattern, WHOLE_FILE)
         .map_err(|e| Error::Chunk(format!("pattern {pattern:?}: {e}")))?;
+    read_chunks(pattern, &chunks, opts)
+}
+
+/// Reads the files matching `pattern` whole if they hold at most
+/// `max_bytes`; otherwise an evenly spread sample of them: pieces of
+/// [`SAMPLE_PIECE_BYTES`] (whole lines, as a task's chunk), taken at even
+/// steps from the first file to the last, about `max_bytes` in all. The
+/// sample is the same every time. For scoring a training set that need not
+/// fit in memory; errors as [`read_glob`].
+pub fn read_sample(pattern: &str, opts: &ReaderOptions, max_bytes: u64) -> Result<Vec<Example>> {
+    let files =
+        oar_task_queue::glob_files(pattern).map_err(|e| Error::Chunk(format!("pattern {pattern:?}: {e}")))?;
+    if files.iter().map(|(_, len)| len).sum::<u64>() <= max_bytes {
+        return read_glob(pattern, opts);
+    }
+    let pieces = oar_task_queue::chunk_files(&files, SAMPLE_PIECE_BYTES)
+        .map_err(|e| Error::Chunk(format!("pattern {pattern:?}: {e}")))?;
+    let take = (max_bytes / SAMPLE_PIECE_BYTES).clamp(1, pieces.len() as u64) as usize;
+    let sample: Vec<Chunk> = (0..take).map(|i| pieces[i * pieces.len() / take].clone()).collect();
+    read_chunks(pattern, &sample, opts)
+}
+
+/// The pieces [`read_sample`] takes, bytes.
+pub const SAMPLE_PIECE_BYTES: u64 = 1 << 20;
+
+fn read_chunks(pattern: &str, chunks: &[Chunk], opts: &ReaderOptions) -> Result<Vec<Example>> {
     let mut examples = Vec::new();
     let mut skipped = 0;
-    for chunk in &chunks {
+    for chunk in chunks {
         let data = read_chunk(chunk, opts)?;
         examples.extend(data.examples);
         skipped += data.skipped;
@@ -374,6 +400,34 @@ mod tests {
         let pattern = format!("{}/*.libsvm", dir.path().display());
         let examples = read_glob(&pattern, &opts(Format::Libsvm, 2, 2)).unwrap();
         assert!(examples.is_empty());
+    }
+
+    #[test]
+    fn read_sample_takes_whole_lines_spread_over_the_files() {
+        let dir = tempfile::tempdir().unwrap();
+        // Two files of 3-4 MiB; label = file, feature 1 = line number.
+        let lines = 320_000;
+        for (file, name) in ["a.libsvm", "b.libsvm"].iter().enumerate() {
+            let text: String = (0..lines).map(|i| format!("{file} 1:{}\n", i + 1)).collect();
+            assert!(text.len() as u64 > 3 * SAMPLE_PIECE_BYTES);
+            temp_file(&dir, name, &text);
+        }
+        let pattern = format!("{}/*.libsvm", dir.path().display());
+        let o = opts(Format::Libsvm, 1, 2);
+        let whole = read_glob(&pattern, &o).unwrap();
+        assert_eq!(read_sample(&pattern, &o, u64::MAX).unwrap(), whole);
+
+        let sample = read_sample(&pattern, &o, 2 * SAMPLE_PIECE_BYTES).unwrap();
+        // Two pieces of 1 MiB out of 8: the first of each file.
+        let per_line = (2 * SAMPLE_PIECE_BYTES) as f64 / sample.len() as f64;
+        assert!((9.0..=14.0).contains(&per_line), "{} examples", sample.len());
+        for file in 0..2 {
+            let numbers: Vec<f32> =
+                sample.iter().filter(|e| e.label == file).map(|e| e.features[0].1).collect();
+            assert!(!numbers.is_empty(), "nothing from file {file}");
+            let expected: Vec<f32> = (1..=numbers.len()).map(|i| i as f32).collect();
+            assert_eq!(numbers, expected, "file {file}: a run of whole lines from its start");
+        }
     }
 
     #[test]

@@ -24,13 +24,16 @@
 //! The master scores the model on the held-out data at the end of each pass
 //! by pulling the parameters like any client. Trainers keep training
 //! meanwhile, so the parameters scored at the end of pass p may already
-//! include a few updates of pass p+1.
+//! include a few updates of pass p+1. The final report's train accuracy is
+//! measured on the training data if it holds at most [`TRAIN_SAMPLE_BYTES`],
+//! else on an evenly spread sample of that size ([`read_sample`]), so the
+//! master's memory does not grow with the dataset.
 
 use crate::{
     eval::{evaluate, Evaluation},
     job::JobConfig,
     model::{Example, Model},
-    reader::{read_glob, ReaderOptions},
+    reader::{read_glob, read_sample, ReaderOptions},
     worker::{run_trainer, Background, TrainerOptions, TrainerReport},
     Error, Result,
 };
@@ -205,7 +208,8 @@ pub struct JobReport {
     pub passes: u32,
     /// Mean training loss of the last pass.
     pub final_loss: f64,
-    /// Accuracy of the final model on the training data.
+    /// Accuracy of the final model on the training data (on an evenly
+    /// spread sample of [`TRAIN_SAMPLE_BYTES`] if the data is larger).
     pub train_accuracy: f32,
     /// Accuracy of the final model on the held-out data.
     pub test_accuracy: f32,
@@ -251,6 +255,11 @@ pub async fn read_config(discovery: &dyn Discovery, job: &str, timeout: Duration
         changed.wait(Duration::from_millis(100)).await;
     }
 }
+
+/// The most training data the master reads to score the final model's
+/// train accuracy (and, without held-out data, each pass): above it, an
+/// evenly spread sample of this size.
+pub const TRAIN_SAMPLE_BYTES: u64 = 64 << 20;
 
 /// The job's final report, if the master wrote it.
 pub async fn read_result(discovery: &dyn Discovery, job: &str) -> Result<Option<JobReport>> {
@@ -304,10 +313,10 @@ async fn run_master(
     let scoring = ReaderOptions { skip_bad_lines: true, ..config.reader() };
     // The training set is read for the final report's train accuracy only
     // (unless it is also the test set): read it while the job trains, not
-    // before the master serves.
+    // before the master serves, and a sample of it only if it is large.
     let train_read = Background::from({
         let (data, scoring) = (config.data.clone(), scoring.clone());
-        tokio::task::spawn_blocking(move || read_glob(&data, &scoring))
+        tokio::task::spawn_blocking(move || read_sample(&data, &scoring, TRAIN_SAMPLE_BYTES))
     });
     let (test_set, train_read) = match &config.test_data {
         Some(glob) => (read_glob(glob, &scoring)?, Some(train_read)),
