@@ -27,6 +27,11 @@
 //!   exchange older than without overlap, and a slow network makes pushes
 //!   carry more batches instead of stalling training. Sync mode cannot
 //!   overlap (each step waits for every trainer's push by design).
+//!   Training runs on the runtime's threads, so between batches the loop
+//!   yields to the exchange and the other tasks once [`YIELD_EVERY`] has
+//!   passed since it last did: often enough that an exchange that completes
+//!   is taken within half a round trip, rarely enough that small batches are
+//!   not slowed by a round of the runtime's queues each.
 //!
 //! Order is kept where it matters: a task is reported only after the
 //! exchange that pushes its last gradients has been applied, and before
@@ -219,12 +224,13 @@ pub const MAX_PUSHES_DUE: u32 = 4;
 
 /// With overlap, the training loop lets the runtime run its other tasks
 /// (the exchange in flight, the reports, the other roles of a one-process
-/// job) once this much time has passed since it last did, rather than after
-/// every batch: a yield costs the runtime a round of its queues and I/O
-/// driver, which at ~10 µs per batch took 0.65 -> 0.80 of the plain loop's
-/// speed (BENCHMARKS.md, end to end). Half a loopback round trip, so an
-/// exchange that completes waits at most that long to be taken.
-const YIELD_EVERY: Duration = Duration::from_micros(50);
+/// job) once this much time has passed since it last did. Yielding after
+/// every batch instead cost a round of the runtime's queues per ~10 µs
+/// batch: one a1a trainer ran at 0.51-0.67 of the plain loop against
+/// 0.61-0.86 this way, in paired runs (BENCHMARKS.md, end to end). Half a
+/// loopback round trip: an exchange that completes waits at most about
+/// that long to be taken.
+pub const YIELD_EVERY: Duration = Duration::from_micros(50);
 
 struct Loop {
     model: Arc<dyn Model>,
