@@ -61,12 +61,8 @@ impl Grad {
     /// The first value that is NaN or infinite, with its index.
     fn first_non_finite(&self) -> Option<(usize, f32)> {
         match self {
-            Grad::Floats(v) => v.iter().position(|x| !x.is_finite()).map(|i| (i, v[i])),
-            Grad::Wire(b) => b
-                .chunks_exact(4)
-                .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
-                .enumerate()
-                .find(|(_, x)| !x.is_finite()),
+            Grad::Floats(v) => first_non_finite(&oar_transport::f32s_as_le_bytes(v)),
+            Grad::Wire(b) => first_non_finite(b),
         }
     }
 
@@ -87,6 +83,30 @@ impl Grad {
             },
         }
     }
+}
+
+/// The first of the little-endian `f32` in `bytes` that is NaN or infinite,
+/// with its index. Every push is checked before anything is applied, so
+/// this reads every gradient once more: it scans runs of 64 values with a
+/// branch-free maximum of their exponent and mantissa bits (which the
+/// compiler vectorises) and looks at single values only in the run that
+/// has one. An element-by-element search took 6-7% of a pserver's CPU in
+/// `bench_push_pull`.
+fn first_non_finite(bytes: &[u8]) -> Option<(usize, f32)> {
+    const RUN: usize = 64;
+    const ABS: u32 = 0x7fff_ffff;
+    const INFINITY: u32 = 0x7f80_0000;
+    let value = |c: &[u8]| u32::from_le_bytes([c[0], c[1], c[2], c[3]]);
+    for (r, run) in bytes.chunks(RUN * 4).enumerate() {
+        let worst = run.chunks_exact(4).fold(0, |worst, c| worst.max(value(c) & ABS));
+        if worst >= INFINITY {
+            return run
+                .chunks_exact(4)
+                .position(|c| value(c) & ABS >= INFINITY)
+                .map(|i| (r * RUN + i, f32::from_bits(value(&run[i * 4..]))));
+        }
+    }
+    None
 }
 
 /// One trainer's gradients for some or all of the blocks a server holds.
@@ -626,6 +646,37 @@ fn axpy(a: &mut [f32], w: f32, g: &[f32]) {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn first_non_finite_finds_the_first_bad_value_across_runs() {
+        let scalar = |v: &[f32]| v.iter().position(|x| !x.is_finite()).map(|i| (i, v[i]));
+        for len in [0, 1, 63, 64, 65, 200] {
+            let mut v: Vec<f32> = (0..len).map(|i| (i as f32 - 100.0) * 1e30).collect();
+            v.iter_mut().step_by(7).for_each(|x| *x = f32::MAX);
+            if len > 0 {
+                v[len / 2] = -f32::MIN_POSITIVE / 2.0; // subnormal: finite
+            }
+            assert_eq!(Grad::Floats(v.clone()).first_non_finite(), None, "len {len}");
+            for at in [0, 62, 63, 64, 65, 127, 128, 199].into_iter().filter(|&at| at < len) {
+                for bad in [f32::INFINITY, f32::NEG_INFINITY] {
+                    let mut w = v.clone();
+                    w[at] = bad;
+                    if at + 3 < len {
+                        w[at + 3] = f32::NAN;
+                    }
+                    let expected = scalar(&w);
+                    assert_eq!(expected, Some((at, bad)));
+                    assert_eq!(Grad::Floats(w.clone()).first_non_finite(), expected, "len {len} at {at}");
+                    let wire = Grad::Wire(oar_transport::f32s_to_bytes(&w));
+                    assert_eq!(wire.first_non_finite(), expected, "wire, len {len} at {at}");
+                }
+                let mut w = v.clone();
+                w[at] = f32::NAN;
+                let found = Grad::Wire(oar_transport::f32s_to_bytes(&w)).first_non_finite();
+                assert!(matches!(found, Some((i, x)) if i == at && x.is_nan()), "{found:?}");
+            }
+        }
+    }
     use crate::optimizer::{Adam, Sgd};
     use crate::spec::{Init, ParamBuf, ParamSpec};
 
