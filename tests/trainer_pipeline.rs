@@ -8,17 +8,25 @@
 
 mod support;
 
+use oar::pserver::{ParamBuf, ParamSpec};
 use oar::{
     discovery::MemDiscovery,
     pserver::{Mode, OptimizerConfig},
     trainer::{
         job::JobConfig,
+        model::{Example, Model},
         role::{self, JobContext, PserverReport, RoleOptions},
         worker::{TrainerReport, MAX_PUSHES_DUE},
     },
     transport::{DevCa, QuicTransport},
 };
-use std::sync::Arc;
+use std::{
+    sync::{
+        atomic::{AtomicU64, Ordering},
+        Arc,
+    },
+    time::Duration,
+};
 
 /// a1a in 8 KiB tasks (15 per pass), async.
 fn config(push_every: u32) -> JobConfig {
@@ -39,10 +47,11 @@ struct Outcome {
     trainers: Vec<TrainerReport>,
 }
 
-async fn run(config: JobConfig, trainers: usize) -> Outcome {
+async fn run(config: JobConfig, trainers: usize, model: Option<Arc<dyn Model>>) -> Outcome {
     let transport =
         Arc::new(QuicTransport::new(DevCa::new().unwrap().tls_config("pipeline").unwrap()).unwrap());
-    let ctx = JobContext::new("pipeline", Arc::new(MemDiscovery::new()), transport, "127.0.0.1:0");
+    let mut ctx = JobContext::new("pipeline", Arc::new(MemDiscovery::new()), transport, "127.0.0.1:0");
+    ctx.plugins.model = model;
     let pservers: Vec<_> = (0..config.pservers)
         .map(|i| {
             let ctx = ctx.clone();
@@ -71,9 +80,9 @@ async fn run(config: JobConfig, trainers: usize) -> Outcome {
 /// example trained on was pushed (the trainers push what they hold before
 /// they stop), and every push reached both shards exactly once (an async
 /// shard counts a step per whole push).
-async fn run_and_check(config: JobConfig, trainers: usize) -> Outcome {
+async fn run_and_check(config: JobConfig, trainers: usize, model: Option<Arc<dyn Model>>) -> Outcome {
     let tasks = u64::from(config.passes) * TASKS_PER_PASS;
-    let o = run(config, trainers).await;
+    let o = run(config, trainers, model).await;
     assert_eq!(o.job.state, "done");
     assert_eq!(o.job.tasks_done, tasks);
     let finished: u64 = o.trainers.iter().map(|t| t.tasks_finished).sum();
@@ -92,7 +101,7 @@ async fn run_and_check(config: JobConfig, trainers: usize) -> Outcome {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn one_trainer_overlaps_its_exchanges_and_loses_no_push() {
-    let o = run_and_check(config(1), 1).await;
+    let o = run_and_check(config(1), 1, None).await;
     let t = &o.trainers[0];
     // A push waits for the one in flight, taking the batches since with it,
     // up to MAX_PUSHES_DUE of them; never more.
@@ -103,10 +112,58 @@ async fn one_trainer_overlaps_its_exchanges_and_loses_no_push() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn three_trainers_with_push_every_two_lose_no_push() {
-    let o = run_and_check(config(2), 3).await;
+    let o = run_and_check(config(2), 3, None).await;
     for t in &o.trainers {
         // Every 2 batches, or fewer at a task's end; at most 2 * MAX_PUSHES_DUE.
         assert!(t.pushes <= t.batches.div_ceil(2) + t.tasks_finished, "{t:?}");
         assert!(t.pushes >= t.batches.div_ceil(2 * u64::from(MAX_PUSHES_DUE)), "{t:?}");
     }
+}
+
+/// The job's softmax model, but every `every`-th gradient blocks its thread
+/// for `pause`: a trainer kept from running, as on a busy machine.
+struct Stalling {
+    inner: Box<dyn Model>,
+    calls: AtomicU64,
+    every: u64,
+    pause: Duration,
+}
+
+impl Model for Stalling {
+    fn param_specs(&self) -> Vec<ParamSpec> {
+        self.inner.param_specs()
+    }
+    fn features(&self) -> usize {
+        self.inner.features()
+    }
+    fn classes(&self) -> usize {
+        self.inner.classes()
+    }
+    fn loss_and_grad(&self, params: &ParamBuf, batch: &[Example], grads: &mut ParamBuf) -> f32 {
+        if (self.calls.fetch_add(1, Ordering::Relaxed) + 1) % self.every == 0 {
+            std::thread::sleep(self.pause);
+        }
+        self.inner.loss_and_grad(params, batch, grads)
+    }
+    fn predict(&self, params: &ParamBuf, batch: &[Example], out: &mut Vec<u32>) -> f32 {
+        self.inner.predict(params, batch, out)
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_trainer_kept_from_running_pulls_before_training_on() {
+    let config = config(1);
+    let model = Stalling {
+        inner: config.model.build().unwrap(),
+        calls: AtomicU64::new(0),
+        every: 40,
+        pause: Duration::from_millis(30),
+    };
+    let o = run_and_check(config, 1, Some(Arc::new(model))).await;
+    let t = &o.trainers[0];
+    // About 10 pauses of 30 ms, each far longer than an exchange of this
+    // model: the parameters pulled before one are stale after it.
+    assert!(t.stale_pulls >= 1, "no stale parameters noticed: {t:?}");
+    assert!(t.stale_pulls <= t.batches, "{t:?}");
+    assert!(o.job.test_accuracy >= 0.8, "it trains: {}", o.job.test_accuracy);
 }

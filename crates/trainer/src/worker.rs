@@ -31,7 +31,12 @@
 //!   yields to the exchange and the other tasks once [`YIELD_EVERY`] has
 //!   passed since it last did: often enough that an exchange that completes
 //!   is taken within half a round trip, rarely enough that small batches are
-//!   not slowed by a round of the runtime's queues each.
+//!   not slowed by a round of the runtime's queues each. On a busy machine
+//!   a trainer can be kept from running for milliseconds while the others
+//!   push; parameters pulled longer ago than a few exchanges' time
+//!   ([`STALE_AFTER_MIN`]) are pulled again before the next batch, so no
+//!   gradient is computed on parameters that far behind (without this, a1a
+//!   under load sometimes ended at 77-81% instead of 83-84%).
 //!
 //! Order is kept where it matters: a task is reported only after the
 //! exchange that pushes its last gradients has been applied, and before
@@ -105,6 +110,9 @@ pub struct TrainerReport {
     /// Async: examples whose gradients were pushed; all of them once the
     /// trainer has stopped well.
     pub pushed_examples: u64,
+    /// Async with overlap: times the parameters at hand were found stale
+    /// and pulled again before training went on (see [`STALE_AFTER_MIN`]).
+    pub stale_pulls: u64,
     /// Sum of per-example losses.
     pub loss_sum: f64,
     /// Bad lines skipped (with `skip_bad_lines`).
@@ -168,6 +176,8 @@ pub async fn run_trainer(
             since_push: 0,
             since_pull: 0,
             last_yield: Instant::now(),
+            pulled_at: Instant::now(),
+            last_exchange: Duration::ZERO,
         }),
         ready: Vec::new(),
         reporting: None,
@@ -232,6 +242,14 @@ pub const MAX_PUSHES_DUE: u32 = 4;
 /// that long to be taken.
 pub const YIELD_EVERY: Duration = Duration::from_micros(50);
 
+/// With overlap, parameters pulled longer ago than four times the last
+/// exchange's duration, and at least this long ago, are stale: the trainer
+/// waits for a pull before it trains on. An exchange of a small model takes
+/// 0.1-0.2 ms on loopback, so only a trainer kept from running (a busy
+/// machine, a long wait for the master) reaches this age; large models
+/// scale the bound with their own exchange time.
+pub const STALE_AFTER_MIN: Duration = Duration::from_millis(2);
+
 struct Loop {
     model: Arc<dyn Model>,
     options: TrainerOptions,
@@ -282,18 +300,36 @@ struct Overlapped {
     since_pull: u32,
     /// When the loop last let the runtime run other tasks.
     last_yield: Instant,
+    /// When the parameters at hand were pulled.
+    pulled_at: Instant,
+    /// How long the last exchange took, start to end.
+    last_exchange: Duration,
 }
 
 /// A task's report and the master's answer.
 type Reported = (TaskRef, ReportReply);
 
+/// What an exchange gives back: the gradient buffer, the parameter buffer,
+/// its outcome and when it ended.
+type Exchanged = (ParamBuf, ParamBuf, std::result::Result<(), oar_pserver::Error>, Instant);
+
 struct InFlight {
     /// Gives back the buffers, and the exchange's outcome.
-    done: Background<(ParamBuf, ParamBuf, std::result::Result<(), oar_pserver::Error>)>,
+    done: Background<Exchanged>,
+    /// When it started.
+    started: Instant,
     /// Whether it brings parameters back.
     pulls: bool,
     /// Tasks whose last gradients it pushes.
     reports: Vec<(TaskRef, TaskStats)>,
+}
+
+impl Overlapped {
+    /// Parameters pulled longer ago than this are stale: a few exchanges'
+    /// time, at least [`STALE_AFTER_MIN`].
+    fn stale_after(&self) -> Duration {
+        (self.last_exchange * 4).max(STALE_AFTER_MIN)
+    }
 }
 
 impl Loop {
@@ -567,6 +603,19 @@ impl Loop {
         if !self.pulled_once {
             async_pull(&mut *self.pservers.lock().await, &mut self.params).await?;
             self.pulled_once = true;
+            if let Some(o) = &mut self.overlapped {
+                o.pulled_at = Instant::now();
+            }
+        }
+        if let Some(o) = self.overlapped.as_mut().filter(|o| o.pulled_at.elapsed() > o.stale_after()) {
+            // The loop was kept from running (a busy machine) long enough
+            // for the parameters at hand to fall behind the other trainers'
+            // pushes: pull before training on them, with a push if one is due.
+            o.since_pull = self.options.pull_every;
+            self.report.stale_pulls += 1;
+            self.collect(true).await?;
+            self.start_exchange(false);
+            self.collect(true).await?;
         }
         let loss = self.accumulate(batch);
         let Some(o) = &mut self.overlapped else {
@@ -622,11 +671,11 @@ impl Loop {
                 (false, _) => async_pull(&mut pservers, &mut params).await,
             };
             drop(pservers);
-            (sum, params, result)
+            (sum, params, result, Instant::now())
         };
         let done = Background::spawn(exchange.instrument(tracing::Span::current()));
         if let Some(o) = &mut self.overlapped {
-            o.in_flight = Some(InFlight { done, pulls: pull, reports });
+            o.in_flight = Some(InFlight { done, started: Instant::now(), pulls: pull, reports });
         }
     }
 
@@ -641,11 +690,15 @@ impl Loop {
             Some(f) if wait || f.done.is_finished() => {}
             _ => return Ok(()),
         }
-        let Some(InFlight { done, pulls, reports }) = o.in_flight.take() else {
+        let Some(InFlight { done, started, pulls, reports }) = o.in_flight.take() else {
             return Ok(());
         };
-        let (mut sum, params, result) = done.join().await?;
+        let (mut sum, params, result, ended) = done.join().await?;
         result?;
+        o.last_exchange = ended.saturating_duration_since(started);
+        if pulls {
+            o.pulled_at = ended;
+        }
         sum.fill(0.0);
         let params = if pulls { std::mem::replace(&mut self.params, params) } else { params };
         o.spare = Some((sum, params));
