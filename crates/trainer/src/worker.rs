@@ -33,10 +33,11 @@
 //!   is taken within half a round trip, rarely enough that small batches are
 //!   not slowed by a round of the runtime's queues each. On a busy machine
 //!   a trainer can be kept from running for milliseconds while the others
-//!   push; parameters pulled longer ago than a few exchanges' time
-//!   ([`STALE_AFTER_MIN`]) are pulled again before the next batch, so no
-//!   gradient is computed on parameters that far behind (without this, a1a
-//!   under load sometimes ended at 77-81% instead of 83-84%).
+//!   push; parameters pulled longer ago than twice the age the loop's own
+//!   pace gives them ([`STALE_AFTER_MIN`]) are pulled again before the
+//!   next batch, so no gradient is computed on parameters that far behind
+//!   (without this, a1a under load sometimes ended at 77-81% instead of
+//!   83-84%).
 //!
 //! Order is kept where it matters: a task is reported only after the
 //! exchange that pushes its last gradients has been applied, and before
@@ -178,6 +179,7 @@ pub async fn run_trainer(
             last_yield: Instant::now(),
             pulled_at: Instant::now(),
             last_exchange: Duration::ZERO,
+            batch_time: Duration::ZERO,
         }),
         ready: Vec::new(),
         reporting: None,
@@ -242,12 +244,13 @@ pub const MAX_PUSHES_DUE: u32 = 4;
 /// that long to be taken.
 pub const YIELD_EVERY: Duration = Duration::from_micros(50);
 
-/// With overlap, parameters pulled longer ago than four times the last
-/// exchange's duration, and at least this long ago, are stale: the trainer
-/// waits for a pull before it trains on. An exchange of a small model takes
-/// 0.1-0.2 ms on loopback, so only a trainer kept from running (a busy
-/// machine, a long wait for the master) reaches this age; large models
-/// scale the bound with their own exchange time.
+/// With overlap, parameters pulled longer ago than twice the age the
+/// loop's own pace gives them (the last exchange's duration plus the
+/// batches trained before the next pull), and at least this long ago, are
+/// stale: the trainer waits for a pull before it trains on. An exchange of
+/// a small model takes 0.1-0.2 ms on loopback, so only a trainer kept from
+/// running (a busy machine, a long wait for the master) reaches this age;
+/// larger models and slower batches scale the bound with their own pace.
 pub const STALE_AFTER_MIN: Duration = Duration::from_millis(2);
 
 struct Loop {
@@ -304,6 +307,8 @@ struct Overlapped {
     pulled_at: Instant,
     /// How long the last exchange took, start to end.
     last_exchange: Duration,
+    /// How long a batch takes to train (a moving average).
+    batch_time: Duration,
 }
 
 /// A task's report and the master's answer.
@@ -325,10 +330,14 @@ struct InFlight {
 }
 
 impl Overlapped {
-    /// Parameters pulled longer ago than this are stale: a few exchanges'
-    /// time, at least [`STALE_AFTER_MIN`].
-    fn stale_after(&self) -> Duration {
-        (self.last_exchange * 4).max(STALE_AFTER_MIN)
+    /// Parameters pulled longer ago than this are stale: twice the age the
+    /// loop's own pace gives them (an exchange, plus the batches trained
+    /// while pushes are due and until the next pull), at least
+    /// [`STALE_AFTER_MIN`].
+    fn stale_after(&self, push_every: u32, pull_every: u32) -> Duration {
+        let batches = MAX_PUSHES_DUE.saturating_mul(push_every).saturating_add(pull_every);
+        let paced = self.last_exchange.saturating_add(self.batch_time.saturating_mul(batches));
+        paced.saturating_mul(2).max(STALE_AFTER_MIN)
     }
 }
 
@@ -607,7 +616,9 @@ impl Loop {
                 o.pulled_at = Instant::now();
             }
         }
-        if let Some(o) = self.overlapped.as_mut().filter(|o| o.pulled_at.elapsed() > o.stale_after()) {
+        let (push_every, pull_every) = (self.options.push_every, self.options.pull_every);
+        let stale = |o: &Overlapped| o.pulled_at.elapsed() > o.stale_after(push_every, pull_every);
+        if let Some(o) = self.overlapped.as_mut().filter(|o| stale(o)) {
             // The loop was kept from running (a busy machine) long enough
             // for the parameters at hand to fall behind the other trainers'
             // pushes: pull before training on them, with a push if one is due.
@@ -617,10 +628,12 @@ impl Loop {
             self.start_exchange(false);
             self.collect(true).await?;
         }
+        let started = Instant::now();
         let loss = self.accumulate(batch);
         let Some(o) = &mut self.overlapped else {
             return Ok(loss);
         };
+        o.batch_time = (o.batch_time * 7 + started.elapsed()) / 8;
         o.since_push = o.since_push.saturating_add(1);
         o.since_pull = o.since_pull.saturating_add(1);
         if o.since_push >= self.options.push_every.saturating_mul(MAX_PUSHES_DUE) {
