@@ -14,7 +14,7 @@ use oar_discovery::{Discovery, JobKeys, LeaseGuard, Session, TrainerDepartures};
 use oar_transport::{Frame, Handler, Listener, RemoteError, Transport};
 use std::{
     path::PathBuf,
-    sync::{Arc, Mutex, MutexGuard, OnceLock, PoisonError},
+    sync::{Arc, Mutex, MutexGuard, OnceLock, PoisonError, TryLockError},
     time::Duration,
 };
 use tokio::sync::{watch, Notify};
@@ -210,7 +210,28 @@ impl Shared {
             return Err(RemoteError::unavailable(format!("pserver stopped serving: {why}")));
         }
         let store = self.store.get().ok_or_else(|| RemoteError::unavailable("pserver is starting"))?;
-        Ok(store.lock().unwrap_or_else(PoisonError::into_inner))
+        Ok(lock_store(store))
+    }
+}
+
+/// Lock the store from a task on the runtime. The lock is held for as long
+/// as a part is applied or copied out, and for a whole checkpoint (seconds
+/// for a large model): blocking a runtime thread that long would stall
+/// everything else it runs, down to the QUIC drivers and the lease's
+/// keep-alive, so that connections time out and the lease can lapse. So a
+/// lock that is taken waits with `block_in_place` (on a multi-thread
+/// runtime), which hands the thread's other tasks to another thread first.
+fn lock_store(store: &Mutex<ParamStore>) -> MutexGuard<'_, ParamStore> {
+    match store.try_lock() {
+        Ok(guard) => guard,
+        Err(TryLockError::Poisoned(poisoned)) => poisoned.into_inner(),
+        Err(TryLockError::WouldBlock) => {
+            let lock = || store.lock().unwrap_or_else(PoisonError::into_inner);
+            match tokio::runtime::Handle::try_current().map(|h| h.runtime_flavor()) {
+                Ok(tokio::runtime::RuntimeFlavor::MultiThread) => tokio::task::block_in_place(lock),
+                _ => lock(),
+            }
+        }
     }
 }
 
@@ -325,7 +346,7 @@ impl Pserver {
 
     /// Updates applied so far.
     pub fn step(&self) -> u64 {
-        self.shared.store.get().map(|s| s.lock().unwrap_or_else(PoisonError::into_inner).step()).unwrap_or(0)
+        self.shared.store.get().map(|s| lock_store(s).step()).unwrap_or(0)
     }
 
     /// Why the pserver stopped serving, if it did (lost lease).
@@ -367,7 +388,8 @@ const CHECKPOINT_STEP_WAIT: Duration = Duration::from_secs(30);
 
 /// Save the store under its lock, off the async threads. Pushes and pulls
 /// wait while a checkpoint is written (about 0.4 s per 10M floats with Adam
-/// here); the checkpoint is then exactly one step's state. A sync step
+/// here), without blocking the runtime (see [`lock_store`]); the checkpoint
+/// is then exactly one step's state. A sync step
 /// that is underway (a push in parts being applied part by part) is waited
 /// for, up to [`CHECKPOINT_STEP_WAIT`].
 async fn save_checkpoint(dir: CheckpointDir, keep: usize, shared: Arc<Shared>) -> Result<CheckpointInfo> {
@@ -414,7 +436,7 @@ async fn checkpointer(
             // A replacement may own the index now: its checkpoints are not ours to write.
             return;
         }
-        let step = shared.store.get().map(|s| s.lock().unwrap_or_else(PoisonError::into_inner).step());
+        let step = shared.store.get().map(|s| lock_store(s).step());
         if step == saved_step {
             continue;
         }
@@ -492,7 +514,7 @@ async fn trainer_watcher(mut departures: TrainerDepartures, shared: Arc<Shared>)
         match departure {
             Ok(trainer) => {
                 if let Some(store) = shared.store.get() {
-                    let stepped = store.lock().unwrap_or_else(PoisonError::into_inner).leave(&trainer);
+                    let stepped = lock_store(store).leave(&trainer);
                     tracing::info!(trainer, ?stepped, "trainer gone; it leaves the barrier");
                     shared.stepped.notify_waiters();
                 }
@@ -694,5 +716,74 @@ impl Handler for PsHandler {
             }
         };
         Frame::new(PSERVER_METHOD, &reply, Bytes::new()).map_err(RemoteError::internal)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::{optimizer::Sgd, Init};
+    use std::sync::atomic::{AtomicU64, Ordering};
+
+    fn store() -> Arc<Mutex<ParamStore>> {
+        let specs = vec![ParamSpec::new("w", vec![4], Init::Constant(0.0))];
+        let placement = Placement::new(&specs, 1, 4).unwrap();
+        Arc::new(Mutex::new(
+            ParamStore::new(&placement, 0, 1, Box::new(Sgd { lr: 0.1 }), Mode::Async).unwrap(),
+        ))
+    }
+
+    /// Hold the store's lock on a thread of its own for `hold` (a long
+    /// checkpoint), once it is taken.
+    fn hold_lock(store: &Arc<Mutex<ParamStore>>, hold: Duration) -> std::thread::JoinHandle<()> {
+        let (taken, is_taken) = std::sync::mpsc::channel();
+        let store = store.clone();
+        let holder = std::thread::spawn(move || {
+            let _guard = store.lock().unwrap();
+            taken.send(()).unwrap();
+            std::thread::sleep(hold);
+        });
+        is_taken.recv().unwrap();
+        holder
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn tasks_waiting_for_the_store_leave_the_runtime_running() {
+        let store = store();
+        let holder = hold_lock(&store, Duration::from_millis(500));
+        // More waiters than the runtime has threads: each would block one.
+        let waiters: Vec<_> = (0..4)
+            .map(|_| {
+                let store = store.clone();
+                tokio::spawn(async move { lock_store(&store).step() })
+            })
+            .collect();
+        let ticks = Arc::new(AtomicU64::new(0));
+        let ticker = tokio::spawn({
+            let ticks = ticks.clone();
+            async move {
+                loop {
+                    tokio::time::sleep(Duration::from_millis(5)).await;
+                    ticks.fetch_add(1, Ordering::Relaxed);
+                }
+            }
+        });
+        for waiter in waiters {
+            assert_eq!(waiter.await.unwrap(), 0);
+        }
+        ticker.abort();
+        holder.join().unwrap();
+        // Up to 100 ticks fit in the 500 ms; with the runtime's threads
+        // blocked on the lock, none would.
+        let ticks = ticks.load(Ordering::Relaxed);
+        assert!(ticks >= 20, "the runtime ran {ticks} ticks of 5 ms while the store was locked for 500 ms");
+    }
+
+    #[tokio::test(flavor = "current_thread")]
+    async fn a_current_thread_runtime_waits_for_the_store_without_panicking() {
+        let store = store();
+        let holder = hold_lock(&store, Duration::from_millis(50));
+        assert_eq!(lock_store(&store).step(), 0);
+        holder.join().unwrap();
     }
 }
