@@ -161,9 +161,13 @@ async fn a_trainer_kept_from_running_pulls_before_training_on() {
     };
     let o = run_and_check(config, 1, Some(Arc::new(model))).await;
     let t = &o.trainers[0];
-    // About 10 pauses of 30 ms, each far longer than an exchange of this
-    // model: the parameters pulled before one are stale after it.
-    assert!(t.stale_pulls >= 1, "no stale parameters noticed: {t:?}");
+    // About 11 pauses of 30 ms, each far longer than an exchange of this
+    // model: the parameters pulled before one are stale after it, unless
+    // the pause was a task's last batch (the trainer then pushes and pulls
+    // what it holds anyway), about one in seven. A trainer that also waits
+    // at pass ends may count a few more.
+    let pauses = t.batches / 40;
+    assert!(t.stale_pulls * 2 >= pauses, "{} stale pulls for {pauses} pauses: {t:?}", t.stale_pulls);
     assert!(t.stale_pulls <= t.batches, "{t:?}");
     assert!(o.job.test_accuracy >= 0.8, "it trains: {}", o.job.test_accuracy);
 }

@@ -178,7 +178,7 @@ pub async fn run_trainer(
             since_pull: 0,
             last_yield: Instant::now(),
             pulled_at: Instant::now(),
-            last_exchange: Duration::ZERO,
+            exchange_time: Duration::ZERO,
             batch_time: Duration::ZERO,
         }),
         ready: Vec::new(),
@@ -245,7 +245,7 @@ pub const MAX_PUSHES_DUE: u32 = 4;
 pub const YIELD_EVERY: Duration = Duration::from_micros(50);
 
 /// With overlap, parameters pulled longer ago than twice the age the
-/// loop's own pace gives them (the last exchange's duration plus the
+/// loop's own pace gives them (an exchange's typical duration plus the
 /// batches trained before the next pull), and at least this long ago, are
 /// stale: the trainer waits for a pull before it trains on. An exchange of
 /// a small model takes 0.1-0.2 ms on loopback, so only a trainer kept from
@@ -305,9 +305,9 @@ struct Overlapped {
     last_yield: Instant,
     /// When the parameters at hand were pulled.
     pulled_at: Instant,
-    /// How long the last exchange took, start to end.
-    last_exchange: Duration,
-    /// How long a batch takes to train (a moving average).
+    /// How long an exchange takes, start to end, and a batch to train
+    /// ([`typical`] of the ones so far).
+    exchange_time: Duration,
     batch_time: Duration,
 }
 
@@ -329,6 +329,18 @@ struct InFlight {
     reports: Vec<(TaskRef, TaskStats)>,
 }
 
+/// A moving average of `sample`s that a stall does not carry away: each
+/// counts for an eighth, and for at most 4 times the average so far. (A
+/// trainer kept from running mid-batch makes that batch, and the exchange
+/// waiting on its thread, look long; averaged in whole, they would raise
+/// the staleness bound past the very age they caused.)
+fn typical(average: Duration, sample: Duration) -> Duration {
+    if average.is_zero() {
+        return sample;
+    }
+    (average.saturating_mul(7).saturating_add(sample.min(average.saturating_mul(4)))) / 8
+}
+
 impl Overlapped {
     /// Parameters pulled longer ago than this are stale: twice the age the
     /// loop's own pace gives them (an exchange, plus the batches trained
@@ -336,7 +348,7 @@ impl Overlapped {
     /// [`STALE_AFTER_MIN`].
     fn stale_after(&self, push_every: u32, pull_every: u32) -> Duration {
         let batches = MAX_PUSHES_DUE.saturating_mul(push_every).saturating_add(pull_every);
-        let paced = self.last_exchange.saturating_add(self.batch_time.saturating_mul(batches));
+        let paced = self.exchange_time.saturating_add(self.batch_time.saturating_mul(batches));
         paced.saturating_mul(2).max(STALE_AFTER_MIN)
     }
 }
@@ -618,22 +630,26 @@ impl Loop {
         }
         let (push_every, pull_every) = (self.options.push_every, self.options.pull_every);
         let stale = |o: &Overlapped| o.pulled_at.elapsed() > o.stale_after(push_every, pull_every);
-        if let Some(o) = self.overlapped.as_mut().filter(|o| stale(o)) {
+        if self.overlapped.as_ref().is_some_and(stale) {
             // The loop was kept from running (a busy machine) long enough
             // for the parameters at hand to fall behind the other trainers'
-            // pushes: pull before training on them, with a push if one is due.
-            o.since_pull = self.options.pull_every;
+            // pushes: take fresh ones before training on, from the exchange
+            // in flight if it pulls, else from one more (with a push if one
+            // is due).
             self.report.stale_pulls += 1;
             self.collect(true).await?;
-            self.start_exchange(false);
-            self.collect(true).await?;
+            if let Some(o) = self.overlapped.as_mut().filter(|o| stale(o)) {
+                o.since_pull = self.options.pull_every;
+                self.start_exchange(false);
+                self.collect(true).await?;
+            }
         }
         let started = Instant::now();
         let loss = self.accumulate(batch);
         let Some(o) = &mut self.overlapped else {
             return Ok(loss);
         };
-        o.batch_time = (o.batch_time * 7 + started.elapsed()) / 8;
+        o.batch_time = typical(o.batch_time, started.elapsed());
         o.since_push = o.since_push.saturating_add(1);
         o.since_pull = o.since_pull.saturating_add(1);
         if o.since_push >= self.options.push_every.saturating_mul(MAX_PUSHES_DUE) {
@@ -708,7 +724,7 @@ impl Loop {
         };
         let (mut sum, params, result, ended) = done.join().await?;
         result?;
-        o.last_exchange = ended.saturating_duration_since(started);
+        o.exchange_time = typical(o.exchange_time, ended.saturating_duration_since(started));
         if pulls {
             o.pulled_at = ended;
         }
