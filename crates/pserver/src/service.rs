@@ -221,19 +221,29 @@ impl Shared {
 /// keep-alive, so that connections time out and the lease can lapse. So a
 /// lock that is taken waits with `block_in_place` (on a multi-thread
 /// runtime), which hands the thread's other tasks to another thread first.
+///
+/// Handing the thread's tasks over costs more than a small push takes to
+/// apply, so a lock held by one first gets [`LOCK_SPIN`] of polling.
 fn lock_store(store: &Mutex<ParamStore>) -> MutexGuard<'_, ParamStore> {
-    match store.try_lock() {
-        Ok(guard) => guard,
-        Err(TryLockError::Poisoned(poisoned)) => poisoned.into_inner(),
-        Err(TryLockError::WouldBlock) => {
-            let lock = || store.lock().unwrap_or_else(PoisonError::into_inner);
-            match tokio::runtime::Handle::try_current().map(|h| h.runtime_flavor()) {
-                Ok(tokio::runtime::RuntimeFlavor::MultiThread) => tokio::task::block_in_place(lock),
-                _ => lock(),
-            }
+    let spin_until = std::time::Instant::now() + LOCK_SPIN;
+    loop {
+        match store.try_lock() {
+            Ok(guard) => return guard,
+            Err(TryLockError::Poisoned(poisoned)) => return poisoned.into_inner(),
+            Err(TryLockError::WouldBlock) if std::time::Instant::now() < spin_until => std::hint::spin_loop(),
+            Err(TryLockError::WouldBlock) => break,
         }
     }
+    let lock = || store.lock().unwrap_or_else(PoisonError::into_inner);
+    match tokio::runtime::Handle::try_current().map(|h| h.runtime_flavor()) {
+        Ok(tokio::runtime::RuntimeFlavor::MultiThread) => tokio::task::block_in_place(lock),
+        _ => lock(),
+    }
 }
+
+/// How long [`lock_store`] polls a held lock before it hands its thread's
+/// other tasks over and waits.
+const LOCK_SPIN: Duration = Duration::from_micros(20);
 
 impl Pserver {
     /// Serve at `listen_addr`, claim the lowest free `ps/<index>` below
