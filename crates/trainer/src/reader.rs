@@ -215,7 +215,7 @@ fn locate(path: &str, offset: u64, reason: String) -> (u64, String) {
 pub fn read_glob(pattern: &str, opts: &ReaderOptions) -> Result<Vec<Example>> {
     let chunks = oar_task_queue::chunks_from_glob(pattern, WHOLE_FILE)
         .map_err(|e| Error::Chunk(format!("pattern {pattern:?}: {e}")))?;
-    read_chunks(pattern, &chunks, opts)
+    examples_of(pattern, &chunks, opts)
 }
 
 /// Reads the files matching `pattern` whole if they hold at most
@@ -225,29 +225,36 @@ pub fn read_glob(pattern: &str, opts: &ReaderOptions) -> Result<Vec<Example>> {
 /// sample is the same every time. For scoring a training set that need not
 /// fit in memory; errors as [`read_glob`].
 pub fn read_sample(pattern: &str, opts: &ReaderOptions, max_bytes: u64) -> Result<Vec<Example>> {
-    let files =
-        oar_task_queue::glob_files(pattern).map_err(|e| Error::Chunk(format!("pattern {pattern:?}: {e}")))?;
+    let error = |e: oar_task_queue::Error| Error::Chunk(format!("pattern {pattern:?}: {e}"));
+    let files = oar_task_queue::glob_files(pattern).map_err(error)?;
     if files.iter().map(|(_, len)| len).sum::<u64>() <= max_bytes {
-        return read_glob(pattern, opts);
+        return examples_of(pattern, &oar_task_queue::chunk_files(&files, WHOLE_FILE).map_err(error)?, opts);
     }
-    let pieces = oar_task_queue::chunk_files(&files, SAMPLE_PIECE_BYTES)
-        .map_err(|e| Error::Chunk(format!("pattern {pattern:?}: {e}")))?;
+    let pieces = oar_task_queue::chunk_files(&files, SAMPLE_PIECE_BYTES).map_err(error)?;
     let take = (max_bytes / SAMPLE_PIECE_BYTES).clamp(1, pieces.len() as u64) as usize;
     let sample: Vec<Chunk> = (0..take).map(|i| pieces[i * pieces.len() / take].clone()).collect();
-    read_chunks(pattern, &sample, opts)
+    examples_of(pattern, &sample, opts)
 }
 
 /// The pieces [`read_sample`] takes, bytes.
 pub const SAMPLE_PIECE_BYTES: u64 = 1 << 20;
 
-fn read_chunks(pattern: &str, chunks: &[Chunk], opts: &ReaderOptions) -> Result<Vec<Example>> {
-    let mut examples = Vec::new();
-    let mut skipped = 0;
+/// Reads and parses several chunks, in order, into one [`ChunkData`]
+/// (a task's chunks, or an evaluation set's).
+pub fn read_chunks(chunks: &[Chunk], opts: &ReaderOptions) -> Result<ChunkData> {
+    let mut all = ChunkData::default();
     for chunk in chunks {
         let data = read_chunk(chunk, opts)?;
-        examples.extend(data.examples);
-        skipped += data.skipped;
+        all.examples.extend(data.examples);
+        all.skipped += data.skipped;
     }
+    Ok(all)
+}
+
+/// The examples of `chunks` of the files `pattern` matched, with one
+/// warning for all their bad lines.
+fn examples_of(pattern: &str, chunks: &[Chunk], opts: &ReaderOptions) -> Result<Vec<Example>> {
+    let ChunkData { examples, skipped } = read_chunks(chunks, opts)?;
     if skipped > 0 {
         tracing::warn!(pattern, skipped, "skipped {skipped} bad line(s) in total");
     }

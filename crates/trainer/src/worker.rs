@@ -46,7 +46,7 @@
 
 use crate::{
     model::{Example, Model},
-    reader::{read_chunk, ReaderOptions},
+    reader::{read_chunks, ReaderOptions},
     Error, Result,
 };
 use oar_discovery::{Discovery, JobKeys, LeaseGuard, Session};
@@ -770,15 +770,8 @@ async fn fetch(master: &MasterClient, id: &str, reader: &ReaderOptions) -> Resul
 /// A task's examples, and how many bad lines were skipped.
 async fn read_task(task: &TaskSpec, reader: ReaderOptions) -> Result<(Vec<Example>, u64)> {
     let chunks = task.chunks.clone();
-    Background::from(tokio::task::spawn_blocking(move || -> Result<(Vec<Example>, u64)> {
-        let mut examples = Vec::new();
-        let mut skipped = 0;
-        for chunk in &chunks {
-            let data = read_chunk(chunk, &reader)?;
-            examples.extend(data.examples);
-            skipped += data.skipped as u64;
-        }
-        Ok((examples, skipped))
+    Background::from(tokio::task::spawn_blocking(move || {
+        read_chunks(&chunks, &reader).map(|data| (data.examples, data.skipped as u64))
     }))
     .join()
     .await?
