@@ -73,14 +73,18 @@ mod common;
 use clap::{Parser, ValueEnum};
 use oar::{
     discovery::MemDiscovery,
+    job::{
+        config::JobConfig,
+        local::{run_local, LocalOptions},
+        report::JobReport,
+        JobContext,
+    },
     pserver::{
         protocol::{PsRequest, PSERVER_METHOD},
         Mode, OptimizerConfig, ParamBuf,
     },
     task_queue::{auto_chunk_bytes, chunks_from_glob, protocol::MASTER_METHOD},
     trainer::{
-        job::JobConfig,
-        local::{run_local, JobReport},
         model::{Example, Model, ModelConfig},
         reader::{read_chunk, read_glob, Format, ReaderOptions},
         softmax::SoftmaxRegression,
@@ -324,7 +328,7 @@ fn run(args: Args) -> Result<ExitCode, BoxError> {
                 plain.last_loss,
                 fmt_eps(whole),
                 fmt_eps(steady),
-                oar.report.final_loss,
+                oar.report.final_loss.unwrap_or(f64::NAN),
                 whole / plain_eps,
                 steady / plain_eps
             );
@@ -533,7 +537,9 @@ fn oar_run(config: &JobConfig, trainers: u32, kind: TransportArg) -> Result<OarR
         let discovery = Arc::new(MemDiscovery::new());
         let (mut pass_ends, mut pass_calls) = (Vec::new(), Vec::new());
         let start = Instant::now();
-        let report = run_local(config, trainers, discovery, transport, listen, |_| {
+        let ctx = JobContext::new("local", discovery, transport, listen);
+        let options = LocalOptions { trainers, ..LocalOptions::default() };
+        let report = run_local(&ctx, config, &options, |_| {
             pass_ends.push(start.elapsed().as_secs_f64());
             pass_calls.push(stats.snapshot());
         })

@@ -47,9 +47,11 @@ mod common;
 
 use clap::{Parser, ValueEnum};
 use oar::{
-    discovery::{Discovery, JobKeys, MemDiscovery},
+    discovery::{Discovery, MemDiscovery},
+    job::keys::JobKeys,
     pserver::{
-        Init, Mode, OptimizerConfig, ParamBuf, ParamSpec, Placement, Pserver, PserverClient, PserverOptions,
+        Init, Mode, OptimizerConfig, ParamBuf, ParamSpec, Placement, Pserver, PserverClient,
+        PserverClientOptions, PserverOptions,
     },
     transport::{DevCa, QuicTransport, RetryPolicy, TlsConfig},
 };
@@ -223,8 +225,14 @@ fn pserver_child(args: &Args) -> Result<(), BoxError> {
         let transport = Arc::new(QuicTransport::new(tls(&dir, "pserver")?)?);
         let discovery = Arc::new(MemDiscovery::new());
         let optimizer = OptimizerConfig::parse(&args.optimizer, 1e-3)?;
-        let mut options = PserverOptions::new(JOB, specs(args.params), 1, mode.mode(), optimizer);
-        options.block_size = args.block_size;
+        let options = PserverOptions {
+            keys: JobKeys::new(JOB)?.pserver(),
+            specs: specs(args.params),
+            mode: mode.mode(),
+            optimizer,
+            block_size: args.block_size,
+            ..PserverOptions::default()
+        };
         let server = Pserver::start(discovery, transport, "127.0.0.1:0", options).await?;
         println!("addr {}", server.addr());
         report("started");
@@ -252,11 +260,16 @@ fn trainer_child(args: &Args) -> Result<(), BoxError> {
     runtime.block_on(async {
         let transport = Arc::new(QuicTransport::new(tls(&dir, &id)?)?);
         let discovery = Arc::new(MemDiscovery::new());
-        discovery.put(&JobKeys::new(JOB)?.ps(0), addr.into_bytes(), None).await?;
+        let keys = JobKeys::new(JOB)?;
+        discovery.put(&keys.ps(0), addr.into_bytes(), None).await?;
         let specs = specs(args.params);
         let placement = Arc::new(Placement::new(&specs, 1, args.block_size)?);
-        let retry = RetryPolicy { give_up_after: STEP_TIMEOUT, ..RetryPolicy::default() };
-        let mut client = PserverClient::new(discovery, transport, JOB, placement, &id, STEP_TIMEOUT, retry)?;
+        let options = PserverClientOptions {
+            call_timeout: STEP_TIMEOUT,
+            retry: RetryPolicy { give_up_after: STEP_TIMEOUT, ..RetryPolicy::default() },
+            ..PserverClientOptions::new(keys.ps_prefix(), id.clone())
+        };
+        let mut client = PserverClient::new(discovery, transport, placement, options);
         client.wait_for_servers(Duration::from_secs(60)).await?;
         // What `worker::Loop` holds: params, grads and, async, the accumulator.
         let mut params = ParamBuf::zeros(&specs);

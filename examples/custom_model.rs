@@ -2,7 +2,7 @@
 //! binary logistic regression with L2 regularisation, written from scratch
 //! against [`oar::trainer::model::Model`] (one weight per feature and a
 //! bias; the built-in softmax regression keeps a weight per class). It
-//! reaches every role through [`Plugins::model`](oar::trainer::role::Plugins):
+//! reaches every role through [`Plugins::model`](oar::job::Plugins):
 //! trainers train it, pservers hold its parameters, the master scores it.
 //!
 //!     cargo run --release --example custom_model
@@ -13,13 +13,13 @@
 
 use oar::{
     discovery::MemDiscovery,
-    pserver::{Init, ParamBuf, ParamSpec},
-    trainer::{
-        job::JobConfig,
-        local::run_local_with,
-        model::{Example, Model, ModelConfig},
-        role::Plugins,
+    job::{
+        config::JobConfig,
+        local::{run_local, LocalOptions},
+        JobContext, Plugins,
     },
+    pserver::{Init, ParamBuf, ParamSpec},
+    trainer::model::{Example, Model, ModelConfig},
     transport::{DevCa, QuicTransport},
 };
 use std::{process::ExitCode, sync::Arc};
@@ -138,7 +138,8 @@ async fn run() -> Result<ExitCode, Box<dyn std::error::Error>> {
         Plugins { model: Some(Arc::new(L2Logistic { features: 123, l2: 1e-4 })), ..Plugins::default() };
     let transport = Arc::new(QuicTransport::new(DevCa::new()?.tls_config("custom-model")?)?);
     let discovery = Arc::new(MemDiscovery::new());
-    let report = run_local_with(&config, 3, discovery, transport, "127.0.0.1:0", plugins, |p| {
+    let ctx = JobContext { plugins, ..JobContext::new("local", discovery, transport, "127.0.0.1:0") };
+    let report = run_local(&ctx, &config, &LocalOptions::default(), |p| {
         println!(
             "pass {}: train loss {:.4}, test accuracy {:.2}%",
             p.pass + 1,
@@ -147,6 +148,6 @@ async fn run() -> Result<ExitCode, Box<dyn std::error::Error>> {
         )
     })
     .await?;
-    println!("{}", serde_json::to_string(&report)?);
+    println!("{}", report.to_json());
     Ok(if report.is_done() && report.test_accuracy >= 0.82 { ExitCode::SUCCESS } else { ExitCode::FAILURE })
 }

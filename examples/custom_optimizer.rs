@@ -2,7 +2,7 @@
 //! to oar: SGD with a learning rate that decays with the step and with the
 //! gradient clipped to a maximum norm. It implements
 //! [`oar::pserver::Optimizer`] and reaches the pservers through
-//! [`Plugins::optimizer`](oar::trainer::role::Plugins); a cluster's
+//! [`Plugins::optimizer`](oar::job::Plugins); a cluster's
 //! `pserver` binary would pass the same `Plugins` in its `JobContext`.
 //!
 //!     cargo run --release --example custom_optimizer
@@ -14,8 +14,13 @@
 
 use oar::{
     discovery::MemDiscovery,
+    job::{
+        config::JobConfig,
+        local::{run_local, LocalOptions},
+        JobContext, Plugins,
+    },
     pserver::{Optimizer, OptimizerConfig, OptimizerFactory, OptimizerState},
-    trainer::{job::JobConfig, local::run_local_with, model::ModelConfig, role::Plugins},
+    trainer::model::ModelConfig,
     transport::{DevCa, QuicTransport},
 };
 use std::{process::ExitCode, sync::Arc};
@@ -76,7 +81,8 @@ async fn run() -> Result<ExitCode, Box<dyn std::error::Error>> {
     };
     let transport = Arc::new(QuicTransport::new(DevCa::new()?.tls_config("custom-optimizer")?)?);
     let discovery = Arc::new(MemDiscovery::new());
-    let report = run_local_with(&config, 3, discovery, transport, "127.0.0.1:0", plugins, |p| {
+    let ctx = JobContext { plugins, ..JobContext::new("local", discovery, transport, "127.0.0.1:0") };
+    let report = run_local(&ctx, &config, &LocalOptions::default(), |p| {
         println!(
             "pass {}: train loss {:.4}, test accuracy {:.2}%",
             p.pass + 1,
@@ -85,6 +91,6 @@ async fn run() -> Result<ExitCode, Box<dyn std::error::Error>> {
         )
     })
     .await?;
-    println!("{}", serde_json::to_string(&report)?);
+    println!("{}", report.to_json());
     Ok(if report.is_done() && report.test_accuracy >= 0.82 { ExitCode::SUCCESS } else { ExitCode::FAILURE })
 }

@@ -19,11 +19,15 @@ use clap::{Parser, ValueEnum};
 use common::{BoxError, JobArgs};
 use oar::{
     discovery::MemDiscovery,
-    task_queue::MasterClient,
-    trainer::local::run_local,
-    transport::{DevCa, MemNetwork, MemTransport, QuicTransport, RetryPolicy, Transport},
+    job::{
+        keys::JobKeys,
+        local::{run_local, LocalOptions},
+        Error, JobContext,
+    },
+    task_queue::{MasterClient, MasterClientOptions},
+    transport::{DevCa, MemNetwork, MemTransport, QuicTransport, Transport},
 };
-use std::{process::ExitCode, sync::Arc, time::Duration};
+use std::{process::ExitCode, sync::Arc};
 
 #[derive(Parser, Debug)]
 #[command(about = "Train a model with a master, pservers and trainers in one process")]
@@ -74,18 +78,19 @@ async fn run(args: Args) -> Result<ExitCode, BoxError> {
         TransportArg::Mem => (Arc::new(MemTransport::new(MemNetwork::new())), "mem:0"),
     };
     let discovery = Arc::new(MemDiscovery::new());
+    let ctx = JobContext::new("local", discovery.clone(), transport.clone(), listen);
     // A progress bar on a terminal; the per-pass lines below are printed either way.
-    let master = MasterClient::new(
-        discovery.clone(),
-        transport.clone(),
-        "local",
-        Duration::from_secs(5),
-        RetryPolicy::default(),
-    )?;
+    let addr_key = JobKeys::new(&ctx.job)?.master_addr();
+    let master = MasterClient::new(discovery, transport, MasterClientOptions::new(addr_key));
     let _progress = common::follow_progress(master, false);
-    let report = run_local(&config, args.trainers, discovery, transport, listen, |p| {
-        common::print_pass(p, config.passes)
-    })
-    .await?;
-    common::finish(&report)
+    let options = LocalOptions {
+        trainers: args.trainers,
+        shutdown: common::shutdown_on_signals()?,
+        ..LocalOptions::default()
+    };
+    match run_local(&ctx, &config, &options, |p| common::print_pass(p, config.passes)).await {
+        Ok(report) => common::finish(&report),
+        Err(Error::ShutDown) => Ok(ExitCode::from(130)),
+        Err(e) => Err(e.into()),
+    }
 }

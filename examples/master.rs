@@ -9,14 +9,16 @@
 //!         --data testdata/a1a --test-data testdata/a1a.t --features 123 --classes 2
 //!
 //! Exits 0 when the job is done, 1 when it failed, 2 on an error (for
-//! example a lost lock: another master took over).
+//! example a lost lock: another master took over). SIGTERM or ctrl-c stops
+//! it gracefully: it stores its state and hands over to a standby at once,
+//! prints `{"master":"shut down"}` and exits 0.
 
 #[path = "common/mod.rs"]
 mod common;
 
 use clap::Parser;
 use common::{BoxError, ConnArgs, JobArgs};
-use oar::trainer::role;
+use oar::job::role;
 use std::process::ExitCode;
 
 #[derive(Parser, Debug)]
@@ -40,6 +42,13 @@ async fn run(args: Args) -> Result<ExitCode, BoxError> {
     let _metrics = common::serve_metrics(args.conn.metrics.as_deref()).await?;
     let ctx = args.conn.connect().await?;
     let options = args.conn.role_options("master");
-    let report = role::master(&ctx, &config, &options, |p| common::print_pass(p, config.passes)).await?;
-    common::finish(&report)
+    let shutdown = common::shutdown_on_signals()?;
+    let on_pass = |p: &_| common::print_pass(p, config.passes);
+    match role::master(&ctx, &config, &options, shutdown, on_pass).await? {
+        Some(report) => common::finish(&report),
+        None => {
+            common::print_json(&serde_json::json!({ "master": "shut down" }))?;
+            Ok(ExitCode::SUCCESS)
+        }
+    }
 }

@@ -9,13 +9,16 @@
 //!
 //! Exits 0 when the job ends, 2 on an error (for example a lost lease: the
 //! job has given this pserver up and a replacement may take its index).
+//! SIGTERM or ctrl-c stops it gracefully: it stops taking pushes, writes a
+//! last checkpoint of everything it applied, releases its index, and exits
+//! 0. Prints what it did as one JSON line.
 
 #[path = "common/mod.rs"]
 mod common;
 
 use clap::Parser;
 use common::{BoxError, ConnArgs};
-use oar::trainer::role;
+use oar::job::role;
 use std::{path::PathBuf, process::ExitCode, time::Duration};
 
 #[derive(Parser, Debug)]
@@ -56,7 +59,8 @@ async fn run(args: Args) -> Result<ExitCode, BoxError> {
     options.checkpoint_dir = args.checkpoint_dir;
     options.checkpoint_interval = interval;
     options.pserver_index = args.index;
-    let report = role::pserver(&ctx, &options).await?;
-    println!("{{\"pserver\":{},\"steps\":{}}}", report.index, report.steps);
+    let shutdown = common::shutdown_on_signals()?;
+    let report = role::pserver(&ctx, &options, shutdown).await?;
+    common::print_json(&report)?;
     Ok(ExitCode::SUCCESS)
 }

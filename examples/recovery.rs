@@ -15,10 +15,7 @@
 #[path = "../tests/support/mod.rs"]
 mod support;
 
-use oar::{
-    discovery::{EtcdDiscovery, JobKeys},
-    task_queue::StoredState,
-};
+use oar::{discovery::EtcdDiscovery, job::keys::JobKeys};
 use std::time::{Duration, Instant};
 use support::{a1a_job, Cluster, Proc};
 
@@ -67,7 +64,7 @@ fn median(values: &mut [f64]) -> f64 {
 
 /// Tasks stored as finished, over all passes.
 async fn finished(etcd: &EtcdDiscovery, keys: &JobKeys) -> u64 {
-    match StoredState::load(etcd, keys).await {
+    match oar::task_queue::master::load(etcd, &keys.master()).await {
         Ok(Some(state)) => state.passes.iter().map(|p| p.tasks_finished).sum(),
         _ => 0,
     }

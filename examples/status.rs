@@ -7,7 +7,7 @@
 //! Exits 1 when etcd holds nothing of the job, 2 on an error.
 
 use clap::Parser;
-use oar::{discovery::EtcdDiscovery, trainer::status::JobView};
+use oar::{discovery::EtcdDiscovery, job::status::JobView};
 use std::process::ExitCode;
 
 #[derive(Parser, Debug)]

@@ -8,15 +8,19 @@
 //!
 //! Shows a progress bar per pass when stderr is a terminal (one line per
 //! pass otherwise), and prints what it did as one JSON line; exits 0 when
-//! the job ends, 2 on an error.
+//! the job ends, 2 on an error. SIGTERM or ctrl-c stops it gracefully: it
+//! finishes or hands back its task, deregisters, and exits 0.
 
 #[path = "common/mod.rs"]
 mod common;
 
 use clap::Parser;
 use common::{BoxError, ConnArgs};
-use oar::{task_queue::MasterClient, trainer::role, transport::RetryPolicy};
-use std::{process::ExitCode, time::Duration};
+use oar::{
+    job::{keys::JobKeys, role},
+    task_queue::{MasterClient, MasterClientOptions},
+};
+use std::process::ExitCode;
 
 #[derive(Parser, Debug)]
 #[command(about = "Run a trainer of an oar job")]
@@ -36,18 +40,20 @@ async fn run(args: Args) -> Result<ExitCode, BoxError> {
     let _metrics = common::serve_metrics(args.conn.metrics.as_deref()).await?;
     let ctx = args.conn.connect().await?;
     let options = args.conn.role_options("trainer");
-    let master = MasterClient::new(
-        ctx.discovery.clone(),
-        ctx.transport.clone(),
-        &ctx.job,
-        Duration::from_secs(5),
-        RetryPolicy::default(),
-    )?;
+    let addr_key = JobKeys::new(&ctx.job)?.master_addr();
+    let master =
+        MasterClient::new(ctx.discovery.clone(), ctx.transport.clone(), MasterClientOptions::new(addr_key));
     let _progress = common::follow_progress(master, true);
-    let report = role::trainer(&ctx, &options).await?;
-    println!(
-        "{{\"trainer\":{:?},\"tasks_finished\":{},\"tasks_failed\":{},\"examples\":{},\"skipped_lines\":{}}}",
-        options.id, report.tasks_finished, report.tasks_failed, report.examples, report.skipped_lines
-    );
+    let shutdown = common::shutdown_on_signals()?;
+    let report = role::trainer(&ctx, &options, shutdown).await?;
+    common::print_json(&Printed { trainer: &options.id, report })?;
     Ok(ExitCode::SUCCESS)
+}
+
+/// What the trainer prints at the end: its id and its report, as one object.
+#[derive(serde::Serialize)]
+struct Printed<'a> {
+    trainer: &'a str,
+    #[serde(flatten)]
+    report: oar::trainer::worker::TrainerReport,
 }

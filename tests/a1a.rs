@@ -5,9 +5,8 @@
 mod support;
 
 use oar::{
-    discovery::MemDiscovery,
+    job::{config::JobConfig, report::JobReport},
     pserver::{Mode, OptimizerConfig},
-    trainer::{job::JobConfig, local::run_local},
     transport::{DevCa, QuicTransport},
 };
 use std::sync::Arc;
@@ -20,20 +19,14 @@ fn a1a_config(mode: Mode) -> JobConfig {
     config
 }
 
-async fn train(config: JobConfig) -> oar::trainer::local::JobReport {
+async fn train(config: JobConfig) -> JobReport {
     let mut passes = Vec::new();
-    let report = run_local(
-        &config,
-        3,
-        Arc::new(MemDiscovery::new()),
-        Arc::new(QuicTransport::new(DevCa::new().unwrap().tls_config("a1a").unwrap()).unwrap()),
-        "127.0.0.1:0",
-        |p| passes.push(p.clone()),
-    )
-    .await
-    .unwrap();
+    let transport = Arc::new(QuicTransport::new(DevCa::new().unwrap().tls_config("a1a").unwrap()).unwrap());
+    let report = support::run_in_process(&config, 3, transport, "127.0.0.1:0", |p| passes.push(p.clone()))
+        .await
+        .unwrap();
     eprintln!("{passes:#?}\n{report:#?}");
-    assert_eq!(report.state, "done");
+    assert!(report.is_done());
     assert_eq!(passes.len(), config.passes as usize, "one progress report per pass");
     assert_eq!(report.tasks_discarded, 0);
     report

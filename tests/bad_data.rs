@@ -2,9 +2,11 @@
 //! the task is discarded after the failure threshold and the rest of the job
 //! trains on. With `skip_bad_lines` the line is skipped and counted instead.
 
+mod support;
+
 use oar::{
-    discovery::MemDiscovery,
-    trainer::{job::JobConfig, local::run_local, model::ModelConfig},
+    job::{config::JobConfig, report::JobReport},
+    trainer::model::ModelConfig,
     transport::{MemNetwork, MemTransport},
 };
 use std::{io::Write, sync::Arc};
@@ -30,17 +32,9 @@ fn config_with_bad_line() -> (tempfile::TempDir, JobConfig) {
     (dir, config)
 }
 
-async fn run(config: &JobConfig) -> oar::trainer::local::JobReport {
-    run_local(
-        config,
-        2,
-        Arc::new(MemDiscovery::new()),
-        Arc::new(MemTransport::new(MemNetwork::new())),
-        "mem:0",
-        |_| {},
-    )
-    .await
-    .unwrap()
+async fn run(config: &JobConfig) -> JobReport {
+    let transport = Arc::new(MemTransport::new(MemNetwork::new()));
+    support::run_in_process(config, 2, transport, "mem:0", |_| {}).await.unwrap()
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -52,7 +46,7 @@ async fn a_bad_line_discards_its_task_with_the_file_and_line_and_the_job_goes_on
 
     // Training data is read per task, so only the task holding line 100 fails.
     let report = run(&config).await;
-    assert_eq!(report.state, "done");
+    assert!(report.is_done());
     assert_eq!(report.tasks_discarded, 1, "{report:?}");
     assert_eq!(report.tasks_failed, 2, "two failures reach the threshold of 2");
     let (_, reason) = &report.discarded[0];
@@ -65,7 +59,7 @@ async fn skip_bad_lines_skips_and_counts() {
     let (_dir, mut config) = config_with_bad_line();
     config.skip_bad_lines = true;
     let report = run(&config).await;
-    assert_eq!(report.state, "done");
+    assert!(report.is_done());
     assert_eq!(report.tasks_discarded, 0);
     assert_eq!(report.skipped_lines, 2, "the bad line is skipped once per pass");
 }

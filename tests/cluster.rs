@@ -8,13 +8,14 @@
 mod support;
 
 use oar::{
-    discovery::{Discovery, EtcdDiscovery, JobKeys},
+    discovery::{Discovery, EtcdDiscovery},
+    job::keys::JobKeys,
     task_queue::{
         protocol::{MasterRequest, MASTER_METHOD},
-        tasks_from_chunks, Chunk, Error as QueueError, Master, MasterClient, MasterOptions, QueueConfig,
-        TaskReply,
+        tasks_from_chunks, Chunk, Error as QueueError, Master, MasterClient, MasterClientOptions,
+        MasterOptions, QueueConfig, TaskReply,
     },
-    transport::{call, MemNetwork, MemTransport, RetryPolicy, Transport},
+    transport::{call, MemNetwork, MemTransport, Transport},
 };
 use std::{sync::Arc, time::Duration};
 use support::{a1a_job, dump, exits, Cluster};
@@ -50,7 +51,7 @@ fn a_job_of_separate_processes_trains_a1a() {
     for pserver in &mut pservers {
         let name = pserver.name.clone();
         assert!(exits(pserver, LONG, &[]), "{name} failed\n{}", pserver.dump());
-        indexes.push(pserver.last_json()["pserver"].as_u64().unwrap());
+        indexes.push(pserver.last_json()["index"].as_u64().unwrap());
     }
     indexes.sort();
     assert_eq!(indexes, [0, 1], "each pserver claimed its own index");
@@ -131,7 +132,7 @@ async fn a_deposed_master_cannot_write_the_job_state() {
     let options = |holder: &str| MasterOptions {
         holder: holder.into(),
         lease_ttl: Duration::from_secs(2),
-        ..MasterOptions::new("fencing", config.clone())
+        ..MasterOptions::new(keys.master(), config.clone())
     };
     let first =
         Master::start(etcd.clone(), transport.clone(), "mem:0", tasks.clone(), options("a")).await.unwrap();
@@ -164,14 +165,8 @@ async fn a_deposed_master_cannot_write_the_job_state() {
             .await
             .unwrap_err();
     assert!(refused.to_string().contains("not serving"), "{refused}");
-    let old = MasterClient::new(
-        etcd.clone(),
-        transport.clone(),
-        "fencing",
-        Duration::from_secs(2),
-        RetryPolicy::default(),
-    )
-    .unwrap();
+    let old =
+        MasterClient::new(etcd.clone(), transport.clone(), MasterClientOptions::new(keys.master_addr()));
     // The client follows master/addr, which now names the second master.
     assert!(matches!(old.get_task("t").await.unwrap(), TaskReply::Assigned { .. }));
     assert_eq!(etcd.get(&keys.master_addr()).await.unwrap().unwrap().value, second.addr().as_bytes());

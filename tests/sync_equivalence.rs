@@ -9,12 +9,16 @@
 
 use oar::{
     discovery::MemDiscovery,
-    pserver::{Mode, OptimizerConfig, ParamBuf, Placement, Pserver, PserverClient, PserverOptions},
+    job::keys::JobKeys,
+    pserver::{
+        Mode, OptimizerConfig, ParamBuf, Placement, Pserver, PserverClient, PserverClientOptions,
+        PserverOptions,
+    },
     trainer::{
         model::{Example, Model, ModelConfig},
         reader::{read_glob, Format, ReaderOptions},
     },
-    transport::{MemNetwork, MemTransport, RetryPolicy},
+    transport::{MemNetwork, MemTransport},
 };
 use std::{sync::Arc, time::Duration};
 
@@ -49,28 +53,27 @@ async fn check(model_config: ModelConfig, optimizer: OptimizerConfig) {
 
     let discovery = Arc::new(MemDiscovery::new());
     let transport = Arc::new(MemTransport::new(MemNetwork::new()));
-    let job = "equivalence";
+    let keys = JobKeys::new("equivalence").unwrap();
     let mut pservers = Vec::new();
     for _ in 0..servers {
-        let mut options = PserverOptions::new(job, specs.clone(), servers, Mode::Sync, optimizer.clone());
-        options.block_size = block_size;
-        options.seed = SEED;
+        let options = PserverOptions {
+            keys: keys.pserver(),
+            specs: specs.clone(),
+            servers,
+            mode: Mode::Sync,
+            optimizer: optimizer.clone(),
+            block_size,
+            seed: SEED,
+            ..PserverOptions::default()
+        };
         pservers.push(Pserver::start(discovery.clone(), transport.clone(), "mem:0", options).await.unwrap());
     }
 
     // Every trainer joins before anyone pushes, so every step has all K.
     let mut clients = Vec::new();
     for k in 0..K {
-        let mut client = PserverClient::new(
-            discovery.clone(),
-            transport.clone(),
-            job,
-            placement.clone(),
-            &format!("trainer-{k}"),
-            Duration::from_secs(10),
-            RetryPolicy::default(),
-        )
-        .unwrap();
+        let options = PserverClientOptions::new(keys.ps_prefix(), format!("trainer-{k}"));
+        let mut client = PserverClient::new(discovery.clone(), transport.clone(), placement.clone(), options);
         client.wait_for_servers(Duration::from_secs(5)).await.unwrap();
         client.join().await.unwrap();
         clients.push(client);

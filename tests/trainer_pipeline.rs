@@ -11,11 +11,15 @@ mod support;
 use oar::pserver::{ParamBuf, ParamSpec};
 use oar::{
     discovery::MemDiscovery,
+    job::{
+        config::JobConfig,
+        report::JobReport,
+        role::{self, PserverReport, RoleOptions},
+        JobContext,
+    },
     pserver::{Mode, OptimizerConfig},
     trainer::{
-        job::JobConfig,
         model::{Example, Model},
-        role::{self, JobContext, PserverReport, RoleOptions},
         worker::{TrainerReport, MAX_PUSHES_DUE},
     },
     transport::{DevCa, QuicTransport},
@@ -27,6 +31,7 @@ use std::{
     },
     time::Duration,
 };
+use tokio_util::sync::CancellationToken;
 
 /// a1a in 8 KiB tasks (15 per pass), async.
 fn config(push_every: u32) -> JobConfig {
@@ -42,7 +47,7 @@ fn config(push_every: u32) -> JobConfig {
 const TASKS_PER_PASS: u64 = 15;
 
 struct Outcome {
-    job: role::JobReport,
+    job: JobReport,
     pservers: Vec<PserverReport>,
     trainers: Vec<TrainerReport>,
 }
@@ -55,16 +60,20 @@ async fn run(config: JobConfig, trainers: usize, model: Option<Arc<dyn Model>>) 
     let pservers: Vec<_> = (0..config.pservers)
         .map(|i| {
             let ctx = ctx.clone();
-            tokio::spawn(async move { role::pserver(&ctx, &RoleOptions::new(format!("pserver-{i}"))).await })
+            let options = RoleOptions::new(format!("pserver-{i}"));
+            tokio::spawn(async move { role::pserver(&ctx, &options, CancellationToken::new()).await })
         })
         .collect();
     let trainer_tasks: Vec<_> = (0..trainers)
         .map(|i| {
             let ctx = ctx.clone();
-            tokio::spawn(async move { role::trainer(&ctx, &RoleOptions::new(format!("trainer-{i}"))).await })
+            let options = RoleOptions::new(format!("trainer-{i}"));
+            tokio::spawn(async move { role::trainer(&ctx, &options, CancellationToken::new()).await })
         })
         .collect();
-    let job = role::master(&ctx, &config, &RoleOptions::new("master"), |_| {}).await.unwrap();
+    let options = RoleOptions::new("master");
+    let master = role::master(&ctx, &config, &options, CancellationToken::new(), |_| {});
+    let job = master.await.unwrap().expect("the job ends: nothing shuts it down");
     let mut outcome = Outcome { job, pservers: Vec::new(), trainers: Vec::new() };
     for p in pservers {
         outcome.pservers.push(p.await.unwrap().unwrap());
@@ -83,7 +92,7 @@ async fn run(config: JobConfig, trainers: usize, model: Option<Arc<dyn Model>>) 
 async fn run_and_check(config: JobConfig, trainers: usize, model: Option<Arc<dyn Model>>) -> Outcome {
     let tasks = u64::from(config.passes) * TASKS_PER_PASS;
     let o = run(config, trainers, model).await;
-    assert_eq!(o.job.state, "done");
+    assert!(o.job.is_done());
     assert_eq!(o.job.tasks_done, tasks);
     let finished: u64 = o.trainers.iter().map(|t| t.tasks_finished).sum();
     assert_eq!(finished, tasks, "every task reported and accepted once: {:?}", o.trainers);
@@ -94,7 +103,7 @@ async fn run_and_check(config: JobConfig, trainers: usize, model: Option<Arc<dyn
     let pushed: u64 = o.trainers.iter().map(|t| t.pushes).sum();
     assert!(pushed > 0);
     for p in &o.pservers {
-        assert_eq!(p.steps, pushed, "shard {} applied {} of {pushed} pushes", p.index, p.steps);
+        assert_eq!(p.steps, pushed, "shard {:?} applied {} of {pushed} pushes", p.index, p.steps);
     }
     o
 }

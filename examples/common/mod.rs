@@ -5,16 +5,15 @@
 
 use clap::{Args, ValueEnum};
 use oar::{
-    pserver::{Mode, OptimizerConfig},
-    trainer::{
-        datagen::write_blobs,
-        job::JobConfig,
-        model::ModelConfig,
-        reader::Format,
-        role::{JobReport, PassReport},
+    job::{
+        config::JobConfig,
+        report::{JobReport, PassReport},
     },
+    pserver::{Mode, OptimizerConfig},
+    trainer::{datagen::write_blobs, model::ModelConfig, reader::Format},
 };
 use std::{path::Path, process::ExitCode, time::Duration};
+use tokio_util::sync::CancellationToken;
 
 /// A boxed error for `main`: every library error names what was wrong.
 pub type BoxError = Box<dyn std::error::Error + Send + Sync>;
@@ -269,8 +268,37 @@ pub fn print_pass(p: &PassReport, passes: u32) {
 
 /// Print the job's report as one JSON line; exit 0 if it is done, 1 if it failed.
 pub fn finish(report: &JobReport) -> Result<ExitCode, BoxError> {
-    println!("{}", serde_json::to_string(report)?);
+    println!("{}", report.to_json());
     Ok(if report.is_done() { ExitCode::SUCCESS } else { ExitCode::FAILURE })
+}
+
+/// Print `value` as one JSON line.
+pub fn print_json(value: &impl serde::Serialize) -> Result<(), BoxError> {
+    println!("{}", serde_json::to_string(value)?);
+    Ok(())
+}
+
+/// A token cancelled at the first SIGTERM or SIGINT (ctrl-c), which asks
+/// the roles to stop gracefully; a second signal exits at once (130).
+pub fn shutdown_on_signals() -> Result<CancellationToken, BoxError> {
+    use tokio::signal::unix::{signal, SignalKind};
+    let (mut term, mut int) = (signal(SignalKind::terminate())?, signal(SignalKind::interrupt())?);
+    let token = CancellationToken::new();
+    let cancel = token.clone();
+    tokio::spawn(async move {
+        tokio::select! {
+            _ = term.recv() => {}
+            _ = int.recv() => {}
+        }
+        eprintln!("stopping gracefully (a second signal exits at once)");
+        cancel.cancel();
+        tokio::select! {
+            _ = term.recv() => {}
+            _ = int.recv() => {}
+        }
+        std::process::exit(130);
+    });
+    Ok(token)
 }
 
 /// Exit 2 with the error on stderr.
@@ -292,12 +320,11 @@ pub use cluster::*;
 mod cluster {
     use super::BoxError;
     use clap::Args;
-    use oar::{
-        discovery::EtcdDiscovery,
-        trainer::role::{default_id, JobContext, RoleOptions},
-        transport::{QuicTransport, TlsConfig},
+    use oar::job::{
+        role::{default_id, RoleOptions},
+        ConnectOptions, JobContext,
     };
-    use std::{path::PathBuf, sync::Arc, time::Duration};
+    use std::{path::PathBuf, time::Duration};
 
     /// How every role of a job connects: etcd, the job's name, where to
     /// listen, and the job's certificates.
@@ -347,10 +374,15 @@ mod cluster {
     impl ConnArgs {
         /// Connect to etcd and build the QUIC transport.
         pub async fn connect(&self) -> Result<JobContext, BoxError> {
-            let tls = TlsConfig::from_pem_files(&self.ca, &self.cert, &self.key)?;
-            let transport = Arc::new(QuicTransport::new(tls)?);
-            let discovery = Arc::new(EtcdDiscovery::connect(&self.etcd).await?);
-            Ok(JobContext::new(self.job.clone(), discovery, transport, self.listen.clone()))
+            let options = ConnectOptions {
+                etcd: self.etcd.clone(),
+                job: self.job.clone(),
+                listen: self.listen.clone(),
+                ca: self.ca.clone(),
+                cert: self.cert.clone(),
+                key: self.key.clone(),
+            };
+            Ok(JobContext::connect(&options).await?)
         }
 
         /// Timing for role `role`, from the flags.

@@ -28,14 +28,31 @@ pub fn testdata(name: &str) -> String {
 
 /// Softmax regression on a1a, scored on a1a.t, with 2 pservers and 8 KiB
 /// tasks (15 per pass); callers set the rest.
-pub fn a1a_softmax(mode: oar::pserver::Mode) -> oar::trainer::job::JobConfig {
+pub fn a1a_softmax(mode: oar::pserver::Mode) -> oar::job::config::JobConfig {
     let model = oar::trainer::model::ModelConfig::Softmax { features: 123, classes: 2 };
-    let mut config = oar::trainer::job::JobConfig::new(&testdata("a1a"), model);
+    let mut config = oar::job::config::JobConfig::new(&testdata("a1a"), model);
     config.test_data = Some(testdata("a1a.t"));
     config.mode = mode;
     config.pservers = 2;
     config.chunk_bytes = 8 << 10;
     config
+}
+
+/// Run `config` in this process (master, pservers, `trainers` trainers) on
+/// the in-memory discovery and `transport`, listening at `listen`; every
+/// pass's report goes to `on_pass`.
+pub async fn run_in_process(
+    config: &oar::job::config::JobConfig,
+    trainers: u32,
+    transport: std::sync::Arc<dyn oar::transport::Transport>,
+    listen: &str,
+    on_pass: impl FnMut(&oar::job::report::PassReport),
+) -> oar::job::Result<oar::job::report::JobReport> {
+    use oar::job::{local, JobContext};
+    let discovery = std::sync::Arc::new(oar::discovery::MemDiscovery::new());
+    let ctx = JobContext::new("local", discovery, transport, listen);
+    let options = local::LocalOptions { trainers, ..local::LocalOptions::default() };
+    local::run_local(&ctx, config, &options, on_pass).await
 }
 
 /// Poll `cond` until it holds (true) or `timeout` passes (false).

@@ -54,7 +54,7 @@ pub enum Error {
     /// the same answer.
     #[error("unusable answer from the discovery backend: {0}")]
     Unexpected(String),
-    /// The local etcd server that tests run (`EtcdServer`, feature `etcd`)
+    /// The local etcd server that tests run (`EtcdServer`, features `etcd` and `test-support`)
     /// could not be started or controlled; the message says what happened.
     #[error("etcd server: {0}")]
     Server(String),

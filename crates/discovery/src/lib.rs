@@ -4,8 +4,13 @@
 //! Every process of a job (master, pservers, trainers) finds the others and
 //! survives crashes through this trait. [`MemDiscovery`] is the in-process
 //! backend (the embedded default and the reference for tests); an etcd
-//! backend implements the same trait and passes the same
-//! [`conformance`] suite (see [`discovery_conformance!`]).
+//! backend implements the same trait and passes the same conformance suite
+//! (module `conformance` and the `discovery_conformance!` macro, feature
+//! `test-support`).
+//!
+//! The crate knows nothing of jobs or roles: callers name their keys.
+//! [`Departures`] follows the members registered under a prefix (their
+//! keys put under their leases) and names each one that leaves.
 //!
 //! Semantics, shared by every backend (they are etcd's):
 //!
@@ -33,10 +38,11 @@
 //! # The etcd backend (feature `etcd`)
 //!
 //! `EtcdDiscovery` implements the trait on a real etcd (3.4 or later) with
-//! the `etcd-client` crate, and `EtcdServer` runs a throwaway local etcd for
-//! tests (Debian's `etcd-server` package). Both sit behind the cargo feature
-//! `etcd`, off by default, because `etcd-client` needs `protoc` to build
-//! (`apt-get install -y protobuf-compiler`). Every etcd request is bounded by
+//! the `etcd-client` crate. It sits behind the cargo feature `etcd`, off by
+//! default, because `etcd-client` needs `protoc` to build
+//! (`apt-get install -y protobuf-compiler`). With the `test-support`
+//! feature as well, `EtcdServer` runs a throwaway local etcd for tests
+//! (Debian's `etcd-server` package). Every etcd request is bounded by
 //! a timeout, so a dead or hung etcd gives a transient error
 //! ([`Error::is_transient`]) instead of a hang.
 //!
@@ -77,14 +83,15 @@ use std::time::Duration;
 use async_trait::async_trait;
 use tokio::sync::mpsc;
 
+#[cfg(feature = "test-support")]
 pub mod conformance;
 mod error;
 #[cfg(feature = "etcd")]
 mod etcd;
-#[cfg(feature = "etcd")]
+#[cfg(all(feature = "etcd", feature = "test-support"))]
 pub mod etcd_server;
-mod keys;
 mod mem;
+mod members;
 mod session;
 
 pub use error::{Error, Result};
@@ -92,10 +99,10 @@ pub use error::{Error, Result};
 pub use etcd::{
     EtcdDiscovery, EtcdOptions, DEFAULT_CONNECT_TIMEOUT, DEFAULT_REQUEST_TIMEOUT, MAX_RESPONSE_BYTES,
 };
-#[cfg(feature = "etcd")]
+#[cfg(all(feature = "etcd", feature = "test-support"))]
 pub use etcd_server::EtcdServer;
-pub use keys::{JobKeys, TrainerDepartures};
 pub use mem::{MemDiscovery, DEFAULT_HISTORY_BYTES, DEFAULT_HISTORY_EVENTS};
+pub use members::{member_name, Departures};
 pub use session::{LeaseGuard, Session};
 
 /// Identifies a lease (etcd's lease id; never 0).
@@ -227,7 +234,7 @@ impl ChangeSignal {
 }
 
 /// What oar needs from etcd; implemented by [`MemDiscovery`] and the etcd
-/// backend, both checked by the [`conformance`] suite.
+/// backend, both checked by the conformance suite (feature `test-support`).
 #[async_trait]
 pub trait Discovery: Send + Sync + 'static {
     /// Grants a lease that lives `ttl` unless refreshed. A zero ttl is

@@ -21,7 +21,8 @@
 
 use oar_discovery::MemDiscovery;
 use oar_pserver::{
-    Init, Mode, OptimizerConfig, ParamBuf, ParamSpec, Placement, Pserver, PserverClient, PserverOptions,
+    Init, Mode, OptimizerConfig, ParamBuf, ParamSpec, Placement, Pserver, PserverClient,
+    PserverClientOptions, PserverKeys, PserverOptions,
 };
 use oar_transport::{DevCa, QuicTransport, RetryPolicy};
 use std::{
@@ -33,7 +34,14 @@ use tokio::{
     net::{TcpListener, TcpStream},
 };
 
-const JOB: &str = "bench";
+/// Where the bench's pservers claim their shards.
+fn keys() -> PserverKeys {
+    PserverKeys {
+        claims: "/bench/ps/".into(),
+        desired: "/bench/ps_desired".into(),
+        members: "/bench/trainer/".into(),
+    }
+}
 
 fn median(v: &mut [f64]) -> f64 {
     v.sort_by(f64::total_cmp);
@@ -128,14 +136,15 @@ async fn main() {
             let specs = vec![ParamSpec::new("w", vec![n], Init::Zeros)];
             let mut pservers = Vec::new();
             for _ in 0..servers {
-                let mut o = PserverOptions::new(
-                    JOB,
-                    specs.clone(),
+                let o = PserverOptions {
+                    keys: keys(),
+                    specs: specs.clone(),
                     servers,
-                    Mode::Async,
-                    OptimizerConfig::Sgd { lr: 1e-3 },
-                );
-                o.block_size = 1 << 20;
+                    mode: Mode::Async,
+                    optimizer: OptimizerConfig::Sgd { lr: 1e-3 },
+                    block_size: 1 << 20,
+                    ..Default::default()
+                };
                 pservers.push(
                     Pserver::start(discovery.clone(), transport.clone(), "127.0.0.1:0", o)
                         .await
@@ -143,18 +152,14 @@ async fn main() {
                 );
             }
             let placement = Arc::new(Placement::new(&specs, servers, 1 << 20).expect("placement"));
-            let retry = RetryPolicy { give_up_after: Duration::from_secs(60), ..RetryPolicy::default() };
-            let mut client = PserverClient::new(
-                discovery.clone(),
-                transport.clone(),
-                JOB,
-                placement.clone(),
-                "trainer",
-                Duration::from_secs(120),
-                retry,
-            )
-            .expect("client");
-            client.set_max_part_bytes(part_bytes);
+            let options = PserverClientOptions {
+                call_timeout: Duration::from_secs(120),
+                retry: RetryPolicy { give_up_after: Duration::from_secs(60), ..RetryPolicy::default() },
+                max_part_bytes: part_bytes,
+                ..PserverClientOptions::new(keys().claims, "trainer")
+            };
+            let mut client =
+                PserverClient::new(discovery.clone(), transport.clone(), placement.clone(), options);
             let grads = {
                 let mut g = ParamBuf::zeros(&specs);
                 g.fill(1e-3);

@@ -47,9 +47,9 @@ use std::time::{SystemTime, UNIX_EPOCH};
 
 use serde::{Deserialize, Serialize};
 
+use crate::block::BlockId;
 use crate::error::{Error, Result};
 use crate::optimizer::OptimizerState;
-use crate::placement::BlockId;
 use crate::store::ParamStore;
 
 /// The first 8 bytes of every checkpoint file.

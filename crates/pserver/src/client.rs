@@ -34,10 +34,11 @@
 //! deduplication table) and nothing waits for a step that cannot come.
 
 use crate::{
+    error::{ServiceError as Error, ServiceResult as Result},
     protocol::{BlockSpan, PsReply, PsRequest, PSERVER_METHOD},
-    Error, ParamBuf, Placement, PushOutcome, Result,
+    ParamBuf, Placement, PushOutcome,
 };
-use oar_discovery::{ChangeSignal, Discovery, JobKeys};
+use oar_discovery::{ChangeSignal, Discovery};
 use oar_transport::{Connection, RetryPolicy, Transport};
 use std::{
     sync::{
@@ -66,6 +67,40 @@ pub struct PserverClient {
     max_part_bytes: usize,
 }
 
+/// How a [`PserverClient`] finds and calls the pservers.
+#[derive(Clone, Debug)]
+pub struct PserverClientOptions {
+    /// Prefix of the shard claims ([`PserverKeys::claims`](crate::PserverKeys::claims)):
+    /// shard `i`'s address is at `<claims><i>`.
+    pub claims: String,
+    /// Who calls: the trainer id its pushes carry (for deduplication and
+    /// the sync barrier's order).
+    pub trainer: String,
+    /// Bound of one attempt of a call.
+    pub call_timeout: Duration,
+    /// How long, and how often, a shard that is away is retried.
+    pub retry: RetryPolicy,
+    /// The largest part of a shard's blocks sent or asked for in one call
+    /// (a larger block goes alone): smaller parts bound what a pserver holds
+    /// in flight, larger ones cost fewer calls.
+    pub max_part_bytes: usize,
+}
+
+impl PserverClientOptions {
+    /// Options for `trainer` calling the shards claimed under `claims`:
+    /// 10 s calls, the default retry policy, parts of
+    /// [`DEFAULT_MAX_PART_BYTES`].
+    pub fn new(claims: impl Into<String>, trainer: impl Into<String>) -> Self {
+        Self {
+            claims: claims.into(),
+            trainer: trainer.into(),
+            call_timeout: Duration::from_secs(10),
+            retry: RetryPolicy::default(),
+            max_part_bytes: DEFAULT_MAX_PART_BYTES,
+        }
+    }
+}
+
 /// One call of an exchange: shard `index`, its blocks at positions `blocks`.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 struct Part {
@@ -76,7 +111,7 @@ struct Part {
 struct Inner {
     discovery: Arc<dyn Discovery>,
     transport: Arc<dyn Transport>,
-    keys: JobKeys,
+    claims: String,
     placement: Arc<Placement>,
     trainer: String,
     conns: Vec<Mutex<Option<Arc<dyn Connection>>>>,
@@ -110,39 +145,34 @@ pub enum PushResult {
 }
 
 impl PserverClient {
-    /// A client for `trainer` of job `job`. `call_timeout` bounds each
-    /// attempt, `retry` each whole call.
+    /// A client of the shards `placement` names, found under `options.claims`.
     pub fn new(
         discovery: Arc<dyn Discovery>,
         transport: Arc<dyn Transport>,
-        job: &str,
         placement: Arc<Placement>,
-        trainer: &str,
-        call_timeout: Duration,
-        retry: RetryPolicy,
-    ) -> Result<Self> {
+        options: PserverClientOptions,
+    ) -> Self {
         let servers = placement.servers() as usize;
         let inner = Inner {
             discovery,
             transport,
-            keys: JobKeys::new(job)?,
+            claims: options.claims,
             placement,
-            trainer: trainer.to_string(),
+            trainer: options.trainer,
             conns: (0..servers).map(|_| Mutex::new(None)).collect(),
             incarnations: (0..servers).map(|_| AtomicI64::new(0)).collect(),
-            call_timeout,
-            retry,
+            call_timeout: options.call_timeout,
+            retry: options.retry,
         };
-        Ok(Self {
+        Self {
             inner: Arc::new(inner),
             shards: vec![ShardState::default(); servers],
-            max_part_bytes: DEFAULT_MAX_PART_BYTES,
-        })
+            max_part_bytes: options.max_part_bytes.max(1),
+        }
     }
 
-    /// Cut each shard's blocks into calls of at most `bytes` (a block
-    /// larger than that goes alone). Smaller parts bound what a pserver
-    /// holds in flight; larger ones cost fewer calls.
+    /// Cut each shard's blocks into calls of at most `bytes` (see
+    /// [`PserverClientOptions::max_part_bytes`]).
     pub fn set_max_part_bytes(&mut self, bytes: usize) {
         self.max_part_bytes = bytes.max(1);
     }
@@ -159,11 +189,11 @@ impl PserverClient {
     /// Wait until every shard has published its address, at most `timeout`.
     pub async fn wait_for_servers(&self, timeout: Duration) -> Result<()> {
         let deadline = tokio::time::Instant::now() + timeout;
-        let mut changed = ChangeSignal::new(&*self.inner.discovery, &self.inner.keys.ps_prefix()).await;
+        let mut changed = ChangeSignal::new(&*self.inner.discovery, &self.inner.claims).await;
         loop {
             let mut missing = Vec::new();
             for index in 0..self.inner.placement.servers() {
-                if self.inner.discovery.get(&self.inner.keys.ps(index)).await?.is_none() {
+                if self.inner.discovery.get(&self.inner.claim(index)).await?.is_none() {
                     missing.push(index);
                 }
             }
@@ -699,12 +729,16 @@ impl oar_transport::PayloadSink for ShardSink<'_> {
 }
 
 impl Inner {
+    fn claim(&self, index: u32) -> String {
+        crate::service::claim_key(&self.claims, index)
+    }
+
     async fn connection(&self, index: u32) -> Result<Arc<dyn Connection>> {
         let slot = &self.conns[index as usize];
         if let Some(conn) = slot.lock().unwrap_or_else(PoisonError::into_inner).clone() {
             return Ok(conn);
         }
-        let key = self.keys.ps(index);
+        let key = self.claim(index);
         let kv =
             self.discovery.get(&key).await?.ok_or_else(|| Error::ShardAway { index, key: key.clone() })?;
         let incarnation = kv.create_revision;

@@ -1,9 +1,12 @@
-//! The crate's one error type.
+//! The crate's errors: [`Error`] for the core (specs, placement,
+//! optimizers, the store, checkpoints), and `ServiceError` for the service
+//! and its client (feature `service`), which wraps it.
 
-use crate::placement::BlockId;
+use crate::block::BlockId;
 
-/// Everything that can go wrong in `oar-pserver`. Each message names what was
-/// wrong (which parameter, block, trainer) and the numbers involved.
+/// Everything that can go wrong in the core of `oar-pserver`. Each message
+/// names what was wrong (which parameter, block, trainer) and the numbers
+/// involved.
 #[derive(Debug, thiserror::Error)]
 #[non_exhaustive]
 pub enum Error {
@@ -248,47 +251,6 @@ pub enum Error {
     /// The job's configuration is inconsistent.
     #[error("bad configuration: {0}")]
     Config(String),
-    /// No `ps/<index>` below the pserver count became free in time.
-    #[error("no free pserver index below {servers} after waiting {waited:?}: are {servers} pservers already running?")]
-    NoFreeIndex {
-        /// The job's pserver count.
-        servers: u32,
-        /// How long the pserver waited.
-        waited: std::time::Duration,
-    },
-    /// Some shards never published an address.
-    #[error("pserver shards {missing:?} did not come up within {waited:?}")]
-    ServersMissing {
-        /// The missing shard indexes.
-        missing: Vec<u32>,
-        /// How long the client waited.
-        waited: std::time::Duration,
-    },
-    /// A shard has no address in discovery right now (it is restarting).
-    #[error("pserver shard {index} is away: {key} is not set")]
-    ShardAway {
-        /// The shard.
-        index: u32,
-        /// Its discovery key.
-        key: String,
-    },
-    /// Sync mode: a shard did not reach the awaited step in time.
-    #[error("shards {shards:?} did not complete the sync step within {waited:?}")]
-    BarrierTimeout {
-        /// The shards still waiting.
-        shards: Vec<u32>,
-        /// How long the client waited.
-        waited: std::time::Duration,
-    },
-    /// A pserver answered something that makes no sense for the request.
-    #[error("pserver protocol error: {0}")]
-    Protocol(String),
-    /// A discovery operation failed.
-    #[error(transparent)]
-    Discovery(#[from] oar_discovery::Error),
-    /// A call failed.
-    #[error(transparent)]
-    Transport(#[from] oar_transport::Error),
     /// A checkpoint file or directory operation failed at the OS level.
     #[error("checkpoint I/O failed {action} {}: {source}", .path.display())]
     CheckpointIo {
@@ -337,12 +299,72 @@ pub enum Error {
 /// The crate's result type.
 pub type Result<T> = std::result::Result<T, Error>;
 
-impl oar_transport::Transient for Error {
+/// Everything the pserver service and its client can fail with: the
+/// core's [`Error`] (a bad push, a bad checkpoint, ...) and what comes of
+/// talking to other processes. Each message names what was wrong.
+#[cfg(feature = "service")]
+#[derive(Debug, thiserror::Error)]
+pub enum ServiceError {
+    /// From the core: the store, the placement, the optimizer, checkpoints.
+    #[error(transparent)]
+    Core(#[from] Error),
+    /// The service's options do not fit the job.
+    #[error("bad configuration: {0}")]
+    Config(String),
+    /// No `ps/<index>` below the pserver count became free in time.
+    #[error("no free pserver index below {servers} after waiting {waited:?}: are {servers} pservers already running?")]
+    NoFreeIndex {
+        /// The job's pserver count.
+        servers: u32,
+        /// How long the pserver waited.
+        waited: std::time::Duration,
+    },
+    /// Some shards never published an address.
+    #[error("pserver shards {missing:?} did not come up within {waited:?}")]
+    ServersMissing {
+        /// The missing shard indexes.
+        missing: Vec<u32>,
+        /// How long the client waited.
+        waited: std::time::Duration,
+    },
+    /// A shard has no address in discovery right now (it is restarting).
+    #[error("pserver shard {index} is away: {key} is not set")]
+    ShardAway {
+        /// The shard.
+        index: u32,
+        /// Its discovery key.
+        key: String,
+    },
+    /// Sync mode: a shard did not reach the awaited step in time.
+    #[error("shards {shards:?} did not complete the sync step within {waited:?}")]
+    BarrierTimeout {
+        /// The shards still waiting.
+        shards: Vec<u32>,
+        /// How long the client waited.
+        waited: std::time::Duration,
+    },
+    /// A pserver answered something that makes no sense for the request.
+    #[error("pserver protocol error: {0}")]
+    Protocol(String),
+    /// A discovery operation failed.
+    #[error(transparent)]
+    Discovery(#[from] oar_discovery::Error),
+    /// A call failed.
+    #[error(transparent)]
+    Transport(#[from] oar_transport::Error),
+}
+
+/// The service's result type.
+#[cfg(feature = "service")]
+pub type ServiceResult<T> = std::result::Result<T, ServiceError>;
+
+#[cfg(feature = "service")]
+impl oar_transport::Transient for ServiceError {
     fn is_transient(&self) -> bool {
         match self {
-            Error::Transport(e) => e.is_transient(),
-            Error::ShardAway { .. } => true,
-            Error::Discovery(e) => e.is_transient(),
+            ServiceError::Transport(e) => e.is_transient(),
+            ServiceError::ShardAway { .. } => true,
+            ServiceError::Discovery(e) => e.is_transient(),
             _ => false,
         }
     }

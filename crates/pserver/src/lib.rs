@@ -37,8 +37,12 @@
 //! wrong length, NaN, bad weight, wrong step) is rejected with an [`Error`]
 //! naming what was wrong, before anything changes.
 //!
-//! This crate's core ([`spec`], [`placement`], [`optimizer`], [`store`]) does
-//! no I/O and reads no clock.
+//! **Core and shell.** This crate's core ([`spec`], [`placement`],
+//! [`optimizer`], [`store`], and the [`checkpoint`] files) reads no clock
+//! and needs neither tokio nor a network; the service and its client
+//! (modules `service`, `client` and `protocol`, with [`ServiceError`]) are
+//! behind the default feature `service`. With `default-features = false`
+//! the crate is the core alone, and Cargo, not discipline, keeps it so.
 //!
 //! **What a pserver crash loses.** The [`Pserver`] service checkpoints its
 //! shard every `checkpoint_interval` (when it changed), atomically, with the
@@ -86,24 +90,33 @@
 //! ```
 #![warn(missing_docs)]
 
+pub mod block;
 pub mod checkpoint;
+#[cfg(feature = "service")]
 pub mod client;
 pub mod error;
 pub mod optimizer;
 pub mod placement;
+#[cfg(feature = "service")]
 pub mod protocol;
 pub mod rng;
+#[cfg(feature = "service")]
 pub mod service;
 pub mod spec;
 pub mod store;
 
-pub use client::{PserverClient, PushResult};
+pub use block::BlockId;
+#[cfg(feature = "service")]
+pub use client::{PserverClient, PserverClientOptions, PushResult};
 pub use error::{Error, Result};
+#[cfg(feature = "service")]
+pub use error::{ServiceError, ServiceResult};
 pub use optimizer::{
     AdaGrad, Adam, Momentum, Optimizer, OptimizerConfig, OptimizerState, Sgd, OPTIMIZER_NAMES,
 };
-pub use placement::{BlockId, BlockInfo, Placement};
+pub use placement::{BlockInfo, Placement};
 pub use rng::{hash_str, SplitMix64};
-pub use service::{OptimizerFactory, Pserver, PserverOptions};
+#[cfg(feature = "service")]
+pub use service::{OptimizerFactory, Pserver, PserverKeys, PserverOptions};
 pub use spec::{init_values, validate_specs, Init, ParamBuf, ParamSpec};
 pub use store::{Grad, Mode, ParamStore, Push, PushOutcome};

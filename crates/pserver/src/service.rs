@@ -5,16 +5,20 @@
 
 use crate::{
     checkpoint::{CheckpointDir, CheckpointInfo},
+    error::{ServiceError, ServiceResult},
     protocol::{BlockSpan, PsReply, PsRequest, PSERVER_METHOD},
-    Error, Grad, Mode, OptimizerConfig, ParamSpec, ParamStore, Placement, Push, Result,
+    Error, Grad, Mode, OptimizerConfig, ParamSpec, ParamStore, Placement, Push,
 };
 use async_trait::async_trait;
 use bytes::{Bytes, BytesMut};
-use oar_discovery::{Discovery, JobKeys, LeaseGuard, Session, TrainerDepartures};
+use oar_discovery::{Departures, Discovery, LeaseGuard, Session};
 use oar_transport::{Frame, Handler, Listener, RemoteError, Transport};
 use std::{
     path::PathBuf,
-    sync::{Arc, Mutex, MutexGuard, OnceLock, PoisonError, TryLockError},
+    sync::{
+        atomic::{AtomicBool, Ordering},
+        Arc, Mutex, MutexGuard, OnceLock, PoisonError, TryLockError,
+    },
     time::Duration,
 };
 use tokio::sync::{watch, Notify};
@@ -91,12 +95,47 @@ impl std::fmt::Debug for OptimizerFactory {
     }
 }
 
+/// The discovery keys a pserver uses. The caller lays them out (`oar-job`
+/// puts them under `/oar/<job>/`); a client needs only
+/// [`claims`](Self::claims).
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct PserverKeys {
+    /// Prefix of the shard claims: shard `i` is claimed by creating
+    /// `<claims><i>` (value: the pserver's address) under its lease, and its
+    /// latest checkpoint is recorded at `<claims><i>/checkpoint`.
+    pub claims: String,
+    /// The number of pservers the job wants; a pserver configured for
+    /// another number refuses to start.
+    pub desired: String,
+    /// Prefix under which trainers register (`<members><id>`, under their
+    /// leases): a trainer whose key goes leaves the sync barrier.
+    pub members: String,
+}
+
+impl PserverKeys {
+    /// Shard `index`'s claim.
+    pub fn claim(&self, index: u32) -> String {
+        claim_key(&self.claims, index)
+    }
+
+    /// Where shard `index`'s latest checkpoint is recorded.
+    pub fn checkpoint(&self, index: u32) -> String {
+        format!("{}{index}/checkpoint", self.claims)
+    }
+}
+
+/// Shard `index`'s claim under the claims prefix `claims`.
+pub(crate) fn claim_key(claims: &str, index: u32) -> String {
+    format!("{claims}{index}")
+}
+
 /// How a pserver runs. Every pserver and trainer of a job must agree on
-/// `specs`, `servers` and `block_size` (the placement's fingerprint checks it).
+/// `specs`, `servers` and `block_size` (the placement's fingerprint checks
+/// it). `keys` and `specs` have no useful default: set them.
 #[derive(Clone, Debug)]
 pub struct PserverOptions {
-    /// The job's name: its keys live under `/oar/<job>/`.
-    pub job: String,
+    /// Where its claim, checkpoint records and the trainers' registrations live.
+    pub keys: PserverKeys,
     /// The model's parameters.
     pub specs: Vec<ParamSpec>,
     /// Number of pservers (shards) of the job.
@@ -133,23 +172,19 @@ pub struct PserverOptions {
     pub index: Option<u32>,
 }
 
-impl PserverOptions {
-    /// Options with default timing.
-    pub fn new(
-        job: &str,
-        specs: Vec<ParamSpec>,
-        servers: u32,
-        mode: Mode,
-        optimizer: OptimizerConfig,
-    ) -> Self {
+impl Default for PserverOptions {
+    /// One async SGD shard (lr 0.1) of blocks of 64 Ki floats, seed 1, a 5 s
+    /// lease, a minute to claim an index, no checkpoints (every 60 s, 3
+    /// kept, once a directory is given).
+    fn default() -> Self {
         Self {
-            job: job.to_string(),
-            specs,
-            servers,
+            keys: PserverKeys::default(),
+            specs: Vec::new(),
+            servers: 1,
             block_size: 1 << 16,
             seed: 1,
-            mode,
-            optimizer,
+            mode: Mode::Async,
+            optimizer: OptimizerConfig::Sgd { lr: 0.1 },
             custom_optimizer: None,
             lease_ttl: Duration::from_secs(5),
             claim_timeout: Duration::from_secs(60),
@@ -165,7 +200,7 @@ impl PserverOptions {
 pub struct Pserver {
     shared: Arc<Shared>,
     discovery: Arc<dyn Discovery>,
-    keys: JobKeys,
+    keys: PserverKeys,
     listener: Box<dyn Listener>,
     session: Option<Session>,
     background: Vec<tokio::task::JoinHandle<()>>,
@@ -186,6 +221,10 @@ struct Shared {
     /// (paused or cut off past its ttl) must not take updates a replacement
     /// would not have.
     lease: LeaseGuard,
+    /// Set, under the store's lock, when a graceful shutdown begins: from
+    /// then on requests are refused, so the last checkpoint holds every
+    /// push this pserver acknowledged.
+    draining: AtomicBool,
 }
 
 impl Shared {
@@ -210,7 +249,11 @@ impl Shared {
             return Err(RemoteError::unavailable(format!("pserver stopped serving: {why}")));
         }
         let store = self.store.get().ok_or_else(|| RemoteError::unavailable("pserver is starting"))?;
-        Ok(lock_store(store))
+        let store = lock_store(store);
+        if self.draining.load(Ordering::SeqCst) {
+            return Err(RemoteError::unavailable("pserver is shutting down"));
+        }
+        Ok(store)
     }
 }
 
@@ -254,20 +297,25 @@ impl Pserver {
         transport: Arc<dyn Transport>,
         listen_addr: &str,
         options: PserverOptions,
-    ) -> Result<Pserver> {
-        let keys = JobKeys::new(&options.job)?;
+    ) -> ServiceResult<Pserver> {
+        let keys = options.keys.clone();
+        if keys.claims.is_empty() || keys.members.is_empty() {
+            return Err(ServiceError::Config(format!(
+                "pserver keys must name the claims and members: {keys:?}"
+            )));
+        }
         metrics(); // Registered from the start, at zero.
         let optimizer = match &options.custom_optimizer {
             Some(factory) => factory.build(),
             None => options.optimizer.build()?,
         };
         let placement = Arc::new(Placement::new(&options.specs, options.servers, options.block_size)?);
-        if let Some(kv) = discovery.get(&keys.ps_desired()).await? {
+        if let Some(kv) = discovery.get(&keys.desired).await? {
             let desired = std::str::from_utf8(&kv.value).ok().and_then(|s| s.trim().parse::<u32>().ok());
             if desired != Some(options.servers) {
-                return Err(Error::Config(format!(
+                return Err(ServiceError::Config(format!(
                     "{} says {:?} pservers but this pserver was configured for {}",
-                    keys.ps_desired(),
+                    keys.desired,
                     String::from_utf8_lossy(&kv.value),
                     options.servers
                 )));
@@ -281,6 +329,7 @@ impl Pserver {
             stopped: watch::channel(None).0,
             index: OnceLock::new(),
             lease: session.guard(),
+            draining: AtomicBool::new(false),
         });
         let listener = transport.listen(listen_addr, Arc::new(PsHandler { shared: shared.clone() })).await?;
 
@@ -307,7 +356,7 @@ impl Pserver {
         let _ = shared.index.set(index);
         let _ = shared.store.set(Mutex::new(store));
 
-        let departures = TrainerDepartures::watch(&*discovery, &keys).await?;
+        let departures = Departures::watch(&*discovery, &keys.members).await?;
         let lease_lost = session.lost_signal();
         let guard = shared.clone();
         let mut background = vec![
@@ -322,7 +371,7 @@ impl Pserver {
         if let Some(dir) = checkpoints.clone() {
             background.push(tokio::spawn(checkpointer(
                 discovery.clone(),
-                keys.ps_checkpoint(index),
+                keys.checkpoint(index),
                 dir,
                 options.checkpoint_keep,
                 options.checkpoint_interval,
@@ -366,14 +415,28 @@ impl Pserver {
 
     /// Write a checkpoint now and record it in `ps/<index>/checkpoint` (if
     /// checkpoints are configured).
-    pub async fn checkpoint(&self) -> Result<Option<CheckpointInfo>> {
+    pub async fn checkpoint(&self) -> ServiceResult<Option<CheckpointInfo>> {
         let Some(dir) = self.checkpoints.clone() else { return Ok(None) };
-        let key = self.keys.ps_checkpoint(self.index);
+        let key = self.keys.checkpoint(self.index);
         save_and_record(&*self.discovery, &key, dir, self.keep, self.shared.clone()).await.map(Some)
     }
 
-    /// Stop serving, write a last checkpoint, and release the index.
-    pub async fn shutdown(mut self) -> Result<()> {
+    /// Stop serving gracefully: refuse every request from now on (a push
+    /// applied before is acknowledged; one that comes after is refused as
+    /// unavailable, and its trainer retries it on a replacement), write a
+    /// last checkpoint of everything applied, and release the index (revoke
+    /// the lease), so a replacement claims it at once and loads that
+    /// checkpoint. Returns the updates applied to the shard.
+    pub async fn shutdown(mut self) -> ServiceResult<u64> {
+        let step = match self.shared.store.get() {
+            Some(store) => {
+                let store = lock_store(store);
+                self.shared.draining.store(true, Ordering::SeqCst);
+                store.step()
+            }
+            None => 0,
+        };
+        self.shared.stepped.notify_waiters();
         self.listener.close();
         self.background.iter().for_each(|t| t.abort());
         if self.shared.stopped.borrow().is_none() {
@@ -382,7 +445,7 @@ impl Pserver {
         if let Some(session) = self.session.take() {
             session.close().await?;
         }
-        Ok(())
+        Ok(step)
     }
 }
 
@@ -402,7 +465,11 @@ const CHECKPOINT_STEP_WAIT: Duration = Duration::from_secs(30);
 /// is then exactly one step's state. A sync step
 /// that is underway (a push in parts being applied part by part) is waited
 /// for, up to [`CHECKPOINT_STEP_WAIT`].
-async fn save_checkpoint(dir: CheckpointDir, keep: usize, shared: Arc<Shared>) -> Result<CheckpointInfo> {
+async fn save_checkpoint(
+    dir: CheckpointDir,
+    keep: usize,
+    shared: Arc<Shared>,
+) -> ServiceResult<CheckpointInfo> {
     let started = std::time::Instant::now();
     let info = tokio::task::spawn_blocking(move || {
         let store = shared.store.get().ok_or_else(|| Error::Config("pserver is not started".into()))?;
@@ -417,7 +484,7 @@ async fn save_checkpoint(dir: CheckpointDir, keep: usize, shared: Arc<Shared>) -
         }
     })
     .await
-    .map_err(|e| Error::Protocol(format!("checkpoint task failed: {e}")))??;
+    .map_err(|e| ServiceError::Protocol(format!("checkpoint task failed: {e}")))??;
     metrics().checkpoint.observe(started.elapsed().as_secs_f64());
     metrics().checkpoint_time.set(info.unix_time_ms as f64 / 1000.0);
     Ok(info)
@@ -465,7 +532,7 @@ async fn save_and_record(
     dir: CheckpointDir,
     keep: usize,
     shared: Arc<Shared>,
-) -> Result<CheckpointInfo> {
+) -> ServiceResult<CheckpointInfo> {
     let info = save_checkpoint(dir, keep, shared).await?;
     tracing::debug!(step = info.step, path = info.path, "checkpoint written");
     match info.encode() {
@@ -481,14 +548,14 @@ async fn save_and_record(
 
 async fn claim_index(
     discovery: &dyn Discovery,
-    keys: &JobKeys,
+    keys: &PserverKeys,
     options: &PserverOptions,
     addr: &str,
     lease: oar_discovery::LeaseId,
-) -> Result<u32> {
+) -> ServiceResult<u32> {
     if let Some(index) = options.index {
         if index >= options.servers {
-            return Err(Error::Config(format!(
+            return Err(ServiceError::Config(format!(
                 "index {index} is out of range: the job has {} pservers (indexes 0 to {})",
                 options.servers,
                 options.servers.saturating_sub(1)
@@ -503,7 +570,7 @@ async fn claim_index(
     loop {
         for index in wanted.clone() {
             if discovery
-                .create_if_absent(&keys.ps(index), addr.as_bytes().to_vec(), Some(lease))
+                .create_if_absent(&keys.claim(index), addr.as_bytes().to_vec(), Some(lease))
                 .await?
                 .is_some()
             {
@@ -511,7 +578,10 @@ async fn claim_index(
             }
         }
         if tokio::time::Instant::now() >= deadline {
-            return Err(Error::NoFreeIndex { servers: options.servers, waited: options.claim_timeout });
+            return Err(ServiceError::NoFreeIndex {
+                servers: options.servers,
+                waited: options.claim_timeout,
+            });
         }
         tokio::time::sleep(Duration::from_millis(200)).await;
     }
@@ -519,7 +589,7 @@ async fn claim_index(
 
 /// A trainer whose registration vanished leaves the sync barrier, so the
 /// surviving trainers' step completes instead of hanging.
-async fn trainer_watcher(mut departures: TrainerDepartures, shared: Arc<Shared>) {
+async fn trainer_watcher(mut departures: Departures, shared: Arc<Shared>) {
     while let Some(departure) = departures.next().await {
         match departure {
             Ok(trainer) => {

@@ -4,9 +4,10 @@
 use serde::{Deserialize, Serialize};
 use std::collections::{BTreeMap, BTreeSet, HashMap};
 
+use crate::block::BlockId;
 use crate::error::{Error, Result};
 use crate::optimizer::{Optimizer, OptimizerState};
-use crate::placement::{BlockId, Placement};
+use crate::placement::Placement;
 use crate::spec::init_values;
 
 /// How pushes become updates.
@@ -61,7 +62,7 @@ impl Grad {
     /// The first value that is NaN or infinite, with its index.
     fn first_non_finite(&self) -> Option<(usize, f32)> {
         match self {
-            Grad::Floats(v) => first_non_finite(&oar_transport::f32s_as_le_bytes(v)),
+            Grad::Floats(v) => v.iter().position(|x| !x.is_finite()).map(|i| (i, v[i])),
             Grad::Wire(b) => first_non_finite(b),
         }
     }
@@ -71,13 +72,11 @@ impl Grad {
     fn floats<'a>(&'a self, scratch: &'a mut Vec<f32>) -> &'a [f32] {
         match self {
             Grad::Floats(v) => v,
-            Grad::Wire(b) => match oar_transport::f32s_view(b) {
-                Some(view) => view,
-                None => {
-                    let n = b.len() / 4;
-                    scratch.resize(n, 0.0);
-                    // Lengths match by construction.
-                    let _ = oar_transport::copy_f32s_from_bytes(scratch, &b[..n * 4]);
+            Grad::Wire(b) => match bytemuck::try_cast_slice(b) {
+                Ok(view) if cfg!(target_endian = "little") => view,
+                _ => {
+                    scratch.clear();
+                    scratch.extend(b.chunks_exact(4).map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]])));
                     scratch
                 }
             },
@@ -667,17 +666,22 @@ mod tests {
                     let expected = scalar(&w);
                     assert_eq!(expected, Some((at, bad)));
                     assert_eq!(Grad::Floats(w.clone()).first_non_finite(), expected, "len {len} at {at}");
-                    let wire = Grad::Wire(oar_transport::f32s_to_bytes(&w));
+                    let wire = Grad::Wire(wire_bytes(&w));
                     assert_eq!(wire.first_non_finite(), expected, "wire, len {len} at {at}");
                 }
                 let mut w = v.clone();
                 w[at] = f32::NAN;
-                let found = Grad::Wire(oar_transport::f32s_to_bytes(&w)).first_non_finite();
+                let found = Grad::Wire(wire_bytes(&w)).first_non_finite();
                 assert!(matches!(found, Some((i, x)) if i == at && x.is_nan()), "{found:?}");
             }
         }
     }
     use crate::optimizer::{Adam, Sgd};
+
+    /// `values` as a push carries them on the wire: little-endian bytes.
+    fn wire_bytes(values: &[f32]) -> bytes::Bytes {
+        values.iter().flat_map(|v| v.to_le_bytes()).collect::<Vec<u8>>().into()
+    }
     use crate::spec::{Init, ParamBuf, ParamSpec};
 
     fn specs() -> Vec<ParamSpec> {
@@ -821,7 +825,7 @@ mod tests {
             }
         }
         let wire = |g: &Grad| match g {
-            Grad::Floats(v) => oar_transport::f32s_to_bytes(v),
+            Grad::Floats(v) => wire_bytes(v),
             Grad::Wire(b) => b.clone(),
         };
         let mut p = good.clone();
@@ -845,7 +849,7 @@ mod tests {
         let mut p = good.clone();
         let mut nan = floats(&mut p.grads[1].1).clone();
         nan[1] = f32::NAN;
-        p.grads[1].1 = Grad::Wire(oar_transport::f32s_to_bytes(&nan));
+        p.grads[1].1 = Grad::Wire(wire_bytes(&nan));
         cases.push((p, "index 1"));
         for w in [0.0, -1.0, f32::NAN] {
             let mut p = good.clone();

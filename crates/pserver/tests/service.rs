@@ -3,16 +3,44 @@
 //! lost lease.
 
 use bytes::Bytes;
-use oar_discovery::{Discovery, JobKeys, MemDiscovery};
+use oar_discovery::{Discovery, MemDiscovery};
 use oar_pserver::{
     protocol::{BlockSpan, PsReply, PsRequest, PSERVER_METHOD},
-    Init, Mode, OptimizerConfig, ParamBuf, ParamSpec, Placement, Pserver, PserverClient, PserverOptions,
-    PushOutcome, PushResult,
+    Init, Mode, OptimizerConfig, ParamBuf, ParamSpec, Placement, Pserver, PserverClient,
+    PserverClientOptions, PserverKeys, PserverOptions, PushOutcome, PushResult,
 };
 use oar_transport::{call, f32s_to_bytes, MemNetwork, MemTransport, RemoteErrorKind, RetryPolicy, Transport};
 use std::{sync::Arc, time::Duration};
 
-const JOB: &str = "ps-test";
+/// The pservers' keys, under `/ps-test/`.
+fn keys() -> PserverKeys {
+    PserverKeys {
+        claims: "/ps-test/ps/".into(),
+        desired: "/ps-test/ps_desired".into(),
+        members: "/ps-test/trainer/".into(),
+    }
+}
+
+/// A pserver of `servers` applying SGD at `lr` to `specs`.
+fn options(specs: Vec<ParamSpec>, servers: u32, mode: Mode, lr: f32) -> PserverOptions {
+    PserverOptions {
+        keys: keys(),
+        specs,
+        servers,
+        mode,
+        optimizer: OptimizerConfig::Sgd { lr },
+        ..Default::default()
+    }
+}
+
+/// A client for `trainer` that gives a shard up after `give_up`.
+fn client_options(trainer: &str, give_up: Duration) -> PserverClientOptions {
+    PserverClientOptions {
+        call_timeout: Duration::from_secs(10),
+        retry: RetryPolicy { give_up_after: give_up, ..RetryPolicy::default() },
+        ..PserverClientOptions::new(keys().claims, trainer)
+    }
+}
 
 fn specs() -> Vec<ParamSpec> {
     vec![
@@ -36,23 +64,15 @@ impl Env {
         }
     }
     async fn pserver(&self, mode: Mode) -> Pserver {
-        let mut o = PserverOptions::new(JOB, specs(), 1, mode, OptimizerConfig::Sgd { lr: 0.5 });
+        let mut o = options(specs(), 1, mode, 0.5);
         o.block_size = 8;
         o.lease_ttl = Duration::from_secs(1);
         Pserver::start(self.discovery.clone(), self.transport.clone(), "mem:0", o).await.unwrap()
     }
     fn client(&self, trainer: &str, give_up: Duration) -> PserverClient {
-        let retry = RetryPolicy { give_up_after: give_up, ..RetryPolicy::default() };
-        PserverClient::new(
-            self.discovery.clone(),
-            self.transport.clone(),
-            JOB,
-            self.placement.clone(),
-            trainer,
-            Duration::from_secs(2),
-            retry,
-        )
-        .unwrap()
+        let options =
+            PserverClientOptions { call_timeout: Duration::from_secs(2), ..client_options(trainer, give_up) };
+        PserverClient::new(self.discovery.clone(), self.transport.clone(), self.placement.clone(), options)
     }
 }
 
@@ -146,9 +166,9 @@ async fn bad_pushes_are_refused_by_name_and_change_nothing() {
 async fn a_trainer_that_dies_inside_a_sync_step_does_not_hang_the_others() {
     let env = Env::new();
     let ps = env.pserver(Mode::Sync).await;
-    let keys = JobKeys::new(JOB).unwrap();
+    let keys = keys();
     let doomed = env.discovery.grant_lease(Duration::from_secs(60)).await.unwrap();
-    env.discovery.put(&keys.trainer("t2"), b"t2".to_vec(), Some(doomed)).await.unwrap();
+    env.discovery.put(&format!("{}t2", keys.members), b"t2".to_vec(), Some(doomed)).await.unwrap();
 
     let mut alive = env.client("t1", Duration::from_secs(20));
     let mut dead = env.client("t2", Duration::from_secs(20));
@@ -179,8 +199,8 @@ async fn a_trainer_that_dies_inside_a_sync_step_does_not_hang_the_others() {
 async fn a_pserver_that_lost_its_lease_stops_serving() {
     let env = Env::new();
     let ps = env.pserver(Mode::Async).await;
-    let keys = JobKeys::new(JOB).unwrap();
-    let lease = env.discovery.get(&keys.ps(0)).await.unwrap().unwrap().lease.unwrap();
+    let keys = keys();
+    let lease = env.discovery.get(&keys.claim(0)).await.unwrap().unwrap().lease.unwrap();
     env.discovery.revoke_lease(lease).await.unwrap();
     tokio::time::timeout(Duration::from_secs(5), async {
         while ps.stopped().is_none() {
@@ -200,7 +220,7 @@ async fn a_restarted_pserver_resumes_from_its_checkpoint_and_still_knows_applied
     let env = Env::new();
     let dir = tempfile::tempdir().unwrap();
     let start = |env: &Env| {
-        let mut o = PserverOptions::new(JOB, specs(), 1, Mode::Async, OptimizerConfig::Sgd { lr: 0.5 });
+        let mut o = options(specs(), 1, Mode::Async, 0.5);
         o.block_size = 8;
         o.checkpoint_dir = Some(dir.path().to_path_buf());
         o.checkpoint_interval = Duration::from_millis(50);
@@ -215,7 +235,7 @@ async fn a_restarted_pserver_resumes_from_its_checkpoint_and_still_knows_applied
     reader.pull(&mut before).await.unwrap();
 
     // The periodic checkpointer records the latest checkpoint in discovery.
-    let key = JobKeys::new(JOB).unwrap().ps_checkpoint(0);
+    let key = keys().checkpoint(0);
     tokio::time::timeout(Duration::from_secs(5), async {
         loop {
             if let Some(kv) = env.discovery.get(&key).await.unwrap() {
@@ -247,7 +267,7 @@ async fn a_restarted_pserver_resumes_from_its_checkpoint_and_still_knows_applied
 async fn a_pserver_told_its_index_claims_that_one_and_an_index_out_of_range_is_refused() {
     let env = Env::new();
     let start = |index: Option<u32>| {
-        let mut o = PserverOptions::new(JOB, specs(), 3, Mode::Async, OptimizerConfig::Sgd { lr: 0.5 });
+        let mut o = options(specs(), 3, Mode::Async, 0.5);
         o.block_size = 8;
         o.index = index;
         o.claim_timeout = Duration::from_millis(300);
@@ -354,27 +374,19 @@ async fn quic_round_trips(max_part_bytes: usize) {
     let discovery: Arc<dyn Discovery> = Arc::new(MemDiscovery::new());
     let mut servers = Vec::new();
     for _ in 0..2 {
-        let mut o = PserverOptions::new(JOB, specs.clone(), 2, Mode::Async, OptimizerConfig::Sgd { lr: 0.5 });
+        let mut o = options(specs.clone(), 2, Mode::Async, 0.5);
         o.block_size = 10_000;
         servers.push(Pserver::start(discovery.clone(), transport.clone(), "127.0.0.1:0", o).await.unwrap());
     }
     let placement = Arc::new(Placement::new(&specs, 2, 10_000).unwrap());
-    let retry = RetryPolicy { give_up_after: Duration::from_secs(10), ..RetryPolicy::default() };
     let mut client = PserverClient::new(
         discovery.clone(),
         transport.clone(),
-        JOB,
         placement,
-        "t1",
-        Duration::from_secs(10),
-        retry,
-    )
-    .unwrap();
-    client.set_max_part_bytes(max_part_bytes);
-    let initial = ParamBuf::init(
-        &specs,
-        PserverOptions::new(JOB, specs.clone(), 2, Mode::Async, OptimizerConfig::Sgd { lr: 0.5 }).seed,
+        client_options("t1", Duration::from_secs(10)),
     );
+    client.set_max_part_bytes(max_part_bytes);
+    let initial = ParamBuf::init(&specs, options(specs.clone(), 2, Mode::Async, 0.5).seed);
     let mut params = ParamBuf::zeros(&specs);
     client.pull(&mut params).await.unwrap();
     assert!(params.as_slice() == initial.as_slice(), "a pull brings every initial value");
@@ -406,22 +418,13 @@ async fn sync_pushes_in_parts_combine_every_block_once() {
     let transport: Arc<dyn Transport> =
         Arc::new(oar_transport::QuicTransport::new(ca.tls_config("ps-test").unwrap()).unwrap());
     let discovery: Arc<dyn Discovery> = Arc::new(MemDiscovery::new());
-    let mut o = PserverOptions::new(JOB, specs.clone(), 1, Mode::Sync, OptimizerConfig::Sgd { lr: 1.0 });
+    let mut o = options(specs.clone(), 1, Mode::Sync, 1.0);
     o.block_size = 4_000;
     let server = Pserver::start(discovery.clone(), transport.clone(), "127.0.0.1:0", o).await.unwrap();
     let placement = Arc::new(Placement::new(&specs, 1, 4_000).unwrap());
-    let retry = RetryPolicy { give_up_after: Duration::from_secs(10), ..RetryPolicy::default() };
     let client = |name: &str| {
-        let mut c = PserverClient::new(
-            discovery.clone(),
-            transport.clone(),
-            JOB,
-            placement.clone(),
-            name,
-            Duration::from_secs(10),
-            retry,
-        )
-        .unwrap();
+        let options = client_options(name, Duration::from_secs(10));
+        let mut c = PserverClient::new(discovery.clone(), transport.clone(), placement.clone(), options);
         // 16 blocks of 16 KB: parts of 3 blocks (and a last one of 1).
         c.set_max_part_bytes(50_000);
         c

@@ -31,8 +31,9 @@ use oar_discovery::{
     Discovery, EtcdDiscovery, EtcdServer, Fence, KeyValue, LeaseId, Listing, Revision, WatchStream,
 };
 use oar_task_queue::{
-    chunk_files, tasks_from_chunks, GetTask, Master, MasterClient, MasterOptions, PassStats, QueueConfig,
-    ReportReply, StoredState, TaskQueue, TaskReply, TaskSpec, TaskStats,
+    chunk_files, tasks_from_chunks, GetTask, Master, MasterClient, MasterClientOptions, MasterKeys,
+    MasterOptions, PassStats, QueueConfig, ReportReply, StoredState, TaskQueue, TaskReply, TaskSpec,
+    TaskStats,
 };
 use oar_transport::{DevCa, QuicTransport, RetryPolicy, Transport};
 use std::{
@@ -53,7 +54,17 @@ const SERVICE_TARGET: f64 = 5_000.0;
 /// etcd's auto-compaction; without it 100,000 states of ~0.3 MB fill etcd's
 /// 2 GiB quota within seconds).
 const COMPACT_EVERY: u64 = 100;
-const JOB: &str = "bench";
+/// The master's keys, under `/bench/`.
+fn keys() -> MasterKeys {
+    MasterKeys {
+        lock: "/bench/master/lock".into(),
+        addr: "/bench/master/addr".into(),
+        state: "/bench/master/state".into(),
+        journal: "/bench/master/journal/".into(),
+        config: "/bench/config".into(),
+        members: "/bench/trainer/".into(),
+    }
+}
 
 struct Args {
     tasks: usize,
@@ -410,13 +421,15 @@ async fn service_run(
     let etcd = EtcdDiscovery::connect(&[server.endpoint()]).await?;
     let counting = Arc::new(Counting::new(etcd.clone()));
     let master_transport: Arc<dyn Transport> = Arc::new(QuicTransport::new(ca.tls_config("master")?)?);
-    let mut options = MasterOptions::new(
-        JOB,
-        QueueConfig { task_timeout: Duration::from_secs(600), max_failures: 3, passes: 1 },
-    );
-    options.holder = "bench-master".into();
-    options.lease_ttl = Duration::from_secs(10);
-    options.tick_interval = Duration::from_millis(20);
+    let options = MasterOptions {
+        holder: "bench-master".into(),
+        lease_ttl: Duration::from_secs(10),
+        tick_interval: Duration::from_millis(20),
+        ..MasterOptions::new(
+            keys(),
+            QueueConfig { task_timeout: Duration::from_secs(600), max_failures: 3, passes: 1 },
+        )
+    };
     let discovery: Arc<dyn Discovery> = counting.clone();
     let master = Master::start(discovery, master_transport, "127.0.0.1:0", tasks.to_vec(), options).await?;
     counting.take_latencies();
@@ -426,9 +439,12 @@ async fn service_run(
     for i in 0..k {
         let transport: Arc<dyn Transport> =
             Arc::new(QuicTransport::new(ca.tls_config(&format!("trainer-{i}"))?)?);
-        let retry = RetryPolicy { give_up_after: Duration::from_secs(30), ..RetryPolicy::default() };
-        let client =
-            MasterClient::new(clients_discovery.clone(), transport, JOB, Duration::from_secs(20), retry)?;
+        let options = MasterClientOptions {
+            call_timeout: Duration::from_secs(20),
+            retry: RetryPolicy { give_up_after: Duration::from_secs(30), ..RetryPolicy::default() },
+            ..MasterClientOptions::new(keys().addr)
+        };
+        let client = MasterClient::new(clients_discovery.clone(), transport, options);
         // Connect (and read master/addr) before the clock starts.
         client.status().await?;
         clients.push(client);

@@ -5,7 +5,7 @@ use crate::{
     Error, Result, TaskRef,
 };
 use bytes::Bytes;
-use oar_discovery::{Discovery, JobKeys};
+use oar_discovery::Discovery;
 use oar_transport::{Connection, RetryPolicy, Transport};
 use serde::de::DeserializeOwned;
 use std::{
@@ -13,57 +13,67 @@ use std::{
     time::Duration,
 };
 
-/// Calls the job's master, wherever it is: the address is read from
-/// `master/addr` and read again after a failure, so the client follows a
-/// standby that took over. A master that is away is retried until the
-/// policy's deadline, then the last error is returned.
+/// Calls the job's master, wherever it is: the address is read from the
+/// master's address key ([`MasterKeys::addr`](crate::MasterKeys::addr)) and
+/// read again after a failure, so the client follows a standby that took
+/// over. A master that is away is retried until the policy's deadline,
+/// then the last error is returned.
 pub struct MasterClient {
     discovery: Arc<dyn Discovery>,
     transport: Arc<dyn Transport>,
-    keys: JobKeys,
+    options: MasterClientOptions,
     conn: Mutex<Option<Arc<dyn Connection>>>,
-    call_timeout: Duration,
-    retry: RetryPolicy,
+}
+
+/// How a [`MasterClient`] finds and calls the master.
+#[derive(Clone, Debug)]
+pub struct MasterClientOptions {
+    /// The key the serving master publishes its address under.
+    pub addr_key: String,
+    /// Bound of one attempt of a call.
+    pub call_timeout: Duration,
+    /// How long, and how often, a master that is away is retried.
+    pub retry: RetryPolicy,
+}
+
+impl MasterClientOptions {
+    /// Options for the master publishing at `addr_key`: 10 s calls, the
+    /// default retry policy.
+    pub fn new(addr_key: impl Into<String>) -> Self {
+        Self {
+            addr_key: addr_key.into(),
+            call_timeout: Duration::from_secs(10),
+            retry: RetryPolicy::default(),
+        }
+    }
 }
 
 impl MasterClient {
-    /// A client of job `job`'s master. `call_timeout` bounds each attempt,
-    /// `retry` the whole call.
+    /// A client of the master that publishes its address at `options.addr_key`.
     pub fn new(
         discovery: Arc<dyn Discovery>,
         transport: Arc<dyn Transport>,
-        job: &str,
-        call_timeout: Duration,
-        retry: RetryPolicy,
-    ) -> Result<Self> {
-        Ok(Self {
-            discovery,
-            transport,
-            keys: JobKeys::new(job)?,
-            conn: Mutex::new(None),
-            call_timeout,
-            retry,
-        })
+        options: MasterClientOptions,
+    ) -> Self {
+        Self { discovery, transport, options, conn: Mutex::new(None) }
     }
 
     async fn connection(&self) -> Result<Arc<dyn Connection>> {
         if let Some(conn) = self.conn.lock().unwrap_or_else(PoisonError::into_inner).clone() {
             return Ok(conn);
         }
-        let kv = self
-            .discovery
-            .get(&self.keys.master_addr())
-            .await?
-            .ok_or_else(|| Error::NoMaster { key: self.keys.master_addr() })?;
-        let addr = String::from_utf8(kv.value)
-            .map_err(|_| Error::NoMaster { key: format!("{} (not UTF-8)", self.keys.master_addr()) })?;
+        let key = &self.options.addr_key;
+        let kv = self.discovery.get(key).await?.ok_or_else(|| Error::NoMaster { key: key.clone() })?;
+        let addr =
+            String::from_utf8(kv.value).map_err(|_| Error::NoMaster { key: format!("{key} (not UTF-8)") })?;
         let conn = self.transport.connect(&addr).await?;
         *self.conn.lock().unwrap_or_else(PoisonError::into_inner) = Some(conn.clone());
         Ok(conn)
     }
 
     async fn request<T: DeserializeOwned>(&self, request: &MasterRequest) -> Result<T> {
-        self.retry
+        self.options
+            .retry
             .run(|| async {
                 let conn = self.connection().await?;
                 let result: Result<(T, Bytes)> = oar_transport::call(
@@ -71,7 +81,7 @@ impl MasterClient {
                     MASTER_METHOD,
                     request,
                     Bytes::new(),
-                    self.call_timeout,
+                    self.options.call_timeout,
                 )
                 .await
                 .map_err(Error::from);
@@ -107,6 +117,12 @@ impl MasterClient {
             reason: reason.into(),
         })
         .await
+    }
+
+    /// Hand a task back unfinished (the trainer is stopping): it goes to
+    /// the front of todo without counting as a failure.
+    pub async fn task_returned(&self, trainer: &str, task_ref: TaskRef) -> Result<ReportReply> {
+        self.request(&MasterRequest::TaskReturned { trainer: trainer.to_string(), task_ref }).await
     }
 
     /// The job's status.

@@ -97,9 +97,11 @@ pub enum Error {
     #[error("master stopped: {0}")]
     Stopped(String),
     /// A discovery operation failed.
+    #[cfg(feature = "service")]
     #[error(transparent)]
     Discovery(#[from] oar_discovery::Error),
     /// A call failed.
+    #[cfg(feature = "service")]
     #[error(transparent)]
     Transport(#[from] oar_transport::Error),
 }
@@ -114,6 +116,7 @@ impl Error {
     }
 }
 
+#[cfg(feature = "service")]
 impl oar_transport::Transient for Error {
     fn is_transient(&self) -> bool {
         match self {

@@ -6,15 +6,18 @@
 //! after the change, in the order of the tasks' last changes. That order is
 //! enough to rebuild the todo order: a task that became todo went to the end
 //! of todo, so replaying "became todo" in last-change order appends the tasks
-//! where the queue appended them. A delta never spans a pass boundary (the
+//! where the queue appended them. A task handed back goes to the *front* of
+//! todo, which a delta cannot say, so the queue asks for a snapshot after
+//! one (hand-backs are rare: a trainer stopping gracefully). A delta never
+//! spans a pass boundary (the
 //! start of a pass rewrites every task, so the queue asks for a full
 //! snapshot instead), and it names the version it starts from, so deltas
 //! only apply in an unbroken chain: `snapshot, delta(v0 → v1), delta(v1 → v2)`.
 
 use serde::{Deserialize, Serialize};
 
-use crate::queue::{JobState, TaskState};
 use crate::snapshot::{Meta, Snapshot, StateView, Unpacked};
+use crate::state::{JobState, TaskState};
 use crate::{Error, Result};
 
 /// The changes of a queue between two versions. Made by

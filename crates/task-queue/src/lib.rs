@@ -14,7 +14,16 @@
 //! compact enough for one etcd value even for 100,000 tasks. Between
 //! snapshots the shell stores only what changed, a [`Delta`] per write from
 //! [`TaskQueue::take_changes`], and replays them with [`Snapshot::apply`]
-//! (the [`master`] module docs say when it writes which).
+//! (the `master` module docs say when it writes which).
+//!
+//! **Core and shell.** The core (dataset chunking, [`TaskQueue`], its
+//! snapshots and journal, [`StoredState`]) does no I/O beyond reading the
+//! dataset's files and needs neither tokio nor a network. The master
+//! service and its client (modules `master` and `client`, on
+//! [`oar_transport`](https://docs.rs/oar-transport) and
+//! [`oar_discovery`](https://docs.rs/oar-discovery)) are behind the
+//! default feature `service`: with `default-features = false` the crate is
+//! the core alone.
 //!
 //! ```
 //! use std::time::{Duration, Instant};
@@ -50,28 +59,34 @@
 //! ```
 #![warn(missing_docs)]
 
+#[cfg(feature = "service")]
 pub mod client;
 pub mod dataset;
 mod error;
 pub mod journal;
+#[cfg(feature = "service")]
 pub mod master;
 pub mod protocol;
 pub mod queue;
 pub mod snapshot;
+pub mod state;
+pub mod stored;
 
-pub use client::MasterClient;
+#[cfg(feature = "service")]
+pub use client::{MasterClient, MasterClientOptions};
 pub use dataset::{
     auto_chunk_bytes, chunk_files, chunks_from_glob, glob_files, line_number_at, read_chunk_lines,
     tasks_from_chunks, Chunk, Line, TaskId, TaskSpec, AUTO_CHUNK_MAX, AUTO_CHUNK_MIN, AUTO_TASKS_PER_PASS,
 };
 pub use error::{Error, Result};
 pub use journal::{Changes, Delta};
-pub use master::{
-    JournalRecord, Master, MasterOptions, StoredState, JOURNAL_MAX_RECORDS, MAX_DISCARDS_LISTED,
-};
+#[cfg(feature = "service")]
+pub use master::{Master, MasterKeys, MasterOptions, JOURNAL_MAX_RECORDS};
 pub use protocol::{MasterStatus, PassStats, ReportReply, TaskReply, TaskStats};
 pub use queue::{
-    Assignment, GetTask, JobState, QueueConfig, QueueEvent, Report, Status, TaskQueue, TaskRef, TaskState,
-    TrainerId, MAX_REASON_BYTES, MAX_TASK_TIMEOUT,
+    Assignment, GetTask, QueueConfig, QueueEvent, Report, Status, TaskQueue, TaskRef, MAX_REASON_BYTES,
+    MAX_TASK_TIMEOUT,
 };
 pub use snapshot::Snapshot;
+pub use state::{JobState, TaskState, TrainerId};
+pub use stored::{JournalRecord, StoredState, MAX_DISCARDS_LISTED};

@@ -35,25 +35,62 @@
 
 use crate::{
     protocol::{MasterRequest, MasterStatus, PassStats, ReportReply, TaskReply, MASTER_METHOD},
-    Changes, Delta, Error, GetTask, JobState, QueueConfig, QueueEvent, Report, Result, Snapshot, TaskQueue,
-    TaskSpec,
+    Changes, Error, GetTask, JobState, JournalRecord, QueueConfig, QueueEvent, Report, Result, StoredState,
+    TaskQueue, TaskSpec, MAX_DISCARDS_LISTED,
 };
 use async_trait::async_trait;
 use bytes::Bytes;
-use oar_discovery::{Discovery, Fence, JobKeys, LeaseGuard, Session, TrainerDepartures};
+use oar_discovery::{Departures, Discovery, Fence, LeaseGuard, Session};
 use oar_transport::{Frame, Handler, Listener, RemoteError, Transport};
-use serde::{Deserialize, Serialize};
 use std::{
     sync::{Arc, Mutex, MutexGuard, PoisonError},
     time::{Duration, Instant},
 };
 use tokio::sync::{watch, Notify};
 
+/// The discovery keys a master uses. The caller lays them out (`oar-job`
+/// puts them under `/oar/<job>/`); [`MasterClient`](crate::MasterClient)
+/// needs only [`addr`](Self::addr).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct MasterKeys {
+    /// The lock masters take (value: holder id; under the master's lease).
+    pub lock: String,
+    /// The serving master's address (under the master's lease).
+    pub addr: String,
+    /// The task-queue snapshot ([`StoredState`]), written through the fence.
+    pub state: String,
+    /// Prefix of the journal records written since the snapshot, each at
+    /// `<journal><version:020>` so that they list in version order.
+    pub journal: String,
+    /// The job's options, published once ([`MasterOptions::config`]).
+    pub config: String,
+    /// Prefix under which trainers register (`<members><id>`, under their
+    /// leases): a trainer whose key goes has its tasks taken back.
+    pub members: String,
+}
+
+impl MasterKeys {
+    /// The journal record that brings the queue to `version`.
+    pub fn journal_record(&self, version: u64) -> String {
+        format!("{}{version:020}", self.journal)
+    }
+
+    /// The keys the stored state is read from: the snapshot and the journal.
+    fn state_listing_prefix(&self) -> String {
+        common_prefix(&self.state, &self.journal)
+    }
+}
+
+/// The longest common prefix of `a` and `b`, at a char boundary.
+fn common_prefix(a: &str, b: &str) -> String {
+    a.char_indices().zip(b.chars()).take_while(|((_, x), y)| x == y).map(|((_, x), _)| x).collect()
+}
+
 /// How a master runs.
 #[derive(Clone, Debug)]
 pub struct MasterOptions {
-    /// The job's name: its keys live under `/oar/<job>/`.
-    pub job: String,
+    /// Where its state, lock and address live.
+    pub keys: MasterKeys,
     /// This master's id, stored in the lock key.
     pub holder: String,
     /// Task timeouts, failure threshold and passes.
@@ -64,17 +101,17 @@ pub struct MasterOptions {
     pub lock_timeout: Duration,
     /// How often task deadlines are checked.
     pub tick_interval: Duration,
-    /// The job's options, published under `config` if nobody did yet. A
-    /// master given options that differ from the published ones refuses to
-    /// start ([`Error::ConfigMismatch`]): one job, one set of options.
+    /// The job's options, published under `keys.config` if nobody did yet.
+    /// A master given options that differ from the published ones refuses
+    /// to start ([`Error::ConfigMismatch`]): one job, one set of options.
     pub config: Option<Vec<u8>>,
 }
 
 impl MasterOptions {
-    /// Options with the defaults below for job `job`.
-    pub fn new(job: &str, queue: QueueConfig) -> Self {
+    /// Options with the defaults below for a master whose keys are `keys`.
+    pub fn new(keys: MasterKeys, queue: QueueConfig) -> Self {
         Self {
-            job: job.to_string(),
+            keys,
             holder: format!("master-{}", std::process::id()),
             queue,
             lease_ttl: Duration::from_secs(5),
@@ -146,7 +183,7 @@ pub struct Master {
     shared: Arc<Shared>,
     discovery: Arc<dyn Discovery>,
     fence: Fence,
-    keys: JobKeys,
+    keys: MasterKeys,
     listener: Box<dyn Listener>,
     session: Option<Session>,
     background: Vec<tokio::task::JoinHandle<()>>,
@@ -196,6 +233,9 @@ impl Shared {
                 QueueEvent::TaskFailed { task_ref, trainer, reason } => {
                     m.failed.inc();
                     tracing::info!(task = task_ref.task.0, trainer, %reason, "task failed")
+                }
+                QueueEvent::TaskReturned { task_ref, trainer } => {
+                    tracing::info!(task = task_ref.task.0, trainer, "task handed back")
                 }
                 QueueEvent::PassEnded { pass, done, discarded } => {
                     tracing::info!(pass, done, discarded, "pass ended")
@@ -250,31 +290,26 @@ impl Master {
         tasks: Vec<TaskSpec>,
         options: MasterOptions,
     ) -> Result<Master> {
-        let keys = JobKeys::new(&options.job)?;
+        let keys = options.keys.clone();
         metrics(); // Registered from the start, at zero.
         let session = Session::start(discovery.clone(), options.lease_ttl).await?;
         let fence = discovery
-            .lock(
-                &keys.master_lock(),
-                options.holder.clone().into_bytes(),
-                session.lease(),
-                options.lock_timeout,
-            )
+            .lock(&keys.lock, options.holder.clone().into_bytes(), session.lease(), options.lock_timeout)
             .await?;
         tracing::info!(holder = %options.holder, revision = fence.revision, "master holds the lock");
 
         if let Some(config) = &options.config {
-            if let Some(existing) = discovery.get(&keys.config()).await? {
+            if let Some(existing) = discovery.get(&keys.config).await? {
                 if existing.value != *config {
-                    return Err(Error::ConfigMismatch { key: keys.config() });
+                    return Err(Error::ConfigMismatch { key: keys.config.clone() });
                 }
             } else {
-                discovery.create_if_absent(&keys.config(), config.clone(), None).await?;
+                discovery.create_if_absent(&keys.config, config.clone(), None).await?;
             }
         }
 
         let now = Instant::now();
-        let core = match StoredState::load(&*discovery, &keys).await? {
+        let core = match load(&*discovery, &keys).await? {
             Some(stored) => {
                 let queue = TaskQueue::restore(stored.queue, options.queue.clone(), now)?;
                 tracing::info!(status = ?queue.status(), "restored the task queue from discovery");
@@ -302,7 +337,7 @@ impl Master {
         });
         // Trainers that left while no master watched (between the last
         // master's end and now) hold restored pending tasks: take them back.
-        let departures = TrainerDepartures::watch(&*discovery, &keys).await?;
+        let departures = Departures::watch(&*discovery, &keys.members).await?;
         {
             let mut core = shared.core();
             for trainer in core.queue.pending_trainers() {
@@ -329,9 +364,7 @@ impl Master {
             tick_interval: options.tick_interval,
         });
         let listener = transport.listen(listen_addr, handler).await?;
-        discovery
-            .put(&keys.master_addr(), listener.local_addr().as_bytes().to_vec(), Some(session.lease()))
-            .await?;
+        discovery.put(&keys.addr, listener.local_addr().as_bytes().to_vec(), Some(session.lease())).await?;
         tracing::info!(addr = listener.local_addr(), "master serving");
 
         let lease_lost = session.lost_signal();
@@ -462,7 +495,7 @@ impl Journal {
 async fn persist(
     discovery: &dyn Discovery,
     fence: &Fence,
-    keys: &JobKeys,
+    keys: &MasterKeys,
     shared: &Shared,
     journal: &mut Journal,
     always: bool,
@@ -493,8 +526,8 @@ async fn persist(
     };
     // Encoded outside the lock: trainers' calls need it meanwhile.
     let (key, bytes) = match &write {
-        Write::Snapshot(state) => (keys.master_state(), state.encode()),
-        Write::Record(record) => (keys.master_journal_record(version), record.encode()),
+        Write::Snapshot(state) => (keys.state.clone(), state.encode()),
+        Write::Record(record) => (keys.journal_record(version), record.encode()),
     };
     let size = bytes.len();
     if let Err(e) = discovery.put_fenced(fence, &key, bytes).await {
@@ -510,8 +543,8 @@ async fn persist(
             *journal = Journal { snapshot_bytes: size, discards_stored: discards, ..Journal::default() };
             // The records up to this version are covered now. A failure
             // here leaves records a restore skips; the next snapshot retries.
-            let covered = keys.master_journal_record(version.saturating_add(1));
-            match discovery.delete_range_fenced(fence, &keys.master_journal(), &covered).await {
+            let covered = keys.journal_record(version.saturating_add(1));
+            match discovery.delete_range_fenced(fence, &keys.journal, &covered).await {
                 Ok(()) => {}
                 Err(e @ oar_discovery::Error::FenceLost { .. }) => return Err(e.into()),
                 Err(e) => tracing::warn!(error = %e, "deleting covered journal records failed"),
@@ -536,7 +569,7 @@ async fn persist(
 async fn writer(
     discovery: Arc<dyn Discovery>,
     fence: Fence,
-    keys: JobKeys,
+    keys: MasterKeys,
     shared: Arc<Shared>,
     mut journal: Journal,
 ) {
@@ -576,7 +609,7 @@ async fn ticker(shared: Arc<Shared>, every: Duration) {
 
 /// A trainer whose registration vanished (lease expired) gets its tasks
 /// taken back at once instead of after the task timeout.
-async fn trainer_watcher(mut departures: TrainerDepartures, shared: Arc<Shared>) {
+async fn trainer_watcher(mut departures: Departures, shared: Arc<Shared>) {
     while let Some(departure) = departures.next().await {
         match departure {
             Ok(trainer) => {
@@ -686,6 +719,9 @@ impl Handler for MasterHandler {
             MasterRequest::TaskFinished { trainer, task_ref, stats } => {
                 let reply = self
                     .report(|core| {
+                        if !holds(core, &trainer, task_ref) {
+                            return Report::Stale;
+                        }
                         let outcome = core.queue.task_finished(task_ref, Instant::now());
                         if outcome == Report::Accepted {
                             let pass = task_ref.pass as usize;
@@ -708,8 +744,22 @@ impl Handler for MasterHandler {
             }
             MasterRequest::TaskFailed { trainer, task_ref, reason } => {
                 tracing::info!(trainer, ?task_ref, %reason, "trainer reports a failed task");
-                let reply =
-                    self.report(|core| core.queue.task_failed(task_ref, &reason, Instant::now())).await?;
+                let reply = self
+                    .report(|core| match holds(core, &trainer, task_ref) {
+                        true => core.queue.task_failed(task_ref, &reason, Instant::now()),
+                        false => Report::Stale,
+                    })
+                    .await?;
+                Frame::new(MASTER_METHOD, &reply, Bytes::new())
+            }
+            MasterRequest::TaskReturned { trainer, task_ref } => {
+                tracing::info!(trainer, ?task_ref, "trainer hands a task back");
+                let reply = self
+                    .report(|core| match holds(core, &trainer, task_ref) {
+                        true => core.queue.task_returned(task_ref, Instant::now()),
+                        false => Report::Stale,
+                    })
+                    .await?;
                 Frame::new(MASTER_METHOD, &reply, Bytes::new())
             }
             MasterRequest::Status => Frame::new(MASTER_METHOD, &*self.shared.status.borrow(), Bytes::new()),
@@ -718,267 +768,40 @@ impl Handler for MasterHandler {
     }
 }
 
-/// Discarded tasks listed with their reasons in the status and the stored
-/// state; past this many only the count grows, so a dataset that is bad
-/// throughout cannot push the state past etcd's request limit.
-pub const MAX_DISCARDS_LISTED: usize = 100;
-
-/// What the master stores under `master/state`: the task queue and the
-/// statistics of each pass. Read it to see a job from outside
-/// ([`StoredState::status`]).
-#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
-pub struct StoredState {
-    /// The task queue.
-    pub queue: Snapshot,
-    /// Training statistics per pass, index = pass.
-    pub passes: Vec<PassStats>,
-    /// Tasks discarded so far, with their reasons (the first
-    /// [`MAX_DISCARDS_LISTED`]).
-    pub discarded: Vec<(u64, String)>,
+/// Whether `trainer` holds assignment `task_ref`: a report from anyone else
+/// (a trainer that handed the task back, say) is stale.
+fn holds(core: &Core, trainer: &str, task_ref: crate::TaskRef) -> bool {
+    core.queue.holder(task_ref) == Some(trainer)
 }
 
-/// First bytes of an encoded [`StoredState`].
-const STATE_MAGIC: &[u8; 4] = b"OARM";
-/// The encoding's format number, after the magic.
-const STATE_FORMAT: u8 = 1;
-
-impl StoredState {
-    /// The bytes to store: magic, format number, postcard body.
-    pub fn encode(&self) -> Vec<u8> {
-        crate::snapshot::encode_framed(self, STATE_MAGIC, STATE_FORMAT)
-    }
-
-    /// Parses and validates bytes made by [`encode`](Self::encode). A bare
-    /// [`Snapshot`] (what masters stored before the statistics were kept) is
-    /// read as a state with no statistics.
-    pub fn decode(bytes: &[u8]) -> Result<StoredState> {
-        if bytes.starts_with(b"OARQ") {
-            let queue = Snapshot::decode(bytes)?;
-            return Ok(StoredState { queue, passes: Vec::new(), discarded: Vec::new() });
-        }
-        let stored: StoredState =
-            crate::snapshot::decode_framed(bytes, STATE_MAGIC, STATE_FORMAT, "not a master state")?;
-        stored.queue.unpack()?;
-        Ok(stored)
-    }
-
-    /// The state after `records` (in version order), skipping those this
-    /// state already covers: a restore's replay of the journal. Errors if
-    /// the rest do not follow on from this state's version without a gap.
-    pub fn replay(self, records: &[JournalRecord]) -> Result<StoredState> {
-        let covered = self.queue.version();
-        let newer: Vec<&JournalRecord> = records.iter().filter(|r| r.delta.version() > covered).collect();
-        if newer.is_empty() {
-            return Ok(self);
-        }
-        let queue = self.queue.apply(newer.iter().map(|r| &r.delta))?;
-        let StoredState { mut passes, mut discarded, .. } = self;
-        for record in newer {
-            if let Some(stats) = &record.pass_stats {
-                let pass = record.delta.pass() as usize;
-                if passes.len() <= pass {
-                    passes.resize(pass + 1, PassStats::default());
-                }
-                passes[pass] = *stats;
-            }
-            let room = MAX_DISCARDS_LISTED.saturating_sub(discarded.len());
-            discarded.extend(record.discarded.iter().take(room).cloned());
-        }
-        Ok(StoredState { queue, passes, discarded })
-    }
-
-    /// The latest state stored for the job: `master/state` with the
-    /// journal's records replayed, from one consistent read; `None` if no
-    /// master stored anything yet. Errors name the key that is bad.
-    pub async fn load(discovery: &dyn Discovery, keys: &JobKeys) -> Result<Option<StoredState>> {
-        let listing = discovery.get_prefix(&format!("{}master/", keys.prefix())).await?;
-        Self::from_listing(listing.kvs.iter().map(|kv| (kv.key.as_str(), kv.value.as_slice())), keys)
-    }
-
-    /// [`load`](Self::load) over keys and values already read (any keys;
-    /// those that are not the master's state or journal are ignored), for a
-    /// reader that lists the whole job at once.
-    pub fn from_listing<'a>(
-        kvs: impl IntoIterator<Item = (&'a str, &'a [u8])>,
-        keys: &JobKeys,
-    ) -> Result<Option<StoredState>> {
-        let state_key = keys.master_state();
-        let journal = keys.master_journal();
-        let mut state = None;
-        let mut records = Vec::new();
-        for (key, value) in kvs {
-            let named = |e: Error| match e {
-                Error::BadSnapshot(why) => Error::BadSnapshot(format!("{key}: {why}")),
-                other => other,
-            };
-            if key == state_key {
-                state = Some(StoredState::decode(value).map_err(named)?);
-            } else if key.starts_with(&journal) {
-                records.push((key, JournalRecord::decode(value).map_err(named)?));
-            }
-        }
-        records.sort_by(|a, b| a.0.cmp(b.0));
-        let records: Vec<JournalRecord> = records.into_iter().map(|(_, r)| r).collect();
-        state.map(|s| s.replay(&records)).transpose()
-    }
-
-    /// The job's status as the master last stored it.
-    pub fn status(&self, config: QueueConfig) -> Result<MasterStatus> {
-        let queue = TaskQueue::restore(self.queue.clone(), config, Instant::now())?;
-        Ok(MasterStatus {
-            queue: queue.status(),
-            passes: self.passes.clone(),
-            discarded: self.discarded.clone(),
-        })
-    }
-}
-
-/// One write of the master's journal, under `master/journal/<version>`:
-/// the tasks that changed since the write before, the statistics of their
-/// pass, and the discards listed since.
-#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
-pub struct JournalRecord {
-    /// The changed tasks.
-    pub delta: Delta,
-    /// The statistics of the delta's pass, once the pass has any.
-    pub pass_stats: Option<PassStats>,
-    /// Discards listed since the previous write.
-    pub discarded: Vec<(u64, String)>,
-}
-
-/// First bytes of an encoded [`JournalRecord`].
-const RECORD_MAGIC: &[u8; 4] = b"OARJ";
-/// The encoding's format number, after the magic.
-const RECORD_FORMAT: u8 = 1;
-
-impl JournalRecord {
-    /// The bytes to store: magic, format number, postcard body.
-    pub fn encode(&self) -> Vec<u8> {
-        crate::snapshot::encode_framed(self, RECORD_MAGIC, RECORD_FORMAT)
-    }
-
-    /// Parses bytes made by [`encode`](Self::encode). Whether the record fits
-    /// the state it is replayed on is checked by [`StoredState::replay`].
-    pub fn decode(bytes: &[u8]) -> Result<JournalRecord> {
-        crate::snapshot::decode_framed(bytes, RECORD_MAGIC, RECORD_FORMAT, "not a master journal record")
-    }
+/// The latest state stored under `keys`: the snapshot with the journal's
+/// records replayed, from one consistent read; `None` if no master stored
+/// anything yet. Errors name the key that is bad.
+pub async fn load(discovery: &dyn Discovery, keys: &MasterKeys) -> Result<Option<StoredState>> {
+    let listing = discovery.get_prefix(&keys.state_listing_prefix()).await?;
+    StoredState::from_listing(
+        listing.kvs.iter().map(|kv| (kv.key.as_str(), kv.value.as_slice())),
+        &keys.state,
+        &keys.journal,
+    )
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::{chunk_files, tasks_from_chunks, MAX_REASON_BYTES};
 
     #[test]
-    fn stored_state_of_100k_tasks_fits_in_an_etcd_request() {
-        // 100,000 tasks of one 1 MiB chunk over 250 files, 100 passes of
-        // statistics, and the most discards listed with the longest reasons.
-        let files: Vec<(String, u64)> =
-            (0..250).map(|i| (format!("/data/part-{i:05}.libsvm"), 400 << 20)).collect();
-        let tasks = tasks_from_chunks(chunk_files(&files, 1 << 20).unwrap(), 1).unwrap();
-        assert_eq!(tasks.len(), 100_000);
-        let config = QueueConfig { task_timeout: Duration::from_secs(60), max_failures: 3, passes: 100 };
-        let queue = TaskQueue::new(tasks, config.clone()).unwrap();
-        let stats = PassStats { examples: 1 << 40, loss_sum: 1e9, tasks_finished: 100_000, skipped_lines: 7 };
-        let reason = "r".repeat(MAX_REASON_BYTES);
-        let stored = StoredState {
-            queue: queue.snapshot(),
-            passes: vec![stats; 100],
-            discarded: (0..MAX_DISCARDS_LISTED as u64).map(|t| (t, reason.clone())).collect(),
+    fn the_state_is_listed_from_the_prefix_its_keys_share() {
+        let keys = MasterKeys {
+            lock: "/j/master/lock".into(),
+            addr: "/j/master/addr".into(),
+            state: "/j/master/state".into(),
+            journal: "/j/master/journal/".into(),
+            config: "/j/config".into(),
+            members: "/j/trainer/".into(),
         };
-        let bytes = stored.encode();
-        let limit = 3 << 19; // etcd's default 1.5 MiB
-        eprintln!("stored master state for 100,000 tasks: {} bytes (limit {limit})", bytes.len());
-        assert!(bytes.len() < limit, "{} bytes", bytes.len());
-        let back = StoredState::decode(&bytes).unwrap();
-        assert_eq!(back, stored);
-        assert_eq!(back.status(config).unwrap().passes.len(), 100);
-    }
-
-    /// A state of three tasks and the journal records of finishing two.
-    fn state_and_records() -> (StoredState, Vec<JournalRecord>, QueueConfig) {
-        let tasks = tasks_from_chunks(
-            (0..3).map(|i| crate::Chunk { path: "a".into(), start: i * 10, end: i * 10 + 10 }).collect(),
-            1,
-        )
-        .unwrap();
-        let config = QueueConfig { task_timeout: Duration::from_secs(60), max_failures: 3, passes: 1 };
-        let mut queue = TaskQueue::new(tasks, config.clone()).unwrap();
-        let Changes::Snapshot(snapshot) = queue.take_changes(false) else {
-            panic!("first take is a snapshot")
-        };
-        let state = StoredState { queue: snapshot, passes: Vec::new(), discarded: Vec::new() };
-        let now = Instant::now();
-        let mut records = Vec::new();
-        for n in 1..=2u64 {
-            let GetTask::Assigned(a) = queue.get_task("t", now) else { panic!("a task") };
-            queue.task_finished(a.task_ref, now);
-            let Changes::Delta(delta) = queue.take_changes(false) else { panic!("a delta") };
-            let stats =
-                PassStats { examples: n, loss_sum: 0.5 * n as f64, tasks_finished: n, skipped_lines: 0 };
-            records.push(JournalRecord { delta, pass_stats: Some(stats), discarded: Vec::new() });
-        }
-        (state, records, config)
-    }
-
-    #[test]
-    fn replay_applies_newer_records_and_skips_covered_ones() {
-        let (state, records, config) = state_and_records();
-        let replayed = state.clone().replay(&records).unwrap();
-        let status = replayed.status(config.clone()).unwrap();
-        assert_eq!((status.queue.done, status.passes[0].tasks_finished), (2, 2));
-        // Replaying again over the result skips what it covers.
-        assert_eq!(replayed.clone().replay(&records).unwrap(), replayed);
-        // A gap in the chain is an error that names the versions.
-        let err = state.replay(&records[1..]).unwrap_err().to_string();
-        assert!(err.contains("does not follow version"), "{err}");
-    }
-
-    #[test]
-    fn a_bad_journal_record_is_an_error_naming_its_key() {
-        let (state, records, _) = state_and_records();
-        let keys = oar_discovery::JobKeys::new("j").unwrap();
-        let state_bytes = state.encode();
-        let first = records[0].encode();
-        let listing = [
-            (keys.master_state(), state_bytes.clone()),
-            (keys.master_journal_record(records[0].delta.version()), first.clone()),
-            (keys.master_journal_record(99), b"OARJ\x01\xff".to_vec()),
-        ];
-        let err = StoredState::from_listing(listing.iter().map(|(k, v)| (k.as_str(), &v[..])), &keys)
-            .unwrap_err()
-            .to_string();
-        assert!(
-            err.contains("/oar/j/master/journal/00000000000000000099") && err.contains("corrupt"),
-            "{err}"
-        );
-        let good = &listing[..2];
-        let stored =
-            StoredState::from_listing(good.iter().map(|(k, v)| (k.as_str(), &v[..])), &keys).unwrap();
-        assert_eq!(stored.unwrap().passes[0].examples, 1);
-        assert!(StoredState::from_listing(std::iter::empty(), &keys).unwrap().is_none());
-    }
-
-    #[test]
-    fn a_bare_snapshot_reads_as_a_state_without_statistics() {
-        let tasks = tasks_from_chunks(vec![crate::Chunk { path: "a".into(), start: 0, end: 9 }], 1).unwrap();
-        let config = QueueConfig { task_timeout: Duration::from_secs(60), max_failures: 3, passes: 1 };
-        let snapshot = TaskQueue::new(tasks, config).unwrap().snapshot();
-        let stored = StoredState::decode(&snapshot.encode()).unwrap();
-        assert_eq!(stored.queue, snapshot);
-        assert!(stored.passes.is_empty() && stored.discarded.is_empty());
-    }
-
-    #[test]
-    fn garbage_state_is_an_error_that_says_why() {
-        for (bytes, why) in [
-            (&b"nope"[..], "expected magic"),
-            (&b"OARM"[..], "truncated"),
-            (&b"OARM\x09"[..], "unsupported format 9"),
-            (&b"OARM\x01\xff\xff"[..], "corrupt body"),
-        ] {
-            let err = StoredState::decode(bytes).unwrap_err().to_string();
-            assert!(err.contains(why), "{err:?} should say {why:?}");
-        }
+        assert_eq!(keys.state_listing_prefix(), "/j/master/");
+        assert_eq!(keys.journal_record(42), "/j/master/journal/00000000000000000042");
+        assert_eq!(common_prefix("/jé/a", "/jé/b"), "/jé/");
     }
 }

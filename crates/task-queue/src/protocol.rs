@@ -45,6 +45,14 @@ pub enum MasterRequest {
     },
     /// The job's status.
     Status,
+    /// A task handed back unfinished by a trainer that is stopping: it goes
+    /// to the front of todo without counting as a failure.
+    TaskReturned {
+        /// The trainer handing it back.
+        trainer: String,
+        /// The assignment handed back.
+        task_ref: TaskRef,
+    },
 }
 
 /// The master's answer to [`MasterRequest::GetTask`].

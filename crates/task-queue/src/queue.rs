@@ -26,10 +26,8 @@ use serde::{Deserialize, Serialize};
 use crate::dataset::{TaskId, TaskSpec};
 use crate::journal::{Changes, Delta};
 use crate::snapshot::{Meta, Snapshot, StateView, Unpacked};
+use crate::state::{JobState, TaskState, TrainerId};
 use crate::{Error, Result};
-
-/// A trainer's id, as registered under `trainer/<id>`.
-pub type TrainerId = String;
 
 /// The longest task timeout accepted: keeps `now + timeout` far from overflow.
 pub const MAX_TASK_TIMEOUT: Duration = Duration::from_secs(365 * 24 * 3600);
@@ -126,38 +124,6 @@ pub enum Report {
     Stale,
 }
 
-/// The job as a whole.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
-pub enum JobState {
-    /// Passes remain.
-    Running,
-    /// Every pass ended with at least one finished task.
-    Done,
-    /// A pass ended with no finished task (all discarded).
-    Failed,
-}
-
-/// Where one task stands.
-#[derive(Clone, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
-pub enum TaskState {
-    /// Waiting to be handed out in the current pass.
-    Todo,
-    /// Held by a trainer.
-    Pending {
-        /// Who holds it.
-        trainer: TrainerId,
-        /// The attempt number in its [`TaskRef`].
-        attempt: u32,
-    },
-    /// Finished in the current pass (or in the last pass, once the job is over).
-    Done,
-    /// Failed `max_failures` times in one pass; out for the rest of the job.
-    Discarded {
-        /// Why, naming the failure count and the last failure.
-        reason: String,
-    },
-}
-
 /// Counts for the job-status call.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub struct Status {
@@ -197,6 +163,14 @@ pub enum QueueEvent {
         trainer: TrainerId,
         /// The trainer's reason, or `"trainer <id> gone"`.
         reason: String,
+    },
+    /// A trainer handed a task back unfinished (it is stopping); the task
+    /// is at the front of todo, no failure counted.
+    TaskReturned {
+        /// The assignment handed back.
+        task_ref: TaskRef,
+        /// Who held it.
+        trainer: TrainerId,
     },
     /// A task reached `max_failures` in a pass and is out of the job.
     TaskDiscarded {
@@ -419,6 +393,33 @@ impl TaskQueue {
         self.fail(i, detail);
         self.check_pass_end();
         Report::Accepted
+    }
+
+    /// Puts the task of assignment `r` back at the *front* of todo without
+    /// counting a failure: its trainer is stopping (a graceful shutdown)
+    /// before it could finish it, through no fault of the task's.
+    pub fn task_returned(&mut self, r: TaskRef, _now: Instant) -> Report {
+        let Some(i) = self.current(r) else {
+            return Report::Stale;
+        };
+        let (trainer, _) = self.take_pending(i);
+        self.slots[i] = Slot::Todo;
+        self.todo.push_front(i);
+        self.version += 1;
+        self.mark(i);
+        // A delta can only say "appended to todo": store a snapshot instead.
+        self.snapshot_due = true;
+        self.events.push(QueueEvent::TaskReturned { task_ref: r, trainer });
+        Report::Accepted
+    }
+
+    /// Who holds assignment `r`, if it is the task's current one: a shell
+    /// checks that a report comes from the holder.
+    pub fn holder(&self, r: TaskRef) -> Option<&str> {
+        match &self.slots[self.current(r)?] {
+            Slot::Pending { trainer, .. } => Some(trainer),
+            _ => None,
+        }
     }
 
     /// Returns every task `trainer` holds to todo as a failure

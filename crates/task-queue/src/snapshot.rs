@@ -19,7 +19,7 @@ use std::collections::{BTreeMap, HashMap};
 use serde::{Deserialize, Serialize};
 
 use crate::dataset::{Chunk, TaskId, TaskSpec};
-use crate::queue::{JobState, TaskState};
+use crate::state::{JobState, TaskState};
 use crate::{Error, Result};
 
 /// First bytes of every encoded snapshot, so that garbage is recognised as such.

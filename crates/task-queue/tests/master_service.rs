@@ -3,15 +3,39 @@
 //! vanish, and bad requests.
 
 use bytes::Bytes;
-use oar_discovery::{Discovery, JobKeys, MemDiscovery};
+use oar_discovery::{Discovery, MemDiscovery};
 use oar_task_queue::{
-    Chunk, JobState, Master, MasterClient, MasterOptions, QueueConfig, ReportReply, TaskId, TaskReply,
-    TaskSpec, TaskStats,
+    Chunk, JobState, Master, MasterClient, MasterClientOptions, MasterKeys, MasterOptions, QueueConfig,
+    ReportReply, TaskId, TaskReply, TaskSpec, TaskStats,
 };
 use oar_transport::{Frame, MemNetwork, MemTransport, RemoteErrorKind, RetryPolicy, Transport};
 use std::{sync::Arc, time::Duration};
 
-const JOB: &str = "job";
+/// The master's keys, under `/job/`, and where trainers register.
+fn keys() -> MasterKeys {
+    MasterKeys {
+        lock: "/job/master/lock".into(),
+        addr: "/job/master/addr".into(),
+        state: "/job/master/state".into(),
+        journal: "/job/master/journal/".into(),
+        config: "/job/config".into(),
+        members: TRAINERS.into(),
+    }
+}
+
+const TRAINERS: &str = "/job/trainer/";
+
+fn trainer_key(id: &str) -> String {
+    format!("{TRAINERS}{id}")
+}
+
+fn client_options(give_up_after: Duration) -> MasterClientOptions {
+    MasterClientOptions {
+        call_timeout: Duration::from_secs(2),
+        retry: RetryPolicy { give_up_after, ..RetryPolicy::default() },
+        ..MasterClientOptions::new(keys().addr)
+    }
+}
 
 fn tasks(n: u64) -> Vec<TaskSpec> {
     (0..n)
@@ -24,7 +48,7 @@ fn tasks(n: u64) -> Vec<TaskSpec> {
 
 fn options(holder: &str) -> MasterOptions {
     let mut o = MasterOptions::new(
-        JOB,
+        keys(),
         QueueConfig { task_timeout: Duration::from_secs(60), max_failures: 2, passes: 1 },
     );
     o.holder = holder.into();
@@ -51,9 +75,11 @@ impl Env {
             .unwrap()
     }
     fn client(&self) -> MasterClient {
-        let retry = RetryPolicy { give_up_after: Duration::from_secs(10), ..RetryPolicy::default() };
-        MasterClient::new(self.discovery.clone(), self.transport.clone(), JOB, Duration::from_secs(2), retry)
-            .unwrap()
+        MasterClient::new(
+            self.discovery.clone(),
+            self.transport.clone(),
+            client_options(Duration::from_secs(10)),
+        )
     }
 }
 
@@ -106,29 +132,26 @@ async fn a_master_that_lost_its_lock_stops_writing_and_serving() {
     let env = Env::new();
     let master = env.master("m1", 3).await;
     let client = env.client();
-    let keys = JobKeys::new(JOB).unwrap();
-    assert!(env.discovery.get(&keys.master_state()).await.unwrap().is_some(), "the state is stored at start");
+    let keys = keys();
+    assert!(env.discovery.get(&keys.state).await.unwrap().is_some(), "the state is stored at start");
     let (_, first) = take(&client, "t1").await;
     let (_, task_ref) = take(&client, "t1").await;
     // An acknowledged report is stored, with every change before it: nothing is left to write.
     assert_eq!(client.task_finished("t1", first, TaskStats::default()).await.unwrap(), ReportReply::Accepted);
-    let before = env.discovery.get(&keys.master_state()).await.unwrap().unwrap();
+    let before = env.discovery.get(&keys.state).await.unwrap().unwrap();
 
     // Someone else takes the lock: delete it and create it anew.
-    env.discovery.delete(&keys.master_lock()).await.unwrap();
-    env.discovery.put(&keys.master_lock(), b"intruder".to_vec(), None).await.unwrap();
+    env.discovery.delete(&keys.lock).await.unwrap();
+    env.discovery.put(&keys.lock, b"intruder".to_vec(), None).await.unwrap();
 
     let transport_only = MasterClient::new(
         env.discovery.clone(),
         env.transport.clone(),
-        JOB,
-        Duration::from_secs(2),
-        RetryPolicy { give_up_after: Duration::from_millis(300), ..RetryPolicy::default() },
-    )
-    .unwrap();
+        client_options(Duration::from_millis(300)),
+    );
     let err = transport_only.task_finished("t1", task_ref, TaskStats::default()).await.unwrap_err();
     assert!(err.to_string().contains("lock"), "{err}");
-    let after = env.discovery.get(&keys.master_state()).await.unwrap().unwrap();
+    let after = env.discovery.get(&keys.state).await.unwrap().unwrap();
     assert_eq!(before.mod_revision, after.mod_revision, "a fenced-out master must not write the state");
     assert!(master.wait().await.is_err(), "wait ends with the reason the master stopped");
     let err = transport_only.get_task("t2").await.unwrap_err();
@@ -139,9 +162,8 @@ async fn a_master_that_lost_its_lock_stops_writing_and_serving() {
 async fn a_vanished_trainer_s_tasks_return_to_todo_at_once() {
     let env = Env::new();
     let master = env.master("m1", 2).await;
-    let keys = JobKeys::new(JOB).unwrap();
     let lease = env.discovery.grant_lease(Duration::from_secs(30)).await.unwrap();
-    env.discovery.put(&keys.trainer("t1"), b"t1".to_vec(), Some(lease)).await.unwrap();
+    env.discovery.put(&trainer_key("t1"), b"t1".to_vec(), Some(lease)).await.unwrap();
     let client = env.client();
     take(&client, "t1").await;
     assert_eq!(master.status().borrow().queue.pending, 1);
@@ -190,10 +212,9 @@ async fn bad_requests_get_an_error_and_harm_nothing() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_restarted_master_takes_back_the_tasks_of_trainers_gone_while_no_master_ran() {
     let env = Env::new();
-    let keys = JobKeys::new(JOB).unwrap();
     let lease = env.discovery.grant_lease(Duration::from_secs(30)).await.unwrap();
     for trainer in ["alive", "dead"] {
-        env.discovery.put(&keys.trainer(trainer), trainer.into(), Some(lease)).await.unwrap();
+        env.discovery.put(&trainer_key(trainer), trainer.into(), Some(lease)).await.unwrap();
     }
     let first = env.master("m1", 3).await;
     let client = env.client();
@@ -202,7 +223,7 @@ async fn a_restarted_master_takes_back_the_tasks_of_trainers_gone_while_no_maste
     first.shutdown().await.unwrap();
 
     // "dead" leaves while no master runs: no watch sees it go.
-    env.discovery.delete(&keys.trainer("dead")).await.unwrap();
+    env.discovery.delete(&trainer_key("dead")).await.unwrap();
     let second = env.master("m2", 3).await;
     let status = second.status().borrow().clone();
     assert_eq!(
@@ -216,7 +237,7 @@ async fn a_restarted_master_takes_back_the_tasks_of_trainers_gone_while_no_maste
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn reports_are_journal_records_and_a_crashed_master_s_successor_replays_them() {
     let env = Env::new();
-    let keys = JobKeys::new(JOB).unwrap();
+    let keys = keys();
     let two_passes = |holder: &str| {
         let mut o = options(holder);
         o.queue.passes = 2;
@@ -227,7 +248,7 @@ async fn reports_are_journal_records_and_a_crashed_master_s_successor_replays_th
         Master::start(env.discovery.clone(), env.transport.clone(), "mem:0", tasks(200), two_passes(holder))
     };
     let first = start("m1").await.unwrap();
-    let snapshot_revision = env.discovery.get(&keys.master_state()).await.unwrap().unwrap().mod_revision;
+    let snapshot_revision = env.discovery.get(&keys.state).await.unwrap().unwrap().mod_revision;
     let client = env.client();
     let stats = TaskStats { examples: 10, loss_sum: 2.5, skipped_lines: 1 };
     for _ in 0..3 {
@@ -236,11 +257,11 @@ async fn reports_are_journal_records_and_a_crashed_master_s_successor_replays_th
     }
     let (_, failed) = take(&client, "t1").await;
     assert_eq!(client.task_failed("t1", failed, "bad disk").await.unwrap(), ReportReply::Accepted);
-    let records = env.discovery.get_prefix(&keys.master_journal()).await.unwrap().kvs;
+    let records = env.discovery.get_prefix(&keys.journal).await.unwrap().kvs;
     assert!(records.len() >= 4, "one record per acknowledged report at least: {}", records.len());
     assert!(records.iter().all(|kv| kv.value.len() < 200), "records are small");
     assert_eq!(
-        env.discovery.get(&keys.master_state()).await.unwrap().unwrap().mod_revision,
+        env.discovery.get(&keys.state).await.unwrap().unwrap().mod_revision,
         snapshot_revision,
         "reports must not rewrite the snapshot"
     );
@@ -252,7 +273,7 @@ async fn reports_are_journal_records_and_a_crashed_master_s_successor_replays_th
     let second = tokio::time::timeout(Duration::from_secs(10), start("m2")).await.unwrap().unwrap();
     assert_eq!(*second.status().borrow(), before, "snapshot + journal restore every report");
     assert!(
-        env.discovery.get_prefix(&keys.master_journal()).await.unwrap().kvs.is_empty(),
+        env.discovery.get_prefix(&keys.journal).await.unwrap().kvs.is_empty(),
         "a starting master stores a snapshot and deletes the records it covers"
     );
 
@@ -263,12 +284,12 @@ async fn reports_are_journal_records_and_a_crashed_master_s_successor_replays_th
     }
     let (_, r) = take(&client, "t2").await;
     assert_eq!(client.task_finished("t2", r, stats).await.unwrap(), ReportReply::Accepted);
-    let records = env.discovery.get_prefix(&keys.master_journal()).await.unwrap().kvs;
+    let records = env.discovery.get_prefix(&keys.journal).await.unwrap().kvs;
     assert!(
         !records.is_empty() && records.len() <= 2,
         "the pass's snapshot cleared the journal: {}",
         records.len()
     );
-    let stored = oar_task_queue::StoredState::load(&*env.discovery, &keys).await.unwrap().unwrap();
+    let stored = oar_task_queue::master::load(&*env.discovery, &keys).await.unwrap().unwrap();
     assert_eq!(stored.status(two_passes("x").queue).unwrap(), *second.status().borrow());
 }

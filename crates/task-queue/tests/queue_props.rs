@@ -12,6 +12,14 @@ use proptest::prelude::*;
 const TRAINERS: [&str; 3] = ["t0", "t1", "t2"];
 const TIMEOUT_MS: u64 = 1000;
 
+/// What a report says of its task.
+#[derive(Clone, Copy, Debug, PartialEq)]
+enum Kind {
+    Finished,
+    Failed,
+    Returned,
+}
+
 /// How a report's ref is derived from one handed out earlier.
 #[derive(Clone, Copy, Debug)]
 enum Mutation {
@@ -29,9 +37,12 @@ enum Op {
     /// Finish the k-th currently pending task with its current ref.
     FinishPending(usize),
     FailPending(usize),
+    /// Hand the k-th currently pending task back with its current ref.
+    ReturnPending(usize),
     /// Report on a ref handed out at some point (current or stale).
     Finish(usize, Mutation),
     Fail(usize, Mutation),
+    Return(usize, Mutation),
     Gone(usize),
     /// Advance the clock by this many ms, then tick.
     Tick(u64),
@@ -57,8 +68,10 @@ fn op() -> impl Strategy<Value = Op> {
         4 => (0..3usize).prop_map(Op::Get),
         3 => any::<usize>().prop_map(Op::FinishPending),
         1 => any::<usize>().prop_map(Op::FailPending),
+        1 => any::<usize>().prop_map(Op::ReturnPending),
         2 => (any::<usize>(), mutation.clone()).prop_map(|(k, m)| Op::Finish(k, m)),
-        1 => (any::<usize>(), mutation).prop_map(|(k, m)| Op::Fail(k, m)),
+        1 => (any::<usize>(), mutation.clone()).prop_map(|(k, m)| Op::Fail(k, m)),
+        1 => (any::<usize>(), mutation).prop_map(|(k, m)| Op::Return(k, m)),
         1 => (0..3usize).prop_map(Op::Gone),
         2 => (0..1500u64).prop_map(Op::Tick),
         1 => Just(Op::Restore),
@@ -163,17 +176,20 @@ impl Harness {
     }
 
     /// Sends a report and checks the answer against the prediction.
-    fn report(&mut self, before: &Observed, r: TaskRef, finished: bool) -> Result<(), TestCaseError> {
+    fn report(&mut self, before: &Observed, r: TaskRef, kind: Kind) -> Result<(), TestCaseError> {
         let current = is_current(before, &self.ids, r);
-        let answer = if finished {
-            self.q.task_finished(r, self.now)
-        } else {
-            self.q.task_failed(r, "boom", self.now)
+        let holder = pending_tasks(before, &self.ids).into_iter().find(|(id, _, _)| *id == r.task);
+        let expected_holder = holder.filter(|_| current).map(|(_, trainer, _)| trainer);
+        prop_assert_eq!(self.q.holder(r).map(str::to_string), expected_holder);
+        let answer = match kind {
+            Kind::Finished => self.q.task_finished(r, self.now),
+            Kind::Failed => self.q.task_failed(r, "boom", self.now),
+            Kind::Returned => self.q.task_returned(r, self.now),
         };
         prop_assert_eq!(answer == Report::Accepted, current, "report {:?} on {:?}", r, before);
         if answer == Report::Accepted {
             self.deadlines.remove(&r.task);
-            if finished {
+            if kind == Kind::Finished {
                 let count = self.finishes.entry((r.task, r.pass)).or_default();
                 *count += 1;
                 prop_assert_eq!(*count, 1, "task {} finished twice in pass {}", r.task, r.pass);
@@ -233,23 +249,31 @@ impl Harness {
                 GetTask::Done => prop_assert_eq!(before.0.state, JobState::Done),
                 GetTask::Failed => prop_assert_eq!(before.0.state, JobState::Failed),
             },
-            Op::FinishPending(k) | Op::FailPending(k) => {
+            Op::FinishPending(k) | Op::FailPending(k) | Op::ReturnPending(k) => {
                 let pending = pending_tasks(&before, &self.ids);
                 if !pending.is_empty() {
                     let (task, _, attempt) = pending[k % pending.len()];
                     let r = TaskRef { task, pass: before.0.pass, attempt };
-                    let finished = matches!(op, Op::FinishPending(_));
-                    self.report(&before, r, finished)?;
-                    new_failures += u64::from(!finished);
+                    let kind = match op {
+                        Op::FinishPending(_) => Kind::Finished,
+                        Op::FailPending(_) => Kind::Failed,
+                        _ => Kind::Returned,
+                    };
+                    self.report(&before, r, kind)?;
+                    new_failures += u64::from(kind == Kind::Failed);
                 }
             }
-            Op::Finish(k, m) | Op::Fail(k, m) => {
+            Op::Finish(k, m) | Op::Fail(k, m) | Op::Return(k, m) => {
                 if !self.handed.is_empty() {
                     let r = self.mutate(self.handed[k % self.handed.len()], m);
-                    let finished = matches!(op, Op::Finish(..));
+                    let kind = match op {
+                        Op::Finish(..) => Kind::Finished,
+                        Op::Fail(..) => Kind::Failed,
+                        _ => Kind::Returned,
+                    };
                     let current = is_current(&before, &self.ids, r);
-                    self.report(&before, r, finished)?;
-                    new_failures += u64::from(!finished && current);
+                    self.report(&before, r, kind)?;
+                    new_failures += u64::from(kind == Kind::Failed && current);
                 }
             }
             Op::Gone(t) => {
@@ -379,6 +403,10 @@ impl Harness {
                 QueueEvent::JobFailed { .. } => {
                     self.saw_job_failed = true;
                     self.todo.clear();
+                }
+                QueueEvent::TaskReturned { task_ref, .. } => {
+                    // Back at the front, no failure counted: the next get takes it.
+                    self.todo.push_front(task_ref.task);
                 }
                 QueueEvent::TaskTimedOut { task_ref, .. } | QueueEvent::TaskFailed { task_ref, .. } => {
                     *self.failures.entry((task_ref.task, task_ref.pass)).or_default() += 1;

@@ -33,27 +33,10 @@ pub enum Error {
     TaskQueue(#[from] oar_task_queue::Error),
     /// The pservers' side: placement, optimizer, pserver calls.
     #[error(transparent)]
-    Pserver(#[from] oar_pserver::Error),
-    /// A discovery operation failed.
-    #[error(transparent)]
-    Discovery(#[from] oar_discovery::Error),
+    Pserver(#[from] oar_pserver::ServiceError),
     /// This trainer's lease is gone: the job has given it up.
     #[error("the trainer's lease is lost; the master has taken its tasks back")]
     LeaseLost,
-    /// A wait at start-up ran out of time.
-    #[error("timed out after {after:?} waiting for {what}")]
-    Timeout {
-        /// What was waited for.
-        what: String,
-        /// How long.
-        after: std::time::Duration,
-    },
-    /// A trainer id already registered by a live trainer.
-    #[error("trainer id {0:?} is held by another live trainer")]
-    TrainerIdTaken(String),
-    /// A role stopped serving (a lost lease: the job has given it up).
-    #[error("stopped: {0}")]
-    Stopped(String),
     /// A task of the runner panicked (a bug; the message says where).
     #[error("internal error: {0}")]
     Panicked(String),
@@ -61,3 +44,9 @@ pub enum Error {
 
 /// The crate's result type.
 pub type Result<T> = std::result::Result<T, Error>;
+
+impl From<oar_pserver::Error> for Error {
+    fn from(e: oar_pserver::Error) -> Self {
+        Error::Pserver(e.into())
+    }
+}

@@ -1,7 +1,9 @@
 //! oar's trainers: the [`Model`](model::Model) trait, built-in models (softmax
 //! regression and a one-hidden-layer MLP, with matrix products through
-//! `matrixmultiply`), data readers (libsvm, CSV), a synthetic dataset generator
-//! and evaluation.
+//! `matrixmultiply`), data readers (libsvm, CSV), a synthetic dataset
+//! generator, evaluation, and the training loop ([`worker`]) that trains on
+//! a master's tasks against the pservers. Registering with a job and the
+//! roles around the loop are `oar-job`'s.
 //!
 //! ```
 //! use oar_pserver::ParamBuf;
@@ -20,14 +22,10 @@
 pub mod datagen;
 mod error;
 pub mod eval;
-pub mod job;
-pub mod local;
 pub mod mlp;
 pub mod model;
 pub mod reader;
-pub mod role;
 pub mod softmax;
-pub mod status;
 pub mod worker;
 
 pub use error::{Error, Result};

@@ -49,23 +49,22 @@ use crate::{
     reader::{read_chunks, ReaderOptions},
     Error, Result,
 };
-use oar_discovery::{Discovery, JobKeys, LeaseGuard, Session};
-use oar_pserver::{Mode, ParamBuf, Placement, PserverClient, PushResult};
+use oar_discovery::LeaseGuard;
+use oar_pserver::{Mode, ParamBuf, PserverClient, PushResult};
 use oar_task_queue::{MasterClient, ReportReply, TaskRef, TaskReply, TaskSpec, TaskStats};
-use oar_transport::{RetryPolicy, Transport};
 use std::{
     sync::Arc,
     time::{Duration, Instant},
 };
+use tokio_util::{sync::CancellationToken, task::AbortOnDropHandle};
 use tracing::Instrument;
 
 /// How a trainer runs.
 #[derive(Clone, Debug)]
 pub struct TrainerOptions {
-    /// This trainer's id (its key is `trainer/<id>`; ids order the sync combination).
+    /// This trainer's id, as the master and the pservers know it (ids
+    /// order the sync combination).
     pub id: String,
-    /// The job's name.
-    pub job: String,
     /// Examples per mini-batch.
     pub batch_size: usize,
     /// Sync barrier or async updates (must match the pservers).
@@ -76,15 +75,6 @@ pub struct TrainerOptions {
     pub pull_every: u32,
     /// How data lines are read.
     pub reader: ReaderOptions,
-    /// The trainer's lease: when it expires the master takes its tasks back
-    /// and the pservers stop waiting for it.
-    pub lease_ttl: Duration,
-    /// Bound of one call to the master or a pserver.
-    pub call_timeout: Duration,
-    /// How long a master or pserver that is away is retried.
-    pub retry: RetryPolicy,
-    /// How long to wait for every pserver to come up.
-    pub servers_timeout: Duration,
     /// Ask for the next task, and read its data, while the current one
     /// trains; send reports without waiting for them before the next task.
     pub prefetch: bool,
@@ -92,15 +82,39 @@ pub struct TrainerOptions {
     /// with the pservers travel while the next batches train, instead of
     /// waiting for it (see [Pipelining](self#pipelining)).
     pub overlap: bool,
+    /// At the stop signal, how long the task in hand may still train
+    /// before it is handed back unfinished.
+    pub stop_grace: Duration,
+}
+
+impl TrainerOptions {
+    /// Trainer `id` reading data with `reader`: async, batches of 64
+    /// pushed and pulled every batch, prefetch and overlap on, 10 s to
+    /// finish a task at the stop signal.
+    pub fn new(id: impl Into<String>, reader: ReaderOptions) -> Self {
+        Self {
+            id: id.into(),
+            batch_size: 64,
+            mode: Mode::Async,
+            push_every: 1,
+            pull_every: 1,
+            reader,
+            prefetch: true,
+            overlap: true,
+            stop_grace: Duration::from_secs(10),
+        }
+    }
 }
 
 /// What one trainer did.
-#[derive(Clone, Debug, Default, PartialEq)]
+#[derive(Clone, Debug, Default, PartialEq, serde::Serialize)]
 pub struct TrainerReport {
     /// Tasks reported finished and accepted.
     pub tasks_finished: u64,
     /// Tasks reported failed (bad data).
     pub tasks_failed: u64,
+    /// Tasks handed back unfinished at the stop signal.
+    pub tasks_returned: u64,
     /// Examples trained on.
     pub examples: u64,
     /// Mini-batches trained on.
@@ -118,43 +132,32 @@ pub struct TrainerReport {
     pub loss_sum: f64,
     /// Bad lines skipped (with `skip_bad_lines`).
     pub skipped_lines: u64,
+    /// The trainer stopped at its stop signal, before the job ended.
+    pub shut_down: bool,
 }
 
-/// Run one trainer until the job ends.
+/// Train on tasks from `master` against `pservers` until the master says
+/// the job is over, or `stop` is cancelled: then the task fetched ahead is
+/// handed back, the task in hand trains for at most
+/// [`TrainerOptions::stop_grace`] more (and is handed back if unfinished),
+/// every gradient is pushed and every report waited for. The caller
+/// registers the trainer with the job and holds its lease; `lease` is
+/// checked before every step, so a trainer whose lease may have expired
+/// (the job has given it up) stops pushing at once.
 pub async fn run_trainer(
-    discovery: Arc<dyn Discovery>,
-    transport: Arc<dyn Transport>,
+    master: Arc<MasterClient>,
+    pservers: PserverClient,
     model: Arc<dyn Model>,
-    placement: Arc<Placement>,
+    lease: LeaseGuard,
     options: TrainerOptions,
+    stop: CancellationToken,
 ) -> Result<TrainerReport> {
-    let keys = JobKeys::new(&options.job)?;
-    if options.id.is_empty() || options.id.contains('/') || options.id.chars().any(char::is_whitespace) {
+    if options.batch_size == 0 || options.push_every == 0 || options.pull_every == 0 {
         return Err(Error::BadConfig(format!(
-            "trainer id {:?} must be non-empty, without '/' or whitespace",
-            options.id
+            "batch size, push-every and pull-every must be at least 1: {}, {}, {}",
+            options.batch_size, options.push_every, options.pull_every
         )));
     }
-    let session = Session::start(discovery.clone(), options.lease_ttl).await?;
-    register(&*discovery, &keys.trainer(&options.id), &options, &session).await?;
-    let master = Arc::new(MasterClient::new(
-        discovery.clone(),
-        transport.clone(),
-        &options.job,
-        options.call_timeout,
-        options.retry,
-    )?);
-    let pservers = PserverClient::new(
-        discovery.clone(),
-        transport,
-        &options.job,
-        placement,
-        &options.id,
-        options.call_timeout,
-        options.retry,
-    )?;
-    pservers.wait_for_servers(options.servers_timeout).await?;
-
     let specs = model.param_specs();
     let model_bytes: usize = specs.iter().map(|s| s.len() * 4).sum();
     let overlap = options.overlap && options.mode == Mode::Async && model_bytes <= OVERLAP_MAX_BYTES;
@@ -166,7 +169,9 @@ pub async fn run_trainer(
         sum: ParamBuf::zeros(&specs),
         pending_weight: 0.0,
         pservers: Arc::new(tokio::sync::Mutex::new(pservers)),
-        lease: session.guard(),
+        lease,
+        stop,
+        stop_by: None,
         joined: false,
         pulled_once: false,
         fresh: false,
@@ -185,39 +190,15 @@ pub async fn run_trainer(
         reporting: None,
         report: TrainerReport::default(),
     };
-    let result = state.run(&master, &session).await;
-    if state.joined && result.is_err() {
+    let result = state.run(&master).await;
+    if state.joined && (result.is_err() || state.report.shut_down) {
         // Best effort, and brief: the lease's end also takes us out of the
         // barrier. (A job that is over needs no leave: its pservers may
         // already be gone, and retrying them would only delay the exit.)
         let leave = async { state.pservers.lock().await.leave().await };
-        let _ = tokio::time::timeout(options.call_timeout, leave).await;
+        let _ = tokio::time::timeout(Duration::from_secs(5), leave).await;
     }
-    session.close().await?;
     result.map(|()| state.report)
-}
-
-/// Claim `trainer/<id>` under the session's lease. A key left by a dead
-/// trainer with the same id (a restarted process) goes when its lease
-/// expires, so wait for it up to `servers_timeout`.
-async fn register(
-    discovery: &dyn Discovery,
-    key: &str,
-    options: &TrainerOptions,
-    session: &Session,
-) -> Result<()> {
-    let deadline = tokio::time::Instant::now() + options.servers_timeout;
-    loop {
-        let value = options.id.clone().into_bytes();
-        if discovery.create_if_absent(key, value, Some(session.lease())).await?.is_some() {
-            return Ok(());
-        }
-        if tokio::time::Instant::now() >= deadline {
-            return Err(Error::TrainerIdTaken(options.id.clone()));
-        }
-        tracing::info!(trainer = options.id, "trainer id still registered (a previous process?); waiting");
-        tokio::time::sleep(Duration::from_millis(250)).await;
-    }
 }
 
 /// Models up to this size overlap their async exchanges with training (see
@@ -267,6 +248,10 @@ struct Loop {
     /// Checked before every step: a trainer whose lease may have expired
     /// (paused past its ttl) has been given up by the job and must not push.
     lease: LeaseGuard,
+    /// Cancelled: stop (see [`run_trainer`]).
+    stop: CancellationToken,
+    /// Once stopping: when the task in hand must be handed back if unfinished.
+    stop_by: Option<Instant>,
     joined: bool,
     pulled_once: bool,
     /// Async: `params` came back with the last push (a push-pull), so the
@@ -278,7 +263,7 @@ struct Loop {
     /// of theirs has been applied.
     ready: Vec<(TaskRef, TaskStats)>,
     /// Reports on their way to the master, at most one batch of them.
-    reporting: Option<Background<Result<Vec<Reported>>>>,
+    reporting: Option<AbortOnDropHandle<Result<Vec<Reported>>>>,
     report: TrainerReport,
 }
 
@@ -316,11 +301,11 @@ type Reported = (TaskRef, ReportReply);
 
 /// What an exchange gives back: the gradient buffer, the parameter buffer,
 /// its outcome and when it ended.
-type Exchanged = (ParamBuf, ParamBuf, std::result::Result<(), oar_pserver::Error>, Instant);
+type Exchanged = (ParamBuf, ParamBuf, std::result::Result<(), oar_pserver::ServiceError>, Instant);
 
 struct InFlight {
     /// Gives back the buffers, and the exchange's outcome.
-    done: Background<Exchanged>,
+    done: AbortOnDropHandle<Exchanged>,
     /// When it started.
     started: Instant,
     /// Whether it brings parameters back.
@@ -354,16 +339,26 @@ impl Overlapped {
 }
 
 impl Loop {
-    async fn run(&mut self, master: &Arc<MasterClient>, session: &Session) -> Result<()> {
+    async fn run(&mut self, master: &Arc<MasterClient>) -> Result<()> {
         let id = self.options.id.clone();
         // The next task, asked for while the current one trains.
-        let mut ahead: Option<Background<Result<Fetched>>> = None;
+        let mut ahead: Option<AbortOnDropHandle<Result<Fetched>>> = None;
         loop {
-            if session.is_lost() {
+            if !self.lease.is_valid() {
                 return Err(Error::LeaseLost);
             }
+            if self.stopping() {
+                if let Some(next) = ahead.take() {
+                    if let Fetched::Task { task_ref, .. } = joined(next).await?? {
+                        self.hand_back(master, task_ref).await?;
+                    }
+                }
+                self.report.shut_down = true;
+                tracing::info!(trainer = id, "stopped at the stop signal");
+                return self.drain(master).await;
+            }
             let fetched = match ahead.take() {
-                Some(next) => match next.join().await?? {
+                Some(next) => match joined(next).await?? {
                     task @ Fetched::Task { .. } => task,
                     // A Wait, Done or Failed from before the current task
                     // ended is stale: finish what is in flight and ask again.
@@ -376,18 +371,21 @@ impl Loop {
             };
             match fetched {
                 Fetched::Task { task, task_ref, data } => {
-                    if self.options.prefetch {
+                    if self.options.prefetch && !self.stopping() {
                         let (master, id, reader) = (master.clone(), id.clone(), self.options.reader.clone());
                         let span = tracing::Span::current();
-                        ahead = Some(Background::spawn(
-                            async move { fetch(&master, &id, &reader).await }.instrument(span),
-                        ));
+                        ahead =
+                            Some(spawn(async move { fetch(&master, &id, &reader).await }.instrument(span)));
                     }
                     let span = tracing::info_span!("task", task = task.id.0, pass = task_ref.pass);
-                    if let Some(finished) =
-                        self.do_task(master, task, task_ref, data).instrument(span).await?
-                    {
-                        self.finished(finished);
+                    match self.do_task(master, task, task_ref, data).instrument(span).await? {
+                        Trained::Finished(stats) => self.finished((task_ref, stats)),
+                        Trained::Failed => {}
+                        Trained::Interrupted => {
+                            // Its gradients so far are pushed; the task goes back whole.
+                            self.drain(master).await?;
+                            self.hand_back(master, task_ref).await?;
+                        }
                     }
                     self.send_reports(master, !self.options.prefetch).await?;
                 }
@@ -398,7 +396,11 @@ impl Loop {
                         self.pservers.lock().await.leave().await?;
                         self.joined = false;
                     }
-                    tokio::time::sleep(Duration::from_millis(retry_after_ms)).await;
+                    let wait = tokio::time::sleep(Duration::from_millis(retry_after_ms));
+                    tokio::select! {
+                        _ = wait => {}
+                        _ = self.stop.cancelled() => {}
+                    }
                 }
                 Fetched::Done => return self.drain(master).await,
                 Fetched::Failed => {
@@ -409,6 +411,24 @@ impl Loop {
                 }
             }
         }
+    }
+
+    /// Whether the stop signal came; the first time it is seen, the task in
+    /// hand gets [`TrainerOptions::stop_grace`] to finish.
+    fn stopping(&mut self) -> bool {
+        if self.stop_by.is_none() && self.stop.is_cancelled() {
+            self.stop_by = Some(Instant::now() + self.options.stop_grace);
+        }
+        self.stop_by.is_some()
+    }
+
+    /// Give a task back to the master unfinished.
+    async fn hand_back(&mut self, master: &MasterClient, task_ref: TaskRef) -> Result<()> {
+        let reply = master.task_returned(&self.options.id, task_ref).await?;
+        let (task, pass) = (task_ref.task.0, task_ref.pass);
+        tracing::info!(trainer = self.options.id, task, pass, ?reply, "task handed back");
+        self.report.tasks_returned += 1;
+        Ok(())
     }
 
     /// A task is trained on: its report is ready once its gradients are
@@ -456,7 +476,7 @@ impl Loop {
                 }
                 Ok(replies)
             };
-            self.reporting = Some(Background::spawn(send.instrument(tracing::Span::current())));
+            self.reporting = Some(spawn(send.instrument(tracing::Span::current())));
             if wait {
                 self.settle().await?;
             }
@@ -469,7 +489,7 @@ impl Loop {
         let Some(reporting) = self.reporting.take() else {
             return Ok(());
         };
-        for (task_ref, reply) in reporting.join().await?? {
+        for (task_ref, reply) in joined(reporting).await?? {
             let accepted = reply == ReportReply::Accepted;
             let (id, task, pass) = (&self.options.id, task_ref.task.0, task_ref.pass);
             tracing::info!(trainer = id, task, pass, accepted, "task reported");
@@ -480,15 +500,14 @@ impl Loop {
         Ok(())
     }
 
-    /// Train on one task and return what to report, or report its data bad
-    /// (and return nothing).
+    /// Train on one task and return what to report, or report its data bad.
     async fn do_task(
         &mut self,
         master: &MasterClient,
         task: TaskSpec,
         task_ref: TaskRef,
         data: Result<(Vec<Example>, u64)>,
-    ) -> Result<Option<(TaskRef, TaskStats)>> {
+    ) -> Result<Trained> {
         let id = self.options.id.clone();
         tracing::info!(trainer = id, task = task.id.0, pass = task_ref.pass, "got task");
         if self.options.mode == Mode::Sync && !self.joined {
@@ -501,21 +520,30 @@ impl Loop {
                 tracing::warn!(trainer = id, task = task.id.0, error = %e, "task data is bad");
                 master.task_failed(&id, task_ref, &e.to_string()).await?;
                 self.report.tasks_failed += 1;
-                return Ok(None);
+                return Ok(Trained::Failed);
             }
         };
+        let Some(mut stats) = self.train(&examples).await? else {
+            return Ok(Trained::Interrupted);
+        };
         self.report.skipped_lines += skipped;
-        let mut stats = self.train(&examples).await?;
         stats.skipped_lines = skipped;
         tracing::info!(trainer = id, task = task.id.0, pass = task_ref.pass, "reporting task");
-        Ok(Some((task_ref, stats)))
+        Ok(Trained::Finished(stats))
     }
 
-    async fn train(&mut self, examples: &[Example]) -> Result<TaskStats> {
+    /// Train on a task's examples; `None` if the stop signal's grace ran
+    /// out first.
+    async fn train(&mut self, examples: &[Example]) -> Result<Option<TaskStats>> {
         let mut stats = TaskStats::default();
         for batch in examples.chunks(self.options.batch_size) {
             if !self.lease.is_valid() {
                 return Err(Error::LeaseLost);
+            }
+            if self.stopping() && self.stop_by.is_some_and(|by| Instant::now() >= by) {
+                self.report.examples += stats.examples;
+                self.report.loss_sum += stats.loss_sum;
+                return Ok(None);
             }
             let loss = match (self.options.mode, self.overlapped.is_some()) {
                 (Mode::Sync, _) => self.sync_step(batch).await?,
@@ -532,7 +560,7 @@ impl Loop {
         }
         self.report.examples += stats.examples;
         self.report.loss_sum += stats.loss_sum;
-        Ok(stats)
+        Ok(Some(stats))
     }
 
     /// Pull step s, compute, push for step s; if the pservers moved on
@@ -702,7 +730,7 @@ impl Loop {
             drop(pservers);
             (sum, params, result, Instant::now())
         };
-        let done = Background::spawn(exchange.instrument(tracing::Span::current()));
+        let done = spawn(exchange.instrument(tracing::Span::current()));
         if let Some(o) = &mut self.overlapped {
             o.in_flight = Some(InFlight { done, started: Instant::now(), pulls: pull, reports });
         }
@@ -722,7 +750,7 @@ impl Loop {
         let Some(InFlight { done, started, pulls, reports }) = o.in_flight.take() else {
             return Ok(());
         };
-        let (mut sum, params, result, ended) = done.join().await?;
+        let (mut sum, params, result, ended) = joined(done).await?;
         result?;
         o.exchange_time = typical(o.exchange_time, ended.saturating_duration_since(started));
         if pulls {
@@ -740,9 +768,19 @@ impl Loop {
 async fn async_pull(
     pservers: &mut PserverClient,
     params: &mut ParamBuf,
-) -> std::result::Result<(), oar_pserver::Error> {
+) -> std::result::Result<(), oar_pserver::ServiceError> {
     pservers.forget_steps();
     pservers.pull(params).await
+}
+
+/// What became of a task.
+enum Trained {
+    /// Trained on to the end: report it with these statistics.
+    Finished(TaskStats),
+    /// Its data is bad: reported failed already.
+    Failed,
+    /// The stop signal's grace ran out before the end: hand it back.
+    Interrupted,
 }
 
 /// The master's answer to a trainer asking for a task, with the task's
@@ -770,41 +808,21 @@ async fn fetch(master: &MasterClient, id: &str, reader: &ReaderOptions) -> Resul
 /// A task's examples, and how many bad lines were skipped.
 async fn read_task(task: &TaskSpec, reader: ReaderOptions) -> Result<(Vec<Example>, u64)> {
     let chunks = task.chunks.clone();
-    Background::from(tokio::task::spawn_blocking(move || {
+    joined(AbortOnDropHandle::new(tokio::task::spawn_blocking(move || {
         read_chunks(&chunks, &reader).map(|data| (data.examples, data.skipped as u64))
-    }))
-    .join()
+    })))
     .await?
 }
 
-/// A spawned task that is aborted when dropped, so that a role that stops
-/// leaves nothing running behind it.
-pub(crate) struct Background<T>(tokio::task::JoinHandle<T>);
-
-impl<T: Send + 'static> Background<T> {
-    pub(crate) fn spawn(future: impl std::future::Future<Output = T> + Send + 'static) -> Self {
-        Self(tokio::spawn(future))
-    }
+/// Spawn `future`, to be aborted if the handle is dropped: a trainer that
+/// stops leaves nothing running behind it.
+fn spawn<T: Send + 'static>(
+    future: impl std::future::Future<Output = T> + Send + 'static,
+) -> AbortOnDropHandle<T> {
+    AbortOnDropHandle::new(tokio::spawn(future))
 }
 
-impl<T> From<tokio::task::JoinHandle<T>> for Background<T> {
-    fn from(handle: tokio::task::JoinHandle<T>) -> Self {
-        Self(handle)
-    }
-}
-
-impl<T> Background<T> {
-    fn is_finished(&self) -> bool {
-        self.0.is_finished()
-    }
-
-    pub(crate) async fn join(mut self) -> Result<T> {
-        (&mut self.0).await.map_err(|e| Error::Panicked(format!("a background task: {e}")))
-    }
-}
-
-impl<T> Drop for Background<T> {
-    fn drop(&mut self) {
-        self.0.abort();
-    }
+/// The output of a spawned task, or why it has none.
+async fn joined<T>(task: AbortOnDropHandle<T>) -> Result<T> {
+    task.await.map_err(|e| Error::Panicked(format!("a background task: {e}")))
 }

@@ -40,11 +40,12 @@
 //! the `serverAuth` and `clientAuth` extended key usages (every process is
 //! both).
 //!
-//! For tests and single-machine runs, [`DevCa`] makes a CA and certificates
-//! in memory. For a cluster, make one CA per job and one certificate per
+//! For tests and single-machine runs, `DevCa` (feature `dev-ca`, which
+//! pulls in `rcgen`; not for production) makes a CA and certificates in
+//! memory. For a cluster, make one CA per job and one certificate per
 //! process, and give each process `ca.pem`, its `NAME.pem` and `NAME.key`
 //! ([`TlsConfig::from_pem_files`]); keep `ca.key` off the cluster. Either
-//! write them with [`DevCa::write_files`] (what `examples/certs.rs DIR NAME...`
+//! write them with `DevCa::write_files` (what `examples/certs.rs DIR NAME...`
 //! does), or with openssl:
 //!
 //! ```text
@@ -119,6 +120,8 @@
 //! ```
 #![warn(missing_docs)]
 
+#[cfg(feature = "dev-ca")]
+mod dev_ca;
 mod error;
 mod frame;
 mod mem;
@@ -127,6 +130,8 @@ mod retry;
 mod tls;
 pub mod wire;
 
+#[cfg(feature = "dev-ca")]
+pub use dev_ca::{DevCa, Issued};
 pub use error::{Error, RemoteError, RemoteErrorKind, Result};
 pub use frame::{
     bytes_to_f32s, copy_f32s_from_bytes, f32s_as_le_bytes, f32s_to_bytes, f32s_view, put_f32s, Frame,
@@ -134,7 +139,7 @@ pub use frame::{
 pub use mem::{MemNetwork, MemTransport};
 pub use quic::{PathTuning, QuicListener, QuicOptions, QuicTransport};
 pub use retry::{RetryPolicy, Retrying, Transient};
-pub use tls::{Cipher, DevCa, Issued, TlsConfig, ALPN, DEFAULT_SERVER_NAME};
+pub use tls::{Cipher, TlsConfig, ALPN, DEFAULT_SERVER_NAME};
 
 use async_trait::async_trait;
 use serde::{de::DeserializeOwned, Serialize};

@@ -1,7 +1,21 @@
-//! The key layout of one job in the discovery store (DESIGN.md, "Key layout").
+//! The key layout of one job in the discovery store, written down once:
+//! every process of a job derives its keys from [`JobKeys`], and hands each
+//! service the keys it uses ([`JobKeys::master`], [`JobKeys::pserver`]).
 //!
-//! Every process of a job derives its keys from [`JobKeys`], so the layout is
-//! written down once.
+//! | key | value | lease |
+//! | --- | --- | --- |
+//! | `master/lock` | holder id | master's |
+//! | `master/addr` | address of the master | master's |
+//! | `master/state`, `master/journal/<version>` | task-queue snapshot and journal (fenced) | none |
+//! | `config` | the job's options, published once by the master | none |
+//! | `result` | the job's report, once it ended (fenced) | none |
+//! | `trainer/<id>` | trainer id | trainer's |
+//! | `ps_desired` | number of pservers | none |
+//! | `ps/<index>` | pserver address, claimed by create-if-absent | pserver's |
+//! | `ps/<index>/checkpoint` | latest checkpoint: path, step, checksum, time | none |
+
+use oar_pserver::PserverKeys;
+use oar_task_queue::MasterKeys;
 
 /// The keys of one job, all under `/oar/<job>/`.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -13,7 +27,7 @@ impl JobKeys {
     /// Keys of job `job`. A job name is non-empty and has no `/`.
     pub fn new(job: &str) -> crate::Result<Self> {
         if job.is_empty() || job.contains('/') || job.chars().any(char::is_whitespace) {
-            return Err(crate::Error::InvalidArgument(format!(
+            return Err(crate::Error::BadConfig(format!(
                 "job name {job:?} must be non-empty, without '/' or whitespace"
             )));
         }
@@ -44,7 +58,7 @@ impl JobKeys {
     /// The journal record that brings the queue to `version` (zero-padded,
     /// so records list in version order).
     pub fn master_journal_record(&self, version: u64) -> String {
-        format!("{}master/journal/{version:020}", self.prefix)
+        self.master().journal_record(version)
     }
     /// The job's options, published once by the master.
     pub fn config(&self) -> String {
@@ -81,51 +95,24 @@ impl JobKeys {
     }
     /// The trainer id in a key under [`JobKeys::trainers`], if it is one.
     pub fn trainer_id<'a>(&self, key: &'a str) -> Option<&'a str> {
-        key.strip_prefix(&self.trainers()).filter(|id| !id.is_empty() && !id.contains('/'))
-    }
-}
-
-/// The trainers of a job leaving it: yields the id of each trainer whose
-/// registration is deleted (lease expired or revoked, or closed), from the
-/// moment it is created on. The master takes such a trainer's tasks back and
-/// the pservers drop it from the sync barrier.
-pub struct TrainerDepartures {
-    keys: JobKeys,
-    watch: crate::WatchStream,
-    present: Vec<String>,
-}
-
-impl TrainerDepartures {
-    /// Start following the registrations under [`JobKeys::trainers`].
-    pub async fn watch(discovery: &dyn crate::Discovery, keys: &JobKeys) -> crate::Result<Self> {
-        let now = discovery.get_prefix(&keys.trainers()).await?;
-        let present = now.kvs.iter().filter_map(|kv| keys.trainer_id(&kv.key)).map(str::to_string).collect();
-        let watch = discovery.watch_prefix(&keys.trainers(), now.revision + 1).await?;
-        Ok(Self { keys: keys.clone(), watch, present })
+        oar_discovery::member_name(&self.trainers(), key)
     }
 
-    /// The trainers registered when the watch started (sorted). Anyone
-    /// holding work who is not among them left before the watch began: a
-    /// restarted master takes their tasks back with this, with no gap
-    /// between the listing and the watch.
-    pub fn present(&self) -> &[String] {
-        &self.present
-    }
-
-    /// The next trainer that left; `None` when the watch ended, an error
-    /// when it failed (the caller then relies on timeouts).
-    pub async fn next(&mut self) -> Option<crate::Result<String>> {
-        loop {
-            match self.watch.next().await? {
-                Ok(crate::WatchEvent::Delete { key, .. }) => {
-                    if let Some(id) = self.keys.trainer_id(&key) {
-                        return Some(Ok(id.to_string()));
-                    }
-                }
-                Ok(crate::WatchEvent::Put(_)) => {}
-                Err(e) => return Some(Err(e)),
-            }
+    /// The keys of the job's master.
+    pub fn master(&self) -> MasterKeys {
+        MasterKeys {
+            lock: self.master_lock(),
+            addr: self.master_addr(),
+            state: self.master_state(),
+            journal: self.master_journal(),
+            config: self.config(),
+            members: self.trainers(),
         }
+    }
+
+    /// The keys of the job's pservers.
+    pub fn pserver(&self) -> PserverKeys {
+        PserverKeys { claims: self.ps_prefix(), desired: self.ps_desired(), members: self.trainers() }
     }
 }
 
@@ -146,6 +133,10 @@ mod tests {
         assert_eq!(k.ps_checkpoint(3), "/oar/mnist/ps/3/checkpoint");
         assert_eq!(k.trainer_id("/oar/mnist/trainer/t1"), Some("t1"));
         assert_eq!(k.trainer_id("/oar/mnist/ps/1"), None);
+        let (master, pserver) = (k.master(), k.pserver());
+        assert_eq!(master.journal_record(42), k.master_journal_record(42));
+        assert_eq!((master.lock, master.members), (k.master_lock(), k.trainers()));
+        assert_eq!((pserver.claim(3), pserver.checkpoint(3)), (k.ps(3), k.ps_checkpoint(3)));
     }
 
     #[test]
@@ -154,27 +145,5 @@ mod tests {
             let err = JobKeys::new(bad).unwrap_err().to_string();
             assert!(err.contains(&format!("{bad:?}")), "{err}");
         }
-    }
-}
-
-#[cfg(test)]
-mod departure_tests {
-    use super::*;
-    use crate::{Discovery, MemDiscovery};
-    use std::time::Duration;
-
-    #[tokio::test]
-    async fn departures_name_trainers_whose_lease_ended_and_ignore_other_keys() {
-        let d = MemDiscovery::new();
-        let keys = JobKeys::new("j").unwrap();
-        let lease = d.grant_lease(Duration::from_secs(30)).await.unwrap();
-        d.put(&keys.trainer("t1"), vec![], Some(lease)).await.unwrap();
-        let mut departures = TrainerDepartures::watch(&d, &keys).await.unwrap();
-        d.put(&keys.trainer("t2"), vec![], None).await.unwrap();
-        d.put(&keys.ps(0), vec![], None).await.unwrap();
-        d.delete(&keys.ps(0)).await.unwrap();
-        d.revoke_lease(lease).await.unwrap();
-        let id = tokio::time::timeout(Duration::from_secs(2), departures.next()).await.unwrap();
-        assert_eq!(id.unwrap().unwrap(), "t1");
     }
 }

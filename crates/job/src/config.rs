@@ -1,13 +1,13 @@
 //! A job's options: everything the master, the pservers and the trainers
 //! must agree on, published once by the master under `/oar/<job>/config`.
 
-use crate::{
-    model::ModelConfig,
-    reader::{Format, ReaderOptions},
-    Error, Result,
-};
+use crate::{Error, Result};
 use oar_pserver::{Mode, OptimizerConfig, Placement};
 use oar_task_queue::QueueConfig;
+use oar_trainer::{
+    model::ModelConfig,
+    reader::{Format, ReaderOptions},
+};
 use serde::{Deserialize, Serialize};
 use std::time::Duration;
 

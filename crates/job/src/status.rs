@@ -1,8 +1,8 @@
 //! A running (or ended) job seen from outside, read from discovery alone:
 //! what `examples/status.rs` prints.
 
-use crate::{job::JobConfig, role::JobReport, Result};
-use oar_discovery::{Discovery, JobKeys};
+use crate::{config::JobConfig, keys::JobKeys, report::JobReport, Result};
+use oar_discovery::Discovery;
 use oar_pserver::checkpoint::CheckpointInfo;
 use oar_task_queue::{MasterStatus, StoredState};
 use std::fmt;
@@ -62,8 +62,8 @@ impl JobView {
             tasks: None,
             result: None,
         };
-        let state =
-            StoredState::from_listing(all.kvs.iter().map(|kv| (kv.key.as_str(), &kv.value[..])), &keys)?;
+        let listing = all.kvs.iter().map(|kv| (kv.key.as_str(), &kv.value[..]));
+        let state = StoredState::from_listing(listing, &keys.master_state(), &keys.master_journal())?;
         let ps_prefix = format!("{}ps/", keys.prefix());
         for kv in &all.kvs {
             let key = kv.key.as_str();
@@ -76,9 +76,7 @@ impl JobView {
             } else if key == keys.ps_desired() {
                 view.pservers_desired = text(&kv.value).trim().parse().ok();
             } else if key == keys.result() {
-                view.result = Some(serde_json::from_slice(&kv.value).map_err(|e| {
-                    crate::Error::BadConfig(format!("{} holds no job report: {e}", keys.result()))
-                })?);
+                view.result = Some(JobReport::from_json(key, &kv.value)?);
             } else if let Some(id) = keys.trainer_id(key) {
                 view.trainers.push(id.to_string());
             } else if let Some(rest) = key.strip_prefix(&ps_prefix) {

@@ -1,0 +1,144 @@
+//! What a job reports: a line per pass while it trains, and one report when
+//! it ends, which the master also stores under `/oar/<job>/result`.
+
+use crate::{keys::JobKeys, Error, Result};
+use oar_discovery::Discovery;
+use serde::{Deserialize, Serialize};
+
+/// Progress at the end of one pass.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct PassReport {
+    /// The pass that ended (0-based).
+    pub pass: u32,
+    /// Mean training loss the trainers measured during the pass.
+    pub train_loss: f64,
+    /// Loss on the held-out data after the pass.
+    pub test_loss: f32,
+    /// Accuracy on the held-out data after the pass.
+    pub test_accuracy: f32,
+    /// Tasks finished in the pass.
+    pub tasks_done: u64,
+    /// Tasks discarded so far.
+    pub tasks_discarded: usize,
+}
+
+/// How a job ended.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum JobEnd {
+    /// Every pass ended with at least one task finished.
+    Done,
+    /// A pass ended with no task finished (every one discarded).
+    Failed,
+}
+
+impl std::fmt::Display for JobEnd {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            JobEnd::Done => "done",
+            JobEnd::Failed => "failed",
+        })
+    }
+}
+
+/// The result of a whole job: the final JSON line of the examples, and the
+/// value of `/oar/<job>/result`.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct JobReport {
+    /// Done or failed.
+    pub state: JobEnd,
+    /// Passes completed.
+    pub passes: u32,
+    /// Mean training loss of the last pass (none: no task was trained on).
+    pub final_loss: Option<f64>,
+    /// Accuracy of the final model on the training data (on an evenly
+    /// spread sample of [`TRAIN_SAMPLE_BYTES`](crate::role::TRAIN_SAMPLE_BYTES)
+    /// if the data is larger).
+    pub train_accuracy: f32,
+    /// Accuracy of the final model on the held-out data.
+    pub test_accuracy: f32,
+    /// Examples trained on per second, over all trainers, while this master
+    /// served (a master that took over counts from its start).
+    pub examples_per_second: f64,
+    /// Tasks finished, summed over passes.
+    pub tasks_done: u64,
+    /// Task failures (timeouts, failed reports, trainers gone).
+    pub tasks_failed: u64,
+    /// Tasks discarded.
+    pub tasks_discarded: usize,
+    /// Why each discarded task was discarded: (task id, reason).
+    pub discarded: Vec<(u64, String)>,
+    /// Bad lines skipped (with `skip_bad_lines`).
+    pub skipped_lines: u64,
+    /// Seconds from this master's start to the end.
+    pub wall_seconds: f64,
+}
+
+impl JobReport {
+    /// Whether the job finished well.
+    pub fn is_done(&self) -> bool {
+        self.state == JobEnd::Done
+    }
+
+    /// The report as stored and printed: one line of JSON.
+    pub fn to_json(&self) -> String {
+        // Every field serialises (non-finite floats become null).
+        serde_json::to_string(self).unwrap_or_default()
+    }
+
+    /// A report read back from [`to_json`](Self::to_json)'s form.
+    pub fn from_json(key: &str, bytes: &[u8]) -> Result<JobReport> {
+        serde_json::from_slice(bytes).map_err(|e| Error::BadValue {
+            key: key.to_string(),
+            what: "job report",
+            reason: e.to_string(),
+        })
+    }
+}
+
+/// The job's final report, if the master wrote it.
+pub async fn read_result(discovery: &dyn Discovery, job: &str) -> Result<Option<JobReport>> {
+    let key = JobKeys::new(job)?.result();
+    match discovery.get(&key).await? {
+        None => Ok(None),
+        Some(kv) => JobReport::from_json(&key, &kv.value).map(Some),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn report() -> JobReport {
+        JobReport {
+            state: JobEnd::Failed,
+            passes: 0,
+            final_loss: None,
+            train_accuracy: 0.5,
+            test_accuracy: 0.25,
+            examples_per_second: 0.0,
+            tasks_done: 0,
+            tasks_failed: 9,
+            tasks_discarded: 3,
+            discarded: vec![(1, "bad line".into())],
+            skipped_lines: 0,
+            wall_seconds: 1.5,
+        }
+    }
+
+    #[test]
+    fn a_report_round_trips_through_its_json_whatever_its_values() {
+        let r = report();
+        let json = r.to_json();
+        assert!(json.contains(r#""state":"failed""#) && json.contains(r#""final_loss":null"#), "{json}");
+        assert_eq!(JobReport::from_json("k", json.as_bytes()).unwrap(), r);
+        let done = JobReport { state: JobEnd::Done, final_loss: Some(0.25), ..report() };
+        assert_eq!(JobReport::from_json("k", done.to_json().as_bytes()).unwrap(), done);
+    }
+
+    #[test]
+    fn a_value_that_is_no_report_is_an_error_naming_the_key() {
+        let err = JobReport::from_json("/oar/j/result", b"{").unwrap_err().to_string();
+        assert!(err.contains("/oar/j/result") && err.contains("job report"), "{err}");
+    }
+}

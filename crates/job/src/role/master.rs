@@ -1,0 +1,231 @@
+//! The master role: the task queue, the per-pass scores, the job's report.
+//!
+//! The master scores the model on the held-out data at the end of each pass
+//! by pulling the parameters like any client. Trainers keep training
+//! meanwhile, so the parameters scored at the end of pass p may already
+//! include a few updates of pass p+1. The final report's train accuracy is
+//! measured on the training data if it holds at most [`TRAIN_SAMPLE_BYTES`],
+//! else on an evenly spread sample of that size, so the master's memory
+//! does not grow with the dataset.
+
+use super::{unless_shut_down, RoleOptions};
+use crate::{
+    config::JobConfig,
+    context::JobContext,
+    keys::JobKeys,
+    report::{read_result, JobEnd, JobReport, PassReport},
+    Error, Result,
+};
+use oar_discovery::ChangeSignal;
+use oar_pserver::{ParamBuf, Placement, PserverClient, PserverClientOptions};
+use oar_task_queue::{
+    auto_chunk_bytes, chunk_files, glob_files, tasks_from_chunks, JobState, Master, MasterOptions,
+    MasterStatus,
+};
+use oar_trainer::{
+    eval::{evaluate, Evaluation},
+    model::{Example, Model},
+    reader::{read_glob, read_sample, ReaderOptions},
+};
+use std::{
+    sync::Arc,
+    time::{Duration, Instant},
+};
+use tokio_util::{sync::CancellationToken, task::AbortOnDropHandle};
+use tracing::Instrument;
+
+/// The most training data the master reads to score the final model's
+/// train accuracy (and, without held-out data, each pass): above it, an
+/// evenly spread sample of this size.
+pub const TRAIN_SAMPLE_BYTES: u64 = 64 << 20;
+
+/// Run the master of a job with options `config`: take the lock (waiting as
+/// a standby while another master holds it), publish the options, serve the
+/// task queue, score the model after each pass (`on_pass`), and when the job
+/// ends write and return its report. `None` if `shutdown` stopped it first
+/// (a standby, if any, takes over at once). Errors if the master loses its
+/// lock or lease (it stops serving first).
+pub async fn master(
+    ctx: &JobContext,
+    config: &JobConfig,
+    options: &RoleOptions,
+    shutdown: CancellationToken,
+    on_pass: impl FnMut(&PassReport),
+) -> Result<Option<JobReport>> {
+    let span = tracing::info_span!("master", job = %ctx.job, id = %options.id);
+    run_master(ctx, config, options, shutdown, on_pass).instrument(span).await
+}
+
+async fn run_master(
+    ctx: &JobContext,
+    config: &JobConfig,
+    options: &RoleOptions,
+    shutdown: CancellationToken,
+    mut on_pass: impl FnMut(&PassReport),
+) -> Result<Option<JobReport>> {
+    config.validate()?;
+    let started = Instant::now();
+    let keys = JobKeys::new(&ctx.job)?;
+    if let Some(kv) = ctx.discovery.get(&keys.config()).await? {
+        let published = JobConfig::decode(&kv.value)?;
+        let differ = published.differences(config);
+        if !differ.is_empty() {
+            return Err(Error::BadConfig(format!(
+                "job {:?} was started with other options ({}); give the same options, or use a new job name",
+                ctx.job,
+                differ.join(", ")
+            )));
+        }
+    }
+    let model = ctx.model(config)?;
+    let placement = Arc::new(Placement::new(&model.param_specs(), config.pservers, config.block_size)?);
+    // Scoring skips bad lines; training reports them through its tasks.
+    let scoring = ReaderOptions { skip_bad_lines: true, ..config.reader() };
+    // The training set is read for the final report's train accuracy only
+    // (unless it is also the test set): read it while the job trains, not
+    // before the master serves, and a sample of it only if it is large.
+    let train_read = AbortOnDropHandle::new({
+        let (data, scoring) = (config.data.clone(), scoring.clone());
+        tokio::task::spawn_blocking(move || read_sample(&data, &scoring, TRAIN_SAMPLE_BYTES))
+    });
+    let (test_set, train_read) = match &config.test_data {
+        Some(glob) => (read_glob(glob, &scoring)?, Some(train_read)),
+        None => (joined(train_read).await??, None),
+    };
+    let files = glob_files(&config.data)?;
+    let chunk_bytes = match config.chunk_bytes {
+        0 => auto_chunk_bytes(files.iter().map(|(_, len)| len).sum()),
+        bytes => bytes,
+    };
+    let tasks = tasks_from_chunks(chunk_files(&files, chunk_bytes)?, config.chunks_per_task)?;
+    tracing::info!(chunk_bytes, tasks = tasks.len(), "tasks cut");
+
+    let master_options = MasterOptions {
+        holder: options.id.clone(),
+        lease_ttl: options.lease_ttl,
+        lock_timeout: options.standby_timeout,
+        config: Some(config.encode()?),
+        ..MasterOptions::new(keys.master(), config.queue())
+    };
+    let start =
+        Master::start(ctx.discovery.clone(), ctx.transport.clone(), &ctx.listen, tasks, master_options);
+    let Some(master) = unless_shut_down(&shutdown, start).await else {
+        tracing::info!("shut down while waiting for the lock");
+        return Ok(None);
+    };
+    let master = master?;
+    ctx.discovery.put(&keys.ps_desired(), config.pservers.to_string().into_bytes(), None).await?;
+    if let Some(report) = read_result(&*ctx.discovery, &ctx.job).await? {
+        tracing::info!(state = ?report.state, "the job had ended before this master started");
+        master.shutdown().await?;
+        return Ok(Some(report));
+    }
+
+    let client_options = PserverClientOptions {
+        call_timeout: options.call_timeout,
+        retry: options.retry(),
+        ..PserverClientOptions::new(keys.ps_prefix(), format!("{}-evaluator", options.id))
+    };
+    let mut evaluator =
+        PserverClient::new(ctx.discovery.clone(), ctx.transport.clone(), placement, client_options);
+    let mut params = ParamBuf::zeros(&model.param_specs());
+
+    // Report each pass as it ends, until the job ends, the master stops or
+    // it is shut down.
+    let mut status = master.status();
+    let mut reported = status.borrow().queue.pass;
+    let followed = async {
+        let ended = master.wait();
+        tokio::pin!(ended);
+        let mut over = false;
+        loop {
+            let current = status.borrow_and_update().clone();
+            let passes_over = if current.is_finished() { current.queue.pass + 1 } else { current.queue.pass };
+            while reported < passes_over.min(config.passes) {
+                let eval = score(&mut evaluator, &mut params, &*model, &test_set).await?;
+                on_pass(&pass_report(reported, &current, &eval));
+                reported += 1;
+            }
+            if over || current.is_finished() {
+                // Returns at once now: the end is stored, or the master stopped.
+                break Ok::<_, Error>(master.wait().await?);
+            }
+            tokio::select! {
+                state = &mut ended => {
+                    state?;
+                    over = true;
+                }
+                changed = status.changed() => over = changed.is_err(),
+            }
+        }
+    };
+    let Some(state) = unless_shut_down(&shutdown, followed).await else {
+        tracing::info!("shut down: storing the state and handing over");
+        master.shutdown().await?;
+        return Ok(None);
+    };
+    let state = state?;
+    let last = master.status().borrow().clone();
+    let training_seconds = started.elapsed().as_secs_f64();
+
+    let test = score(&mut evaluator, &mut params, &*model, &test_set).await?;
+    let train = match train_read {
+        Some(read) => evaluate(&*model, &params, &joined(read).await??, 1024),
+        None => evaluate(&*model, &params, &test_set, 1024),
+    };
+    let report = JobReport {
+        state: if state == JobState::Done { JobEnd::Done } else { JobEnd::Failed },
+        passes: last.passes.iter().filter(|p| p.tasks_finished > 0).count() as u32,
+        final_loss: last.passes.last().filter(|p| p.examples > 0).map(|p| p.mean_loss()),
+        train_accuracy: train.accuracy,
+        test_accuracy: test.accuracy,
+        examples_per_second: last.passes.iter().map(|p| p.examples).sum::<u64>() as f64 / training_seconds,
+        tasks_done: last.passes.iter().map(|p| p.tasks_finished).sum(),
+        tasks_failed: last.queue.failures,
+        tasks_discarded: last.queue.discarded,
+        discarded: last.discarded.clone(),
+        skipped_lines: last.passes.iter().map(|p| p.skipped_lines).sum(),
+        wall_seconds: started.elapsed().as_secs_f64(),
+    };
+    master.put_fenced(&keys.result(), report.to_json().into_bytes()).await?;
+    tracing::info!(state = ?report.state, "job report written");
+
+    // Keep answering `Done` until the trainers are gone, for a while.
+    let deadline = tokio::time::Instant::now() + options.linger;
+    let mut changed = ChangeSignal::new(&*ctx.discovery, &keys.trainers()).await;
+    while tokio::time::Instant::now() < deadline
+        && !shutdown.is_cancelled()
+        && !ctx.discovery.get_prefix(&keys.trainers()).await?.kvs.is_empty()
+    {
+        let _ = unless_shut_down(&shutdown, changed.wait(Duration::from_millis(100))).await;
+    }
+    master.shutdown().await?;
+    Ok(Some(report))
+}
+
+/// The output of a blocking task, or why it has none.
+async fn joined<T>(task: AbortOnDropHandle<T>) -> Result<T> {
+    task.await.map_err(|e| Error::Panicked(format!("reading the data: {e}")))
+}
+
+async fn score(
+    client: &mut PserverClient,
+    params: &mut ParamBuf,
+    model: &dyn Model,
+    examples: &[Example],
+) -> Result<Evaluation> {
+    client.pull(params).await?;
+    Ok(evaluate(model, params, examples, 1024))
+}
+
+fn pass_report(pass: u32, status: &MasterStatus, eval: &Evaluation) -> PassReport {
+    let stats = status.passes.get(pass as usize).copied().unwrap_or_default();
+    PassReport {
+        pass,
+        train_loss: stats.mean_loss(),
+        test_loss: eval.loss,
+        test_accuracy: eval.accuracy,
+        tasks_done: stats.tasks_finished,
+        tasks_discarded: status.queue.discarded,
+    }
+}

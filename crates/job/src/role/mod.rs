@@ -1,0 +1,172 @@
+//! The three roles of a job (master, pserver, trainer) as functions a
+//! binary calls; `examples/master.rs`, `examples/pserver.rs` and
+//! `examples/trainer.rs` are thin wrappers around them, and
+//! [`run_local`](crate::local::run_local) runs all three in one process.
+//!
+//! The job's options ([`JobConfig`]) are given to the master only. It
+//! publishes them under `/oar/<job>/config` (through `Master::start`, after
+//! taking the lock) and pservers and trainers read them from there
+//! ([`read_config`]), so their command lines carry nothing about the model.
+//! A master given options that differ from the published ones refuses to
+//! start, naming the options that differ.
+//!
+//! How a job ends: trainers stop when the master answers `Done` (or
+//! `Failed`); the master scores the final model, writes the job's report
+//! (JSON) under `/oar/<job>/result` through its fence, waits a little for the
+//! trainers to deregister ([`RoleOptions::linger`]) and returns; pservers
+//! watch `result`, write a last checkpoint and return. A master that starts
+//! (or takes over) after the report was written returns that report.
+//!
+//! # Shutdown
+//!
+//! Every role takes a [`CancellationToken`]; cancelling it (the binaries do
+//! on SIGTERM and SIGINT) stops the role gracefully, and it returns `Ok`:
+//!
+//! - a **pserver** stops taking pushes (they are refused as "unavailable",
+//!   so trainers retry them on a replacement), writes a last checkpoint of
+//!   everything it applied, and releases its index (revokes its lease), so
+//!   a replacement claims it at once and loads that checkpoint: no
+//!   acknowledged push is lost;
+//! - a **master** stores its state, then releases its lock and address, so
+//!   a standby takes over at once, not after a lease ttl; a standby that is
+//!   stopped stops waiting;
+//! - a **trainer** hands back the task it fetched ahead, finishes the task
+//!   it is training if that takes at most [`RoleOptions::stop_grace`] (else
+//!   hands it back too, after pushing the gradients it computed), waits for
+//!   its reports, leaves the sync barrier and deregisters. A task handed
+//!   back goes to the front of todo without counting as a failure; like a
+//!   trainer's crash, it leaves the examples of the batches it pushed
+//!   trained once more by the trainer that redoes the task.
+//!
+//! Every wait of a role (for the config, the lock, the pservers, a step)
+//! also ends at the shutdown signal.
+//!
+//! Each role runs in a `tracing` span named after it, with the job and the
+//! process's id; a trainer's work on a task is in a `task` span (task id,
+//! pass), so every log line says where it comes from.
+
+mod master;
+mod pserver;
+mod trainer;
+
+pub use master::{master, TRAIN_SAMPLE_BYTES};
+pub use pserver::{pserver, PserverReport};
+pub use trainer::trainer;
+
+use crate::{config::JobConfig, keys::JobKeys, Error, Result};
+use oar_discovery::{ChangeSignal, Discovery};
+use oar_transport::RetryPolicy;
+use std::{path::PathBuf, time::Duration};
+use tokio_util::sync::CancellationToken;
+
+/// Timing and local options of a role; each role reads the fields it needs.
+#[derive(Clone, Debug)]
+pub struct RoleOptions {
+    /// This process's id: the master's lock holder, or the trainer's
+    /// registration `trainer/<id>` (trainer ids also order the sync
+    /// combination). Non-empty, without `/` or whitespace.
+    pub id: String,
+    /// The role's lease: when it expires (the process died or lost etcd)
+    /// the job takes back what it held.
+    pub lease_ttl: Duration,
+    /// Bound of one call to the master or a pserver.
+    pub call_timeout: Duration,
+    /// How long a master or pserver that is away is retried before the
+    /// caller gives up with an error (trainers pause their updates meanwhile).
+    pub retry_for: Duration,
+    /// How long to wait at start for the job's config, a free pserver
+    /// index, a trainer id held by a dead process, or all pservers to be up.
+    pub startup_timeout: Duration,
+    /// How long a standby master waits for the lock.
+    pub standby_timeout: Duration,
+    /// Master: how long to wait after the job ends for the trainers to
+    /// deregister, so that none is left asking a master that is gone.
+    pub linger: Duration,
+    /// Trainer: at shutdown, how long the task in hand may take to finish
+    /// before it is handed back instead.
+    pub stop_grace: Duration,
+    /// Pserver: where checkpoints go (`<dir>/ps-<index>/`); none: no checkpoints.
+    pub checkpoint_dir: Option<PathBuf>,
+    /// Pserver: how often a checkpoint is written. A crash loses at most
+    /// the updates of one interval; a graceful shutdown loses none.
+    pub checkpoint_interval: Duration,
+    /// Pserver: claim exactly this shard index instead of the lowest free one
+    /// (for pservers with a checkpoint volume each, such as StatefulSet pods).
+    pub pserver_index: Option<u32>,
+}
+
+impl Default for RoleOptions {
+    /// A process called [`default_id`]`("oar")`: 5 s leases, 10 s calls,
+    /// members that are away retried for 5 minutes, 60 s to start, a standby
+    /// that waits a day, 10 s to linger and to finish a task at shutdown,
+    /// checkpoints every 60 s when a directory is given.
+    fn default() -> Self {
+        Self {
+            id: default_id("oar"),
+            lease_ttl: Duration::from_secs(5),
+            call_timeout: Duration::from_secs(10),
+            retry_for: Duration::from_secs(300),
+            startup_timeout: Duration::from_secs(60),
+            standby_timeout: Duration::from_secs(24 * 3600),
+            linger: Duration::from_secs(10),
+            stop_grace: Duration::from_secs(10),
+            checkpoint_dir: None,
+            checkpoint_interval: Duration::from_secs(60),
+            pserver_index: None,
+        }
+    }
+}
+
+impl RoleOptions {
+    /// The defaults for a process called `id`.
+    pub fn new(id: impl Into<String>) -> Self {
+        Self { id: id.into(), ..Self::default() }
+    }
+
+    fn retry(&self) -> RetryPolicy {
+        RetryPolicy { give_up_after: self.retry_for, ..RetryPolicy::default() }
+    }
+}
+
+/// A default id for a process of role `role` on this machine:
+/// `<role>-<hostname>-<pid>`.
+pub fn default_id(role: &str) -> String {
+    let host = std::fs::read_to_string("/proc/sys/kernel/hostname")
+        .ok()
+        .or_else(|| std::env::var("HOSTNAME").ok())
+        .map(|h| h.trim().replace(|c: char| !(c.is_ascii_alphanumeric() || c == '-' || c == '.'), "-"))
+        .filter(|h| !h.is_empty())
+        .unwrap_or_else(|| "host".to_string());
+    format!("{role}-{host}-{}", std::process::id())
+}
+
+/// Wait up to `timeout` for the job's options under `/oar/<job>/config`.
+pub async fn read_config(discovery: &dyn Discovery, job: &str, timeout: Duration) -> Result<JobConfig> {
+    let key = JobKeys::new(job)?.config();
+    let deadline = tokio::time::Instant::now() + timeout;
+    let mut changed = ChangeSignal::new(discovery, &key).await;
+    loop {
+        if let Some(kv) = discovery.get(&key).await? {
+            return JobConfig::decode(&kv.value);
+        }
+        if tokio::time::Instant::now() >= deadline {
+            return Err(Error::Timeout {
+                what: format!("the job's options at {key} (is a master running?)"),
+                after: timeout,
+            });
+        }
+        changed.wait(Duration::from_millis(100)).await;
+    }
+}
+
+/// `future`'s output, or `None` if `shutdown` is cancelled first.
+async fn unless_shut_down<T>(
+    shutdown: &CancellationToken,
+    future: impl std::future::Future<Output = T>,
+) -> Option<T> {
+    tokio::select! {
+        biased;
+        _ = shutdown.cancelled() => None,
+        out = future => Some(out),
+    }
+}

@@ -1,0 +1,118 @@
+//! The trainer role: register with the job, find the master and the
+//! pservers, run the training loop, deregister.
+
+use super::{read_config, unless_shut_down, RoleOptions};
+use crate::{context::JobContext, keys::JobKeys, Error, Result};
+use oar_discovery::{Discovery, Session};
+use oar_pserver::{Placement, PserverClient, PserverClientOptions};
+use oar_task_queue::{MasterClient, MasterClientOptions};
+use oar_trainer::worker::{run_trainer, TrainerOptions, TrainerReport};
+use std::{sync::Arc, time::Duration};
+use tokio_util::sync::CancellationToken;
+use tracing::Instrument;
+
+/// Run a trainer of the job: read the job's options, register
+/// `trainer/<id>` under its lease, wait for the pservers, train on tasks
+/// until the master says the job is over (or `shutdown` is cancelled: see
+/// [the module docs](super#shutdown)), deregister.
+pub async fn trainer(
+    ctx: &JobContext,
+    options: &RoleOptions,
+    shutdown: CancellationToken,
+) -> Result<TrainerReport> {
+    let span = tracing::info_span!("trainer", job = %ctx.job, id = %options.id);
+    run_trainer_role(ctx, options, shutdown).instrument(span).await
+}
+
+async fn run_trainer_role(
+    ctx: &JobContext,
+    options: &RoleOptions,
+    shutdown: CancellationToken,
+) -> Result<TrainerReport> {
+    let id = &options.id;
+    if id.is_empty() || id.contains('/') || id.chars().any(char::is_whitespace) {
+        return Err(Error::BadConfig(format!(
+            "trainer id {id:?} must be non-empty, without '/' or whitespace"
+        )));
+    }
+    let stopped_early = TrainerReport { shut_down: true, ..TrainerReport::default() };
+    let config = read_config(&*ctx.discovery, &ctx.job, options.startup_timeout);
+    let Some(config) = unless_shut_down(&shutdown, config).await else { return Ok(stopped_early) };
+    let config = config?;
+    let model = ctx.model(&config)?;
+    let placement = Arc::new(Placement::new(&model.param_specs(), config.pservers, config.block_size)?);
+    let keys = JobKeys::new(&ctx.job)?;
+
+    let session = Session::start(ctx.discovery.clone(), options.lease_ttl).await?;
+    let key = keys.trainer(id);
+    let registered = register(&*ctx.discovery, &key, id, &session, options.startup_timeout);
+    let Some(registered) = unless_shut_down(&shutdown, registered).await else {
+        session.close().await?;
+        return Ok(stopped_early);
+    };
+    registered?;
+    let master = MasterClient::new(
+        ctx.discovery.clone(),
+        ctx.transport.clone(),
+        MasterClientOptions {
+            call_timeout: options.call_timeout,
+            retry: options.retry(),
+            ..MasterClientOptions::new(keys.master_addr())
+        },
+    );
+    let pservers = PserverClient::new(
+        ctx.discovery.clone(),
+        ctx.transport.clone(),
+        placement,
+        PserverClientOptions {
+            call_timeout: options.call_timeout,
+            retry: options.retry(),
+            ..PserverClientOptions::new(keys.ps_prefix(), id.clone())
+        },
+    );
+    let up = pservers.wait_for_servers(options.startup_timeout);
+    let result = match unless_shut_down(&shutdown, up).await {
+        None => Ok(stopped_early),
+        Some(Err(e)) => Err(e.into()),
+        Some(Ok(())) => {
+            let trainer_options = TrainerOptions {
+                batch_size: config.batch_size,
+                mode: config.mode,
+                push_every: config.push_every,
+                pull_every: config.pull_every,
+                stop_grace: options.stop_grace,
+                ..TrainerOptions::new(id.clone(), config.reader())
+            };
+            run_trainer(Arc::new(master), pservers, model, session.guard(), trainer_options, shutdown)
+                .await
+                .map_err(Error::from)
+        }
+    };
+    // Deregister: the master and the pservers see this trainer leave now,
+    // not a lease ttl later.
+    session.close().await?;
+    result
+}
+
+/// Claim `key` under the session's lease. A key left by a dead trainer with
+/// the same id (a restarted process) goes when its lease expires, so wait
+/// for it up to `timeout`.
+async fn register(
+    discovery: &dyn Discovery,
+    key: &str,
+    id: &str,
+    session: &Session,
+    timeout: Duration,
+) -> Result<()> {
+    let deadline = tokio::time::Instant::now() + timeout;
+    loop {
+        if discovery.create_if_absent(key, id.as_bytes().to_vec(), Some(session.lease())).await?.is_some() {
+            return Ok(());
+        }
+        if tokio::time::Instant::now() >= deadline {
+            return Err(Error::TrainerIdTaken(id.to_string()));
+        }
+        tracing::info!(trainer = id, "trainer id still registered (a previous process?); waiting");
+        tokio::time::sleep(Duration::from_millis(250)).await;
+    }
+}
