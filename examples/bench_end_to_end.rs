@@ -85,9 +85,10 @@ use oar::{
     },
     task_queue::{auto_chunk_bytes, chunks_from_glob, protocol::MASTER_METHOD},
     trainer::{
-        model::{Example, Model, ModelConfig},
+        model::{Example, Model},
         reader::{read_chunk, read_glob, Format, ReaderOptions},
         softmax::SoftmaxRegression,
+        ModelConfig,
     },
     transport::{
         self as tr, Connection, DevCa, Frame, Handler, Listener, MemNetwork, MemTransport, QuicTransport,

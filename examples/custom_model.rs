@@ -19,7 +19,10 @@ use oar::{
         JobContext, Plugins,
     },
     pserver::{Init, ParamBuf, ParamSpec},
-    trainer::model::{Example, Model, ModelConfig},
+    trainer::{
+        model::{Example, Model},
+        ModelConfig,
+    },
     transport::{DevCa, QuicTransport},
 };
 use std::{process::ExitCode, sync::Arc};

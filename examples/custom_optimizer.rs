@@ -20,7 +20,7 @@ use oar::{
         JobContext, Plugins,
     },
     pserver::{Optimizer, OptimizerConfig, OptimizerFactory, OptimizerState},
-    trainer::model::ModelConfig,
+    trainer::ModelConfig,
     transport::{DevCa, QuicTransport},
 };
 use std::{process::ExitCode, sync::Arc};

@@ -14,7 +14,7 @@
 //!
 //! ```
 //! use oar::job::{config::JobConfig, local::{run_local, LocalOptions}, JobContext};
-//! use oar::trainer::{datagen::write_blobs, model::ModelConfig};
+//! use oar::trainer::{datagen::write_blobs, ModelConfig};
 //! use oar::{discovery::MemDiscovery, transport::{MemNetwork, MemTransport}};
 //! use std::sync::Arc;
 //!

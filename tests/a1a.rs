@@ -46,3 +46,60 @@ async fn softmax_on_adult_reaches_82_percent_in_async_mode() {
     let report = train(config).await;
     assert!(report.test_accuracy >= 0.82, "test accuracy {}", report.test_accuracy);
 }
+
+/// CPU hogs: `yes` processes writing to nowhere, killed when dropped.
+struct Hogs(Vec<std::process::Child>);
+
+impl Hogs {
+    fn start(n: usize) -> Hogs {
+        let spawn = || {
+            std::process::Command::new("yes")
+                .stdout(std::process::Stdio::null())
+                .spawn()
+                .expect("start a `yes` CPU hog")
+        };
+        Hogs((0..n).map(|_| spawn()).collect())
+    }
+}
+
+impl Drop for Hogs {
+    fn drop(&mut self) {
+        for hog in &mut self.0 {
+            let _ = hog.kill();
+            let _ = hog.wait();
+        }
+    }
+}
+
+/// What a new user runs (`examples/local.rs` on a1a in async mode, every
+/// default: 5 passes, batch 64, SGD at 0.1, push and pull every batch, 3
+/// trainers, 2 pservers, QUIC) reaches sync mode's accuracy every time
+/// (83.3% on a1a.t; the bar is 83%): on a quiet machine and with two CPU
+/// hogs taking the cores from it. Async once lagged sync here (81.1-82.2%)
+/// because with overlap most due pushes were merged and averaged into one
+/// update: about 9 updates a pass instead of 29. Merging just four (the old
+/// limit) still ends at 82.3-82.7%, below this bar.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn async_a1a_with_the_default_options_reaches_sync_accuracy_every_time_also_under_load() {
+    let runs = std::env::var("OAR_A1A_RUNS").ok().and_then(|n| n.parse().ok()).unwrap_or(6u64);
+    let mut accuracies = Vec::new();
+    for hogged in [false, true] {
+        let _hogs = hogged.then(|| Hogs::start(2));
+        for seed in 1..=runs {
+            let model = oar::trainer::ModelConfig::Softmax { features: 123, classes: 2 };
+            let mut config = JobConfig::new(&support::testdata("a1a"), model);
+            config.test_data = Some(support::testdata("a1a.t"));
+            config.mode = Mode::Async;
+            config.seed = seed;
+            let transport =
+                Arc::new(QuicTransport::new(DevCa::new().unwrap().tls_config("a1a").unwrap()).unwrap());
+            let report = support::run_in_process(&config, 3, transport, "127.0.0.1:0", |_| {}).await.unwrap();
+            assert!(report.is_done(), "{report:?}");
+            accuracies.push((hogged, seed, report.test_accuracy));
+        }
+    }
+    eprintln!("(under load, seed, test accuracy): {accuracies:?}");
+    for (hogged, seed, accuracy) in accuracies {
+        assert!(accuracy >= 0.83, "seed {seed}{}: {accuracy}", if hogged { " under load" } else { "" });
+    }
+}

@@ -6,7 +6,7 @@ mod support;
 
 use oar::{
     job::{config::JobConfig, report::JobReport},
-    trainer::model::ModelConfig,
+    trainer::ModelConfig,
     transport::{MemNetwork, MemTransport},
 };
 use std::{io::Write, sync::Arc};

@@ -15,8 +15,9 @@ use oar::{
         PserverOptions,
     },
     trainer::{
-        model::{Example, Model, ModelConfig},
+        model::{Example, Model},
         reader::{read_glob, Format, ReaderOptions},
+        ModelConfig,
     },
     transport::{MemNetwork, MemTransport},
 };

@@ -10,7 +10,7 @@ use oar::{
         report::{JobReport, PassReport},
     },
     pserver::{Mode, OptimizerConfig},
-    trainer::{datagen::write_blobs, model::ModelConfig, reader::Format},
+    trainer::{datagen::write_blobs, reader::Format, ModelConfig},
 };
 use std::{path::Path, process::ExitCode, time::Duration};
 use tokio_util::sync::CancellationToken;

@@ -29,7 +29,7 @@ pub fn testdata(name: &str) -> String {
 /// Softmax regression on a1a, scored on a1a.t, with 2 pservers and 8 KiB
 /// tasks (15 per pass); callers set the rest.
 pub fn a1a_softmax(mode: oar::pserver::Mode) -> oar::job::config::JobConfig {
-    let model = oar::trainer::model::ModelConfig::Softmax { features: 123, classes: 2 };
+    let model = oar::trainer::ModelConfig::Softmax { features: 123, classes: 2 };
     let mut config = oar::job::config::JobConfig::new(&testdata("a1a"), model);
     config.test_data = Some(testdata("a1a.t"));
     config.mode = mode;

@@ -5,8 +5,8 @@ use crate::{Error, Result};
 use oar_pserver::{Mode, OptimizerConfig, Placement};
 use oar_task_queue::QueueConfig;
 use oar_trainer::{
-    model::ModelConfig,
     reader::{Format, ReaderOptions},
+    ModelConfig,
 };
 use serde::{Deserialize, Serialize};
 use std::time::Duration;
@@ -40,6 +40,12 @@ pub struct JobConfig {
     pub push_every: u32,
     /// Async: pull the parameters every this many mini-batches.
     pub pull_every: u32,
+    /// Async: let each exchange with the pservers travel while the next
+    /// batches train (models up to `oar_trainer::worker::OVERLAP_MAX_BYTES`).
+    /// Off, every exchange is waited for and the push and pull cadences hold
+    /// exactly; with momentum, off trains a little better (each batch then
+    /// trains on parameters one exchange fresher).
+    pub overlap: bool,
     /// Number of pservers (shards).
     pub pservers: u32,
     /// Largest parameter block, in floats.
@@ -73,6 +79,7 @@ impl JobConfig {
             batch_size: 64,
             push_every: 1,
             pull_every: 1,
+            overlap: true,
             pservers: 2,
             block_size: 1 << 16,
             chunk_bytes: 0,
@@ -166,6 +173,7 @@ impl JobConfig {
             batch_size,
             push_every,
             pull_every,
+            overlap,
             pservers,
             block_size,
             chunk_bytes,

@@ -18,7 +18,7 @@
 //! use std::{sync::Arc, time::Duration};
 //! use oar_discovery::MemDiscovery;
 //! use oar_job::{config::JobConfig, local::{run_local, LocalOptions}, JobContext};
-//! use oar_trainer::{datagen::write_blobs, model::ModelConfig};
+//! use oar_trainer::{datagen::write_blobs, ModelConfig};
 //! use oar_transport::{MemNetwork, MemTransport};
 //!
 //! # #[tokio::main(flavor = "multi_thread", worker_threads = 2)]

@@ -15,7 +15,7 @@ use std::path::{Path, PathBuf};
 
 use oar_pserver::rng::SplitMix64;
 
-use crate::model::{check_product, check_size};
+use crate::math::{check_product, check_size};
 use crate::{Error, Result};
 
 /// The expected error rate of the best classifier on [`write_blobs`] data.

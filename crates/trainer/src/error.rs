@@ -32,6 +32,7 @@ pub enum Error {
     #[error(transparent)]
     TaskQueue(#[from] oar_task_queue::Error),
     /// The pservers' side: placement, optimizer, pserver calls.
+    #[cfg(feature = "worker")]
     #[error(transparent)]
     Pserver(#[from] oar_pserver::ServiceError),
     /// This trainer's lease is gone: the job has given it up.
@@ -45,6 +46,7 @@ pub enum Error {
 /// The crate's result type.
 pub type Result<T> = std::result::Result<T, Error>;
 
+#[cfg(feature = "worker")]
 impl From<oar_pserver::Error> for Error {
     fn from(e: oar_pserver::Error) -> Self {
         Error::Pserver(e.into())

@@ -42,8 +42,8 @@ pub fn evaluate(model: &dyn Model, params: &ParamBuf, examples: &[Example], batc
 mod tests {
     use super::*;
     use crate::datagen::write_blobs;
-    use crate::model::ModelConfig;
     use crate::reader::{read_glob, Format, ReaderOptions};
+    use crate::ModelConfig;
 
     /// Plain mini-batch SGD, in file order, for `epochs` passes.
     fn sgd(model: &dyn Model, params: &mut ParamBuf, data: &[Example], batch: usize, lr: f32, epochs: usize) {

@@ -7,7 +7,7 @@
 //!
 //! ```
 //! use oar_pserver::ParamBuf;
-//! use oar_trainer::model::{Example, ModelConfig};
+//! use oar_trainer::{model::Example, ModelConfig};
 //!
 //! let model = ModelConfig::Softmax { features: 3, classes: 2 }.build().unwrap();
 //! let params = ParamBuf::zeros(&model.param_specs());
@@ -19,13 +19,18 @@
 //! ```
 #![warn(missing_docs)]
 
+pub mod config;
 pub mod datagen;
 mod error;
 pub mod eval;
+mod math;
 pub mod mlp;
 pub mod model;
 pub mod reader;
+pub mod schedule;
 pub mod softmax;
+#[cfg(feature = "worker")]
 pub mod worker;
 
+pub use config::ModelConfig;
 pub use error::{Error, Result};

@@ -3,9 +3,8 @@
 
 use oar_pserver::{Init, ParamBuf, ParamSpec};
 
-use crate::model::{
-    add_bias, check_product, check_size, column_sums, dense_batch, gemm, softmax_xent, Example, Mat, Model,
-};
+use crate::math::{add_bias, check_product, check_size, column_sums, dense_batch, gemm, softmax_xent, Mat};
+use crate::model::{Example, Model};
 use crate::Result;
 
 /// One-hidden-layer MLP with parameters `"w1"` `[features, hidden]`, `"b1"`

@@ -13,31 +13,19 @@
 //!   one is asked for and its data read and parsed (on the blocking pool).
 //!   A finished task's report travels while the next task trains. At most
 //!   one task is fetched ahead and one batch of reports is in flight, so a
-//!   trainer holds at most two tasks; one that dies returns both when its
-//!   lease ends. A report that fails ends the trainer a task later with its
-//!   error.
+//!   trainer holds the task it trains, the one fetched ahead, and the
+//!   finished ones whose reports are on their way (usually one); one that
+//!   dies returns them all when its lease ends, and the finished ones are
+//!   trained again. A report that fails ends the trainer a task later with
+//!   its error.
 //! - **Exchanges** ([`TrainerOptions::overlap`], async mode, models up to
 //!   [`OVERLAP_MAX_BYTES`]): a push (and the pull due with it) travels in
 //!   its own task while the next batches train on the parameters at hand;
-//!   the parameters it brings back are taken at the next batch. A push due
-//!   while one is in flight waits for it, and then carries the mean
-//!   gradient of every batch since the last push (one step of a larger
-//!   batch), up to [`MAX_PUSHES_DUE`] pushes' worth, after which training
-//!   waits for the network. So a batch trains on parameters at most one
-//!   exchange older than without overlap, and a slow network makes pushes
-//!   carry more batches instead of stalling training. Sync mode cannot
-//!   overlap (each step waits for every trainer's push by design).
-//!   Training runs on the runtime's threads, so between batches the loop
-//!   yields to the exchange and the other tasks once [`YIELD_EVERY`] has
-//!   passed since it last did: often enough that an exchange that completes
-//!   is taken within half a round trip, rarely enough that small batches are
-//!   not slowed by a round of the runtime's queues each. On a busy machine
-//!   a trainer can be kept from running for milliseconds while the others
-//!   push; parameters pulled longer ago than twice the age the loop's own
-//!   pace gives them ([`STALE_AFTER_MIN`]) are pulled again before the
-//!   next batch, so no gradient is computed on parameters that far behind
-//!   (without this, a1a under load sometimes ended at 77-81% instead of
-//!   83-84%).
+//!   the parameters it brings back are taken at the next batch. When to
+//!   push, pull, wait for the network, re-pull a stale copy and yield is
+//!   decided by an I/O-free [`Schedule`] (its docs give the rules); this
+//!   loop carries out its actions. Sync mode cannot overlap (each step
+//!   waits for every trainer's push by design).
 //!
 //! Order is kept where it matters: a task is reported only after the
 //! exchange that pushes its last gradients has been applied, and before
@@ -47,6 +35,7 @@
 use crate::{
     model::{Example, Model},
     reader::{read_chunks, ReaderOptions},
+    schedule::{Action, Exchange, Schedule, ScheduleConfig, Want},
     Error, Result,
 };
 use oar_discovery::LeaseGuard;
@@ -119,14 +108,16 @@ pub struct TrainerReport {
     pub examples: u64,
     /// Mini-batches trained on.
     pub batches: u64,
-    /// Async: pushes sent (with overlap, a push may carry several batches
-    /// that each were due to push; see [`MAX_PUSHES_DUE`]).
+    /// Async: pushes sent (each carries `push_every` batches, or fewer at a
+    /// task's end).
     pub pushes: u64,
+    /// Async: pulls made (each brings every parameter).
+    pub pulls: u64,
     /// Async: examples whose gradients were pushed; all of them once the
     /// trainer has stopped well.
     pub pushed_examples: u64,
     /// Async with overlap: times the parameters at hand were found stale
-    /// and pulled again before training went on (see [`STALE_AFTER_MIN`]).
+    /// and pulled again before training went on (see [`Schedule`]).
     pub stale_pulls: u64,
     /// Sum of per-example losses.
     pub loss_sum: f64,
@@ -161,6 +152,11 @@ pub async fn run_trainer(
     let specs = model.param_specs();
     let model_bytes: usize = specs.iter().map(|s| s.len() * 4).sum();
     let overlap = options.overlap && options.mode == Mode::Async && model_bytes <= OVERLAP_MAX_BYTES;
+    let schedule = (options.mode == Mode::Async).then(|| {
+        let config =
+            ScheduleConfig { push_every: options.push_every, pull_every: options.pull_every, overlap };
+        Schedule::new(config, Instant::now())
+    });
     let mut state = Loop {
         model,
         options: options.clone(),
@@ -173,24 +169,19 @@ pub async fn run_trainer(
         stop,
         stop_by: None,
         joined: false,
-        pulled_once: false,
-        fresh: false,
-        overlapped: overlap.then(|| Overlapped {
-            in_flight: None,
-            spare: Some((ParamBuf::zeros(&specs), ParamBuf::zeros(&specs))),
-            unpushed: Vec::new(),
-            since_push: 0,
-            since_pull: 0,
-            last_yield: Instant::now(),
-            pulled_at: Instant::now(),
-            exchange_time: Duration::ZERO,
-            batch_time: Duration::ZERO,
-        }),
+        schedule,
+        in_flight: None,
+        spare: overlap.then(|| (ParamBuf::zeros(&specs), ParamBuf::zeros(&specs))),
+        unpushed: Vec::new(),
         ready: Vec::new(),
         reporting: None,
         report: TrainerReport::default(),
     };
     let result = state.run(&master).await;
+    if let Some(schedule) = &state.schedule {
+        state.report.stale_pulls = schedule.counts().stale_pulls;
+        state.report.pulls = schedule.counts().pulls;
+    }
     if state.joined && (result.is_err() || state.report.shut_down) {
         // Best effort, and brief: the lease's end also takes us out of the
         // barrier. (A job that is over needs no leave: its pservers may
@@ -207,32 +198,6 @@ pub async fn run_trainer(
 /// gradients travelling), which for a small model is nothing and for a
 /// large one would break the trainer's memory bound (1.3x its model).
 pub const OVERLAP_MAX_BYTES: usize = 64 << 20;
-
-/// With overlap, a push that waits for the one in flight carries the mean
-/// gradient of every batch since the last push: one step of a larger
-/// batch. Once this many pushes are due, the trainer waits for the
-/// exchange in flight instead, so a push never stands for more than this
-/// many batches times `push_every`.
-pub const MAX_PUSHES_DUE: u32 = 4;
-
-/// With overlap, the training loop lets the runtime run its other tasks
-/// (the exchange in flight, the reports, the other roles of a one-process
-/// job) once this much time has passed since it last did. Yielding after
-/// every batch instead cost a round of the runtime's queues per ~10 µs
-/// batch: one a1a trainer ran at 0.51-0.67 of the plain loop against
-/// 0.61-0.86 this way, in paired runs (BENCHMARKS.md, end to end). Half a
-/// loopback round trip: an exchange that completes waits at most about
-/// that long to be taken.
-pub const YIELD_EVERY: Duration = Duration::from_micros(50);
-
-/// With overlap, parameters pulled longer ago than twice the age the
-/// loop's own pace gives them (an exchange's typical duration plus the
-/// batches trained before the next pull), and at least this long ago, are
-/// stale: the trainer waits for a pull before it trains on. An exchange of
-/// a small model takes 0.1-0.2 ms on loopback, so only a trainer kept from
-/// running (a busy machine, a long wait for the master) reaches this age;
-/// larger models and slower batches scale the bound with their own pace.
-pub const STALE_AFTER_MIN: Duration = Duration::from_millis(2);
 
 struct Loop {
     model: Arc<dyn Model>,
@@ -253,12 +218,16 @@ struct Loop {
     /// Once stopping: when the task in hand must be handed back if unfinished.
     stop_by: Option<Instant>,
     joined: bool,
-    pulled_once: bool,
-    /// Async: `params` came back with the last push (a push-pull), so the
-    /// pull due at the next batch is already done.
-    fresh: bool,
-    /// Async exchanges overlap training (small models, `options.overlap`).
-    overlapped: Option<Overlapped>,
+    /// Async: when to push, pull, wait and yield.
+    schedule: Option<Schedule>,
+    /// Async with overlap: the exchange in flight.
+    in_flight: Option<InFlight>,
+    /// Async with overlap: the buffers an exchange borrows (gradient sum
+    /// out, parameters in), here while no exchange is in flight.
+    spare: Option<(ParamBuf, ParamBuf)>,
+    /// Finished tasks whose last gradients are not pushed yet: they go with
+    /// the next push.
+    unpushed: Vec<(TaskRef, TaskStats)>,
     /// Finished tasks whose reports may go to the master: every gradient
     /// of theirs has been applied.
     ready: Vec<(TaskRef, TaskStats)>,
@@ -267,75 +236,21 @@ struct Loop {
     report: TrainerReport,
 }
 
-/// An async trainer's state when its exchanges with the pservers overlap
-/// its training: at most one exchange travels while the next batches train
-/// on the parameters already there, accumulating their gradients for the
-/// next push. The parameters a batch trains on are thus at most one
-/// exchange older than without overlap; a push is due every `push_every`
-/// batches but waits for the one in flight, so a slow network makes pushes
-/// carry more batches rather than stall training.
-struct Overlapped {
-    /// The exchange in flight, if any.
-    in_flight: Option<InFlight>,
-    /// The buffers an exchange borrows (gradient sum out, parameters in),
-    /// here while no exchange is in flight.
-    spare: Option<(ParamBuf, ParamBuf)>,
-    /// Finished tasks with gradients still in `sum`: reported after the
-    /// exchange that pushes them.
-    unpushed: Vec<(TaskRef, TaskStats)>,
-    /// Batches since the last push and since the last pull.
-    since_push: u32,
-    since_pull: u32,
-    /// When the loop last let the runtime run other tasks.
-    last_yield: Instant,
-    /// When the parameters at hand were pulled.
-    pulled_at: Instant,
-    /// How long an exchange takes, start to end, and a batch to train
-    /// ([`typical`] of the ones so far).
-    exchange_time: Duration,
-    batch_time: Duration,
-}
-
 /// A task's report and the master's answer.
 type Reported = (TaskRef, ReportReply);
 
-/// What an exchange gives back: the gradient buffer, the parameter buffer,
-/// its outcome and when it ended.
+/// What a background exchange gives back: the gradient buffer, the
+/// parameter buffer, its outcome and when it ended.
 type Exchanged = (ParamBuf, ParamBuf, std::result::Result<(), oar_pserver::ServiceError>, Instant);
 
+/// A background exchange and what waits for it.
 struct InFlight {
     /// Gives back the buffers, and the exchange's outcome.
     done: AbortOnDropHandle<Exchanged>,
-    /// When it started.
-    started: Instant,
     /// Whether it brings parameters back.
     pulls: bool,
-    /// Tasks whose last gradients it pushes.
+    /// Tasks whose last gradients it pushes: reported once it is applied.
     reports: Vec<(TaskRef, TaskStats)>,
-}
-
-/// A moving average of `sample`s that a stall does not carry away: each
-/// counts for an eighth, and for at most 4 times the average so far. (A
-/// trainer kept from running mid-batch makes that batch, and the exchange
-/// waiting on its thread, look long; averaged in whole, they would raise
-/// the staleness bound past the very age they caused.)
-fn typical(average: Duration, sample: Duration) -> Duration {
-    if average.is_zero() {
-        return sample;
-    }
-    (average.saturating_mul(7).saturating_add(sample.min(average.saturating_mul(4)))) / 8
-}
-
-impl Overlapped {
-    /// Parameters pulled longer ago than this are stale: twice the age the
-    /// loop's own pace gives them (an exchange, plus the batches trained
-    /// while pushes are due and until the next pull), at least
-    /// [`STALE_AFTER_MIN`].
-    fn stale_after(&self, push_every: u32, pull_every: u32) -> Duration {
-        let batches = MAX_PUSHES_DUE.saturating_mul(push_every).saturating_add(pull_every);
-        let paced = self.exchange_time.saturating_add(self.batch_time.saturating_mul(batches));
-        paced.saturating_mul(2).max(STALE_AFTER_MIN)
-    }
 }
 
 impl Loop {
@@ -379,7 +294,7 @@ impl Loop {
                     }
                     let span = tracing::info_span!("task", task = task.id.0, pass = task_ref.pass);
                     match self.do_task(master, task, task_ref, data).instrument(span).await? {
-                        Trained::Finished(stats) => self.finished((task_ref, stats)),
+                        Trained::Finished(stats) => self.finished((task_ref, stats)).await?,
                         Trained::Failed => {}
                         Trained::Interrupted => {
                             // Its gradients so far are pushed; the task goes back whole.
@@ -432,31 +347,29 @@ impl Loop {
     }
 
     /// A task is trained on: its report is ready once its gradients are
-    /// applied, which with overlap may be after an exchange still to come.
-    fn finished(&mut self, task: (TaskRef, TaskStats)) {
-        let pending = self.pending_weight > 0.0;
-        match &mut self.overlapped {
-            Some(o) if pending => {
-                o.unpushed.push(task);
-                if o.in_flight.is_none() {
-                    self.start_exchange(true);
-                }
-            }
-            Some(Overlapped { in_flight: Some(f), .. }) => f.reports.push(task),
-            _ => self.ready.push(task),
+    /// applied, which may be after an exchange still to come.
+    async fn finished(&mut self, task: (TaskRef, TaskStats)) -> Result<()> {
+        let Some(schedule) = &mut self.schedule else {
+            // Sync: every step is applied before the next one starts.
+            self.ready.push(task);
+            return Ok(());
+        };
+        if schedule.unpushed() > 0 {
+            self.unpushed.push(task);
+            schedule.task_ended();
+            return self.drive(Want::Flush).await;
         }
+        match &mut self.in_flight {
+            Some(f) => f.reports.push(task),
+            None => self.ready.push(task),
+        }
+        Ok(())
     }
 
     /// Push every gradient, and wait for every report, before the trainer
     /// waits, stops or asks the master again.
     async fn drain(&mut self, master: &Arc<MasterClient>) -> Result<()> {
-        if self.overlapped.is_some() {
-            self.collect(true).await?;
-            if self.pending_weight > 0.0 {
-                self.start_exchange(true);
-                self.collect(true).await?;
-            }
-        }
+        self.drive(Want::Drain).await?;
         self.send_reports(master, true).await
     }
 
@@ -545,18 +458,13 @@ impl Loop {
                 self.report.loss_sum += stats.loss_sum;
                 return Ok(None);
             }
-            let loss = match (self.options.mode, self.overlapped.is_some()) {
-                (Mode::Sync, _) => self.sync_step(batch).await?,
-                (Mode::Async, false) => self.async_step(batch).await?,
-                (Mode::Async, true) => self.overlapped_step(batch).await?,
+            let loss = match self.schedule {
+                None => self.sync_step(batch).await?,
+                Some(_) => self.async_step(batch).await?,
             };
             stats.examples += batch.len() as u64;
             stats.loss_sum += loss as f64 * batch.len() as f64;
             self.report.batches += 1;
-        }
-        if self.options.mode == Mode::Async && self.overlapped.is_none() {
-            let pull_next = self.report.batches % self.options.pull_every as u64 == 0;
-            self.flush(pull_next).await?;
         }
         self.report.examples += stats.examples;
         self.report.loss_sum += stats.loss_sum;
@@ -580,185 +488,124 @@ impl Loop {
         }
     }
 
-    /// Compute one batch's gradient at `params` and add it, weighted by
-    /// the batch's size, to `sum`.
-    fn accumulate(&mut self, batch: &[Example]) -> f32 {
+    /// Async: do what the schedule says until it says to train, then
+    /// train one batch: its gradient, weighted by the batch's size, is added
+    /// to `sum` for the next push.
+    async fn async_step(&mut self, batch: &[Example]) -> Result<f32> {
+        self.drive(Want::Batch).await?;
+        let started = Instant::now();
         let loss = self.model.loss_and_grad(&self.params, batch, &mut self.grads);
         let weight = batch.len() as f32;
         for (s, g) in self.sum.as_mut_slice().iter_mut().zip(self.grads.as_slice()) {
             *s += weight * g;
         }
         self.pending_weight += weight;
-        loss
-    }
-
-    /// Turn `sum` into the weighted mean gradient of what it holds.
-    fn mean_of_sum(&mut self) {
-        let inv = 1.0 / self.pending_weight;
-        self.sum.as_mut_slice().iter_mut().for_each(|s| *s *= inv);
-    }
-
-    async fn async_step(&mut self, batch: &[Example]) -> Result<f32> {
-        let batches = self.report.batches;
-        let pull_due = !self.pulled_once || batches % self.options.pull_every as u64 == 0;
-        if pull_due && !self.fresh {
-            async_pull(&mut *self.pservers.lock().await, &mut self.params).await?;
-            self.pulled_once = true;
-        }
-        self.fresh = false;
-        let loss = self.accumulate(batch);
-        if (batches + 1) % self.options.push_every as u64 == 0 {
-            self.flush((batches + 1) % self.options.pull_every as u64 == 0).await?;
+        if let Some(schedule) = &mut self.schedule {
+            schedule.trained(started.elapsed());
         }
         Ok(loss)
     }
 
-    /// Async: push the weighted mean of the gradients accumulated since the
-    /// last push. If the next batch pulls (`pull_next`), pull with the push
-    /// in one round trip.
-    async fn flush(&mut self, pull_next: bool) -> Result<()> {
-        if self.pending_weight == 0.0 {
-            return Ok(());
+    /// Carry out the schedule's actions for `want` until it says to train
+    /// (a batch) or that nothing is left to do (a flush, a drain).
+    async fn drive(&mut self, want: Want) -> Result<()> {
+        loop {
+            let finished = self.in_flight.as_ref().is_some_and(|f| f.done.is_finished());
+            let Some(schedule) = &mut self.schedule else { return Ok(()) };
+            let now = Instant::now();
+            match schedule.next(now, want, finished) {
+                Action::Train | Action::Idle => return Ok(()),
+                Action::Yield => {
+                    tokio::task::yield_now().await;
+                    if let Some(schedule) = &mut self.schedule {
+                        schedule.yielded(Instant::now());
+                    }
+                }
+                Action::Exchange(exchange) => {
+                    schedule.started(now, exchange);
+                    self.exchange_in_place(exchange).await?;
+                    if let Some(schedule) = &mut self.schedule {
+                        schedule.exchanged(Instant::now());
+                    }
+                }
+                Action::Start(exchange) => {
+                    schedule.started(now, exchange);
+                    self.start(exchange)?;
+                }
+                Action::Join => self.join().await?,
+            }
         }
-        self.mean_of_sum();
-        self.report.pushes += 1;
-        self.report.pushed_examples += self.pending_weight as u64;
-        let mut pservers = self.pservers.lock().await;
-        if pull_next {
-            pservers.push_pull(&self.sum, self.pending_weight, &mut self.params).await?;
-            self.pulled_once = true;
-            self.fresh = true;
-        } else {
-            pservers.push(&self.sum, self.pending_weight).await?;
-        }
-        self.sum.fill(0.0);
+    }
+
+    /// The gradient to push: the weighted mean of what `sum` holds, and
+    /// the examples behind it. The pushed batches' tasks are then waiting
+    /// for this push.
+    fn take_push(&mut self) -> (f32, Vec<(TaskRef, TaskStats)>) {
+        let weight = self.pending_weight;
+        let inv = 1.0 / weight;
+        self.sum.as_mut_slice().iter_mut().for_each(|s| *s *= inv);
         self.pending_weight = 0.0;
+        self.report.pushes += 1;
+        self.report.pushed_examples += weight as u64;
+        (weight, std::mem::take(&mut self.unpushed))
+    }
+
+    /// An exchange the loop waits for, on its own buffers.
+    async fn exchange_in_place(&mut self, exchange: Exchange) -> Result<()> {
+        let (weight, reports) = if exchange.push { self.take_push() } else { (0.0, Vec::new()) };
+        let mut pservers = self.pservers.lock().await;
+        match (exchange.push, exchange.pull) {
+            (true, true) => pservers.push_pull(&self.sum, weight, &mut self.params).await?,
+            (true, false) => pservers.push(&self.sum, weight).await.map(drop)?,
+            (false, true) => async_pull(&mut pservers, &mut self.params).await?,
+            (false, false) => {}
+        }
+        drop(pservers);
+        if exchange.push {
+            self.sum.fill(0.0);
+        }
+        self.ready.extend(reports);
         Ok(())
     }
 
-    /// Async with overlap: train on the parameters at hand, taking newer
-    /// ones when an exchange brings them, and start an exchange when one is
-    /// due and none is in flight.
-    async fn overlapped_step(&mut self, batch: &[Example]) -> Result<f32> {
-        // Nothing below waits while an exchange travels: let the runtime run
-        // it (and the other roles of a one-process job) between batches.
-        if self.overlapped.as_ref().is_some_and(|o| o.last_yield.elapsed() >= YIELD_EVERY) {
-            tokio::task::yield_now().await;
-            if let Some(o) = &mut self.overlapped {
-                o.last_yield = Instant::now();
-            }
-        }
-        self.collect(false).await?;
-        if !self.pulled_once {
-            async_pull(&mut *self.pservers.lock().await, &mut self.params).await?;
-            self.pulled_once = true;
-            if let Some(o) = &mut self.overlapped {
-                o.pulled_at = Instant::now();
-            }
-        }
-        let (push_every, pull_every) = (self.options.push_every, self.options.pull_every);
-        let stale = |o: &Overlapped| o.pulled_at.elapsed() > o.stale_after(push_every, pull_every);
-        if self.overlapped.as_ref().is_some_and(stale) {
-            // The loop was kept from running (a busy machine) long enough
-            // for the parameters at hand to fall behind the other trainers'
-            // pushes: take fresh ones before training on, from the exchange
-            // in flight if it pulls, else from one more (with a push if one
-            // is due).
-            self.report.stale_pulls += 1;
-            self.collect(true).await?;
-            if let Some(o) = self.overlapped.as_mut().filter(|o| stale(o)) {
-                o.since_pull = self.options.pull_every;
-                self.start_exchange(false);
-                self.collect(true).await?;
-            }
-        }
-        let started = Instant::now();
-        let loss = self.accumulate(batch);
-        let Some(o) = &mut self.overlapped else {
-            return Ok(loss);
+    /// Start an exchange in its own task, on the spare buffers.
+    fn start(&mut self, exchange: Exchange) -> Result<()> {
+        let Some((spare_sum, mut params)) = self.spare.take() else {
+            return Err(Error::Panicked("an exchange started while another holds the buffers".into()));
         };
-        o.batch_time = typical(o.batch_time, started.elapsed());
-        o.since_push = o.since_push.saturating_add(1);
-        o.since_pull = o.since_pull.saturating_add(1);
-        if o.since_push >= self.options.push_every.saturating_mul(MAX_PUSHES_DUE) {
-            // The network lags too far behind: wait for it rather than
-            // let one push stand for ever more batches.
-            self.collect(true).await?;
-        }
-        self.start_exchange(false);
-        Ok(loss)
-    }
-
-    /// Start an exchange in its own task if one is due (`force_push`: push
-    /// whatever is accumulated) and none is in flight.
-    fn start_exchange(&mut self, force_push: bool) {
-        let Some(o) = &mut self.overlapped else {
-            return;
-        };
-        let push = self.pending_weight > 0.0 && (force_push || o.since_push >= self.options.push_every);
-        let pull = o.since_pull >= self.options.pull_every;
-        if o.in_flight.is_some() || !(push || pull) {
-            return;
-        }
-        let Some((spare_sum, mut params)) = o.spare.take() else {
-            return;
-        };
-        let reports = if push { std::mem::take(&mut o.unpushed) } else { Vec::new() };
-        if push {
-            o.since_push = 0;
-        }
-        if pull {
-            o.since_pull = 0;
-        }
-        let weight = self.pending_weight;
-        if push {
-            self.mean_of_sum();
-            self.pending_weight = 0.0;
-            self.report.pushes += 1;
-            self.report.pushed_examples += weight as u64;
-        }
+        let (weight, reports) = if exchange.push { self.take_push() } else { (0.0, Vec::new()) };
         // Without a push the spare goes out unused and comes back zeroed.
-        let sum = if push { std::mem::replace(&mut self.sum, spare_sum) } else { spare_sum };
+        let sum = if exchange.push { std::mem::replace(&mut self.sum, spare_sum) } else { spare_sum };
         let pservers = self.pservers.clone();
-        let exchange = async move {
+        let run = async move {
             let mut pservers = pservers.lock().await;
-            let result = match (push, pull) {
+            let result = match (exchange.push, exchange.pull) {
                 (true, true) => pservers.push_pull(&sum, weight, &mut params).await,
-                (true, false) => pservers.push(&sum, weight).await.map(|_| ()),
-                (false, _) => async_pull(&mut pservers, &mut params).await,
+                (true, false) => pservers.push(&sum, weight).await.map(drop),
+                (false, true) => async_pull(&mut pservers, &mut params).await,
+                (false, false) => Ok(()),
             };
             drop(pservers);
             (sum, params, result, Instant::now())
         };
-        let done = spawn(exchange.instrument(tracing::Span::current()));
-        if let Some(o) = &mut self.overlapped {
-            o.in_flight = Some(InFlight { done, started: Instant::now(), pulls: pull, reports });
-        }
+        let done = spawn(run.instrument(tracing::Span::current()));
+        self.in_flight = Some(InFlight { done, pulls: exchange.pull, reports });
+        Ok(())
     }
 
-    /// Take back the exchange in flight if it is over (with `wait`, once it
-    /// is): its parameters become the ones trained on, and the tasks it
-    /// pushed the last gradients of become ready to report.
-    async fn collect(&mut self, wait: bool) -> Result<()> {
-        let Some(o) = &mut self.overlapped else {
-            return Ok(());
-        };
-        match &o.in_flight {
-            Some(f) if wait || f.done.is_finished() => {}
-            _ => return Ok(()),
-        }
-        let Some(InFlight { done, started, pulls, reports }) = o.in_flight.take() else {
-            return Ok(());
-        };
+    /// Take back the exchange in flight, waiting for it: its parameters
+    /// become the ones trained on, and the tasks it pushed the last
+    /// gradients of become ready to report.
+    async fn join(&mut self) -> Result<()> {
+        let Some(InFlight { done, pulls, reports }) = self.in_flight.take() else { return Ok(()) };
         let (mut sum, params, result, ended) = joined(done).await?;
         result?;
-        o.exchange_time = typical(o.exchange_time, ended.saturating_duration_since(started));
-        if pulls {
-            o.pulled_at = ended;
+        if let Some(schedule) = &mut self.schedule {
+            schedule.exchanged(ended);
         }
         sum.fill(0.0);
         let params = if pulls { std::mem::replace(&mut self.params, params) } else { params };
-        o.spare = Some((sum, params));
+        self.spare = Some((sum, params));
         self.ready.extend(reports);
         Ok(())
     }

@@ -3,7 +3,10 @@
 
 use oar_pserver::rng::SplitMix64;
 use oar_pserver::ParamBuf;
-use oar_trainer::model::{Example, Model, ModelConfig};
+use oar_trainer::{
+    model::{Example, Model},
+    ModelConfig,
+};
 
 fn normal(rng: &mut SplitMix64) -> f64 {
     f64::from(rng.next_normal())

@@ -80,6 +80,7 @@ async fn run_trainer_role(
                 mode: config.mode,
                 push_every: config.push_every,
                 pull_every: config.pull_every,
+                overlap: config.overlap,
                 stop_grace: options.stop_grace,
                 ..TrainerOptions::new(id.clone(), config.reader())
             };
