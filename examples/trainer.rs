@@ -17,7 +17,10 @@ mod common;
 use clap::Parser;
 use common::{BoxError, ConnArgs};
 use oar::{
-    job::{keys::JobKeys, role},
+    job::{
+        keys::JobKeys,
+        role::{self, RoleOptions},
+    },
     task_queue::{MasterClient, MasterClientOptions},
 };
 use std::process::ExitCode;
@@ -27,6 +30,10 @@ use std::process::ExitCode;
 struct Args {
     #[command(flatten)]
     conn: ConnArgs,
+    /// Seconds the task in hand may still train after SIGTERM or ctrl-c
+    /// before it is handed back to the master unfinished.
+    #[arg(long, default_value_t = 10.0)]
+    stop_grace: f64,
 }
 
 #[tokio::main]
@@ -39,7 +46,9 @@ async fn main() -> ExitCode {
 async fn run(args: Args) -> Result<ExitCode, BoxError> {
     let _metrics = common::serve_metrics(args.conn.metrics.as_deref()).await?;
     let ctx = args.conn.connect().await?;
-    let options = args.conn.role_options("trainer");
+    let stop_grace = std::time::Duration::try_from_secs_f64(args.stop_grace)
+        .map_err(|_| format!("--stop-grace {} must be a number of seconds, 0 or more", args.stop_grace))?;
+    let options = RoleOptions { stop_grace, ..args.conn.role_options("trainer") };
     let addr_key = JobKeys::new(&ctx.job)?.master_addr();
     let master =
         MasterClient::new(ctx.discovery.clone(), ctx.transport.clone(), MasterClientOptions::new(addr_key));

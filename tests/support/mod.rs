@@ -301,7 +301,14 @@ mod cluster {
         }
 
         pub fn trainer(&self, id: &str) -> Proc {
-            self.spawn(id, "trainer", "trainer", &["--id".to_string(), id.to_string()])
+            self.trainer_with(id, &[])
+        }
+
+        /// A trainer with more flags.
+        pub fn trainer_with(&self, id: &str, flags: &[&str]) -> Proc {
+            let mut extra = vec!["--id".to_string(), id.to_string()];
+            extra.extend(flags.iter().map(|f| f.to_string()));
+            self.spawn(id, "trainer", "trainer", &extra)
         }
 
         /// What `status` prints now.

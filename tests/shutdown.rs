@@ -1,0 +1,201 @@
+//! Graceful shutdown, proven on real processes around a real etcd: SIGTERM
+//! stops a pserver, a master and a trainer mid-job, each exits 0, hands
+//! over what it held, and the job still finishes with every task done once
+//! and every acknowledged push applied exactly once.
+#![cfg(feature = "etcd")]
+
+mod support;
+
+use std::time::{Duration, Instant};
+use support::{a1a_job, assert_each_task_once, dump, exits, log_field, wait_until, Cluster, Proc};
+
+const LONG: Duration = Duration::from_secs(180);
+
+/// a1a in 4 KiB chunks (29 tasks a pass) over `passes` passes; the task
+/// timeout is long, so no task fails by its deadline.
+fn job(passes: u32, mode: &str) -> Vec<String> {
+    let mut job = a1a_job();
+    job.extend(
+        ["--chunk-bytes", "4096", "--task-timeout", "600", "--mode", mode, "--passes"].map(String::from),
+    );
+    job.push(passes.to_string());
+    job
+}
+
+const TASKS_PER_PASS: u64 = 29;
+
+fn wait_for_pass(master: &mut Proc, pass: u32, others: &[&Proc]) {
+    let prefix = format!("pass {pass}/");
+    let seen = master.wait_for_line(LONG, |l| l.starts_with(&prefix));
+    assert!(seen.is_some(), "{} never reached pass {pass}\n{}{}", master.name, master.dump(), dump(others));
+}
+
+/// The last JSON line of a process that exited 0.
+fn exited_well(proc: &mut Proc, others: &[&Proc]) -> serde_json::Value {
+    assert!(exits(proc, LONG, others), "{} did not exit 0\n{}{}", proc.name, proc.dump(), dump(others));
+    proc.last_json()
+}
+
+/// An async job loses no acknowledged push when a pserver is stopped: it
+/// refuses pushes from the moment it drains, writes a last checkpoint of
+/// everything it applied and releases its index; its replacement restores
+/// that checkpoint. Periodic checkpoints are too rare to help (60 s): only
+/// the final one carries the shard. At the end each shard has applied
+/// exactly as many pushes as the trainers had acknowledged.
+#[test]
+fn a_pserver_stopped_by_sigterm_hands_over_every_acknowledged_push() {
+    let cluster = Cluster::start("pserver-term");
+    let passes = 60;
+    let mut pservers: Vec<_> = (0..2).map(|i| cluster.pserver(&format!("pserver-{i}"), 60.0)).collect();
+    let mut trainers: Vec<_> = (0..2).map(|i| cluster.trainer(&format!("trainer-{i}"))).collect();
+    let mut master = cluster.master("master", &job(passes, "async"));
+    wait_for_pass(&mut master, 2, &[]);
+
+    let holder =
+        pservers.iter().position(|p| p.stderr().contains("pserver serving index=0")).unwrap_or_else(|| {
+            panic!("no pserver serves index 0\n{}", dump(&pservers.iter().collect::<Vec<_>>()))
+        });
+    assert!(master.wait(Duration::ZERO).is_none(), "the job ended before the stop\n{}", master.dump());
+    pservers[holder].signal("TERM");
+    let stopped = exited_well(&mut pservers[holder], &[]);
+    assert_eq!(
+        (stopped["index"].as_u64(), stopped["shut_down"].as_bool()),
+        (Some(0), Some(true)),
+        "{stopped}"
+    );
+    let steps_at_stop = stopped["steps"].as_u64().expect("steps");
+    assert!(steps_at_stop > 0, "it applied pushes before it stopped: {stopped}");
+
+    let mut replacement = cluster.pserver("pserver-new", 60.0);
+    let others: Vec<&Proc> = pservers.iter().chain(&trainers).chain([&replacement]).collect();
+    let report = exited_well(&mut master, &others);
+    assert_eq!(report["state"], "done", "{report}");
+    assert_each_task_once(&trainers.iter().collect::<Vec<_>>(), &report, passes, TASKS_PER_PASS);
+
+    let restored =
+        replacement.stderr().lines().find(|l| l.contains("restored checkpoint")).map(str::to_string);
+    let restored_step = restored.as_deref().and_then(|l| log_field(l, "step")).and_then(|s| s.parse().ok());
+    assert_eq!(
+        restored_step,
+        Some(steps_at_stop),
+        "the replacement restores the stop's checkpoint\n{}",
+        replacement.dump()
+    );
+
+    let mut acknowledged = 0;
+    for trainer in &mut trainers {
+        let out = exited_well(trainer, &[]);
+        assert_eq!(out["pushed_examples"], out["examples"], "gradients left unpushed: {out}");
+        acknowledged += out["pushes"].as_u64().expect("pushes");
+    }
+    let survivor =
+        pservers.iter_mut().enumerate().find(|(i, _)| *i != holder).map(|(_, p)| p).expect("2 pservers");
+    for shard in [survivor, &mut replacement] {
+        let out = exited_well(shard, &[]);
+        assert_eq!(
+            out["steps"].as_u64(),
+            Some(acknowledged),
+            "shard {} applied {} pushes, the trainers had {acknowledged} acknowledged",
+            out["index"],
+            out["steps"]
+        );
+    }
+    eprintln!("pserver stopped at step {steps_at_stop}; {acknowledged} pushes acknowledged, all applied on both shards");
+}
+
+/// A stopped master stores its state and releases its lock and address at
+/// once: a standby serves long before the stopped master's lease could
+/// have expired (30 s here), and the job finishes under it.
+#[test]
+fn a_master_stopped_by_sigterm_hands_over_to_its_standby_at_once() {
+    let mut cluster = Cluster::start("master-term");
+    cluster.lease_ttl = 30;
+    // Long enough to stop it mid-job (a pass takes ~0.1 s).
+    let passes = 100;
+    let pservers: Vec<_> = (0..2).map(|i| cluster.pserver(&format!("pserver-{i}"), 1.0)).collect();
+    let trainers: Vec<_> = (0..2).map(|i| cluster.trainer(&format!("trainer-{i}"))).collect();
+    let mut first = cluster.master("master-a", &job(passes, "sync"));
+    wait_for_pass(&mut first, 1, &[]);
+    let mut standby = cluster.master("master-b", &job(passes, "sync"));
+    // It cuts the tasks, then waits for the lock.
+    let ready = wait_until(LONG, || standby.stderr().contains("tasks cut"));
+    assert!(ready, "the standby did not start\n{}", standby.dump());
+    std::thread::sleep(Duration::from_millis(200));
+    assert!(!standby.stderr().contains("master serving"), "the standby must wait\n{}", standby.dump());
+
+    assert!(first.wait(Duration::ZERO).is_none(), "the job ended before the stop\n{}", first.dump());
+    let sent = Instant::now();
+    first.signal("TERM");
+    let served = wait_until(LONG, || standby.stderr().contains("master serving"));
+    let takeover = sent.elapsed();
+    assert!(served, "the standby never served\n{}{}", standby.dump(), first.dump());
+    eprintln!("standby serving {:.0} ms after SIGTERM (lease ttl 30 s)", takeover.as_secs_f64() * 1e3);
+    // A lease expiry would take 30 s; a third of it leaves room for a slow machine.
+    assert!(takeover < Duration::from_secs(10), "took over after {takeover:?}: no handover?");
+    let out = exited_well(&mut first, &[]);
+    assert_eq!(out["master"], "shut down", "{out}");
+
+    let others: Vec<&Proc> = pservers.iter().chain(&trainers).chain([&first]).collect();
+    let report = exited_well(&mut standby, &others);
+    assert_eq!(report["state"], "done", "{report}");
+    assert_each_task_once(&trainers.iter().collect::<Vec<_>>(), &report, passes, TASKS_PER_PASS);
+}
+
+/// Whether the trainer's last task event is "got task": it is training.
+fn mid_task(trainer: &Proc) -> bool {
+    let err = trainer.stderr();
+    let last = err.lines().rev().find(|l| l.contains("got task") || l.contains("reporting task"));
+    last.is_some_and(|l| l.contains("got task"))
+}
+
+/// A stopped trainer hands back the task it holds (no grace here: the
+/// task in hand goes back unfinished), deregisters and exits 0. A task
+/// handed back counts as no failure, and the job finishes with every task
+/// done once.
+#[test]
+fn a_trainer_stopped_by_sigterm_hands_back_its_task_and_the_job_finishes() {
+    let cluster = Cluster::start("trainer-term");
+    let passes = 30;
+    let pservers: Vec<_> = (0..2).map(|i| cluster.pserver(&format!("pserver-{i}"), 1.0)).collect();
+    let mut trainers = vec![
+        cluster.trainer("trainer-0"),
+        cluster.trainer_with("trainer-1", &["--stop-grace", "0"]),
+        cluster.trainer("trainer-2"),
+    ];
+    // Small batches: a task is many sync steps, so a trainer is often mid-task.
+    let mut job = job(passes, "sync");
+    job.extend(["--batch-size", "8"].map(String::from));
+    let mut master = cluster.master("master", &job);
+    wait_for_pass(&mut master, 1, &[]);
+
+    // Catch it in the middle of a task: stop it, look, stop it for good.
+    let caught = wait_until(LONG, || {
+        assert!(trainers[1].wait(Duration::ZERO).is_none(), "trainer-1 ended first\n{}", trainers[1].dump());
+        trainers[1].signal("STOP");
+        std::thread::sleep(Duration::from_millis(100));
+        let caught = mid_task(&trainers[1]);
+        if !caught {
+            trainers[1].signal("CONT");
+            std::thread::sleep(Duration::from_millis(37));
+        }
+        caught
+    });
+    assert!(caught, "trainer-1 was never caught mid-task\n{}", trainers[1].dump());
+    assert!(master.wait(Duration::ZERO).is_none(), "the job ended before the stop\n{}", master.dump());
+    trainers[1].signal("TERM");
+    trainers[1].signal("CONT");
+    let stopped = exited_well(&mut trainers[1], &[]);
+    assert_eq!(stopped["shut_down"], true, "{stopped}");
+    assert!(stopped["tasks_returned"].as_u64() >= Some(1), "it held a task: {stopped}");
+
+    let everyone: Vec<&Proc> = pservers.iter().chain(&trainers).collect();
+    let report = exited_well(&mut master, &everyone);
+    assert_eq!(report["state"], "done", "{report}");
+    assert_eq!(report["tasks_failed"], 0, "a task handed back is no failure: {report}");
+    assert!(master.stderr().contains("task handed back"), "{}", master.dump());
+    assert_each_task_once(&everyone, &report, passes, TASKS_PER_PASS);
+    for t in [0, 2] {
+        let out = exited_well(&mut trainers[t], &[]);
+        assert_eq!(out["shut_down"], false, "{out}");
+    }
+}
