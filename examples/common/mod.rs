@@ -178,7 +178,7 @@ pub fn init_logging(verbose: bool, json: bool) {
 pub fn follow_progress(master: oar::task_queue::MasterClient, lines: bool) -> ProgressHandle {
     use std::io::IsTerminal;
     let terminal = std::io::stderr().is_terminal();
-    ProgressHandle(tokio::spawn(async move {
+    tokio_util::task::AbortOnDropHandle::new(tokio::spawn(async move {
         let style =
             indicatif::ProgressStyle::with_template("pass {prefix} [{bar:30}] {pos}/{len} tasks, {msg}")
                 .unwrap_or_else(|_| indicatif::ProgressStyle::default_bar())
@@ -221,13 +221,7 @@ pub fn follow_progress(master: oar::task_queue::MasterClient, lines: bool) -> Pr
 }
 
 /// Stops the progress display when dropped.
-pub struct ProgressHandle(tokio::task::JoinHandle<()>);
-
-impl Drop for ProgressHandle {
-    fn drop(&mut self) {
-        self.0.abort();
-    }
-}
+pub type ProgressHandle = tokio_util::task::AbortOnDropHandle<()>;
 
 /// Serve Prometheus metrics at `addr` (if given) for as long as the
 /// returned value lives; says where on stderr.

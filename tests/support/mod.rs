@@ -133,14 +133,26 @@ impl Proc {
         self.status = self.child.wait().ok();
     }
 
-    /// Send `signal` ("STOP", "CONT", "TERM") with kill(1).
+    /// Send `signal` ("STOP", "CONT", "TERM") to the process.
     pub fn signal(&self, signal: &str) {
-        let ok = Command::new("kill")
-            .args([format!("-{signal}"), self.pid().to_string()])
-            .status()
-            .map(|s| s.success())
-            .unwrap_or(false);
-        assert!(ok, "kill -{signal} {} ({}) failed", self.pid(), self.name);
+        let number = match signal {
+            "STOP" => libc::SIGSTOP,
+            "CONT" => libc::SIGCONT,
+            "TERM" => libc::SIGTERM,
+            "INT" => libc::SIGINT,
+            other => panic!("no signal {other:?} here"),
+        };
+        let pid = libc::pid_t::try_from(self.pid()).expect("a pid fits pid_t");
+        // SAFETY: kill(2) on our own child's pid, with a valid signal number.
+        let sent = unsafe { libc::kill(pid, number) };
+        assert_eq!(
+            sent,
+            0,
+            "kill -{signal} {} ({}): {}",
+            self.pid(),
+            self.name,
+            std::io::Error::last_os_error()
+        );
     }
 
     /// Wait until a stdout line satisfies `wanted`; the line, or `None` at
@@ -196,7 +208,10 @@ impl Drop for Proc {
     fn drop(&mut self) {
         if self.try_status().is_none() {
             // A stopped process must be continued to die promptly.
-            let _ = Command::new("kill").args(["-CONT", &self.pid().to_string()]).status();
+            if let Ok(pid) = libc::pid_t::try_from(self.pid()) {
+                // SAFETY: kill(2) on our own child's pid, with a valid signal number.
+                unsafe { libc::kill(pid, libc::SIGCONT) };
+            }
             self.kill();
         }
     }

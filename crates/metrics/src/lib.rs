@@ -63,19 +63,14 @@ pub fn seconds_histogram() -> Histogram {
 /// A running metrics endpoint; dropping it stops serving.
 pub struct MetricsServer {
     addr: SocketAddr,
-    task: tokio::task::JoinHandle<()>,
+    /// Aborted when the server is dropped.
+    _task: tokio_util::task::AbortOnDropHandle<()>,
 }
 
 impl MetricsServer {
     /// The address bound (port 0 picks a free one).
     pub fn addr(&self) -> SocketAddr {
         self.addr
-    }
-}
-
-impl Drop for MetricsServer {
-    fn drop(&mut self) {
-        self.task.abort();
     }
 }
 
@@ -108,7 +103,7 @@ pub async fn serve(addr: &str) -> std::io::Result<MetricsServer> {
         }
     });
     tracing::info!(%addr, "metrics serving");
-    Ok(MetricsServer { addr, task })
+    Ok(MetricsServer { addr, _task: tokio_util::task::AbortOnDropHandle::new(task) })
 }
 
 async fn answer(mut stream: TcpStream) -> std::io::Result<()> {

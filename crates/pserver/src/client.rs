@@ -494,7 +494,7 @@ impl PserverClient {
                     done
                 }
             });
-            oar_transport::join_all(lanes.collect()).await.into_iter().flatten().collect()
+            oar_transport::join_all(lanes).await.into_iter().flatten().collect()
         };
         outcomes.sort_by_key(|(at, _, _)| *at);
         let mut replies = Vec::with_capacity(parts.len());

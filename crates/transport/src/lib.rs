@@ -266,31 +266,11 @@ where
     )
 }
 
-/// Poll every future in `futures` until all are done; they run concurrently
-/// on the calling task, so they may borrow from it (no spawning, no extra
-/// crate). Outputs come in the same order.
-pub async fn join_all<F: std::future::Future>(futures: Vec<F>) -> Vec<F::Output> {
-    let mut futures: Vec<std::pin::Pin<Box<F>>> = futures.into_iter().map(Box::pin).collect();
-    let mut outputs: Vec<Option<F::Output>> = futures.iter().map(|_| None).collect();
-    std::future::poll_fn(|cx| {
-        let mut pending = false;
-        for (future, output) in futures.iter_mut().zip(outputs.iter_mut()) {
-            if output.is_none() {
-                match future.as_mut().poll(cx) {
-                    std::task::Poll::Ready(value) => *output = Some(value),
-                    std::task::Poll::Pending => pending = true,
-                }
-            }
-        }
-        if pending {
-            std::task::Poll::Pending
-        } else {
-            std::task::Poll::Ready(())
-        }
-    })
-    .await;
-    outputs.into_iter().flatten().collect()
-}
+/// Poll every future in `futures` until all are done; they run
+/// concurrently on the calling task, so they may borrow from it. Outputs
+/// come in the same order. (futures-util's, re-exported for the crates that
+/// build on this one.)
+pub use futures_util::future::join_all;
 
 /// Counts a failed call in the metrics by the kind of its error.
 fn counted<T>(result: Result<T>) -> Result<T> {

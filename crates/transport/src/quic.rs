@@ -8,14 +8,14 @@ use crate::{
 };
 use async_trait::async_trait;
 use bytes::Bytes;
+use futures_util::FutureExt;
 use quinn::{crypto::rustls::QuicClientConfig, crypto::rustls::QuicServerConfig, VarInt};
 use std::{
     collections::HashMap,
     future::Future,
     net::SocketAddr,
-    pin::Pin,
     sync::{Arc, Mutex, PoisonError},
-    task::{Context, Poll},
+    task::Poll,
     time::Duration,
 };
 use tokio::{
@@ -862,10 +862,10 @@ async fn serve_stream(
     let (kind, reply) = match request {
         Ok((_, request)) => {
             let method = request.method;
-            match CatchUnwind(handler.handle(request)).await {
+            match std::panic::AssertUnwindSafe(handler.handle(request)).catch_unwind().await {
                 Ok(Ok(reply)) => (Kind::Response, reply),
                 Ok(Err(error)) => (Kind::Error, error_frame(method, &error)),
-                Err(()) => (Kind::Error, error_frame(method, &RemoteError::internal("the handler panicked"))),
+                Err(_) => (Kind::Error, error_frame(method, &RemoteError::internal("the handler panicked"))),
             }
         }
         Err(e) => {
@@ -904,20 +904,4 @@ fn error_frame(method: u16, error: &RemoteError) -> Frame {
         meta: Bytes::new(),
         payload: Bytes::new(),
     })
-}
-
-/// Turns a panic while polling the handler's future into an error reply.
-struct CatchUnwind<F>(F);
-
-impl<F: Future + Unpin> Future for CatchUnwind<F> {
-    type Output = std::result::Result<F::Output, ()>;
-
-    fn poll(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
-        let inner = &mut self.0;
-        match std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| Pin::new(inner).poll(cx))) {
-            Ok(Poll::Pending) => Poll::Pending,
-            Ok(Poll::Ready(v)) => Poll::Ready(Ok(v)),
-            Err(_) => Poll::Ready(Err(())),
-        }
-    }
 }

@@ -31,17 +31,9 @@ async fn calls_round_trip_and_share_one_connection() {
         let conn = if i % 2 == 0 { a.clone() } else { b.clone() };
         async move { echo_ok(conn.as_ref(), i).await }
     });
-    futures_join_all(calls).await;
+    futures_util::future::join_all(calls).await;
     assert_eq!(client.live_connections(), 1, "both handles use one connection");
     assert_eq!(server.service.answered.load(Ordering::SeqCst), 41);
-}
-
-/// Join without the futures crate: spawn each and await them in order.
-async fn futures_join_all<F: std::future::Future<Output = ()> + Send + 'static>(fs: impl Iterator<Item = F>) {
-    let handles: Vec<_> = fs.map(tokio::spawn).collect();
-    for h in handles {
-        h.await.unwrap();
-    }
 }
 
 #[tokio::test]
