@@ -25,12 +25,21 @@ use oar::{
     },
     transport::{DevCa, QuicTransport},
 };
-use std::{process::ExitCode, sync::Arc};
+use std::{
+    process::ExitCode,
+    sync::{
+        atomic::{AtomicU64, Ordering},
+        Arc,
+    },
+};
 
 /// `p(y = 1 | x) = sigmoid(w·x + b)`, loss = mean log loss + `l2/2 · |w|²`.
 struct L2Logistic {
     features: usize,
     l2: f32,
+    /// Examples whose gradients this model computed (over every trainer of
+    /// the process): what shows it was trained (printed at the end).
+    trained: AtomicU64,
 }
 
 impl L2Logistic {
@@ -74,6 +83,7 @@ impl Model for L2Logistic {
     }
 
     fn loss_and_grad(&self, params: &ParamBuf, batch: &[Example], grads: &mut ParamBuf) -> f32 {
+        self.trained.fetch_add(batch.len() as u64, Ordering::Relaxed);
         grads.fill(0.0);
         if batch.is_empty() {
             return 0.0;
@@ -137,8 +147,8 @@ async fn run() -> Result<ExitCode, Box<dyn std::error::Error>> {
     config.test_data = Some(format!("{root}/testdata/a1a.t"));
     config.passes = 5;
     config.optimizer = oar::pserver::OptimizerConfig::parse("sgd", 0.5)?;
-    let plugins =
-        Plugins { model: Some(Arc::new(L2Logistic { features: 123, l2: 1e-4 })), ..Plugins::default() };
+    let model = Arc::new(L2Logistic { features: 123, l2: 1e-4, trained: AtomicU64::new(0) });
+    let plugins = Plugins { model: Some(model.clone()), ..Plugins::default() };
     let transport = Arc::new(QuicTransport::new(DevCa::new()?.tls_config("custom-model")?)?);
     let discovery = Arc::new(MemDiscovery::new());
     let ctx = JobContext { plugins, ..JobContext::new("local", discovery, transport, "127.0.0.1:0") };
@@ -151,6 +161,7 @@ async fn run() -> Result<ExitCode, Box<dyn std::error::Error>> {
         )
     })
     .await?;
+    println!("l2-logistic: gradients of {} examples computed", model.trained.load(Ordering::Relaxed));
     println!("{}", report.to_json());
     Ok(if report.is_done() && report.test_accuracy >= 0.82 { ExitCode::SUCCESS } else { ExitCode::FAILURE })
 }

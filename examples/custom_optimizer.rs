@@ -9,8 +9,8 @@
 //!
 //! Trains softmax regression on `testdata/a1a` with 2 pservers and 3
 //! trainers in one process, over QUIC on 127.0.0.1, prints one line per pass
-//! and the report as JSON; exits 1 if the job failed or the model does not
-//! reach 82% on `a1a.t`.
+//! and how many updates the rule applied, then the report as JSON; exits 1
+//! if the job failed or the model does not reach 82% on `a1a.t`.
 
 use oar::{
     discovery::MemDiscovery,
@@ -23,7 +23,13 @@ use oar::{
     trainer::ModelConfig,
     transport::{DevCa, QuicTransport},
 };
-use std::{process::ExitCode, sync::Arc};
+use std::{
+    process::ExitCode,
+    sync::{
+        atomic::{AtomicU64, Ordering},
+        Arc,
+    },
+};
 
 /// `lr_t = lr / (1 + decay * t)` for the block's update count `t`, and the
 /// block's gradient scaled down to norm `max_norm` when it is longer.
@@ -32,6 +38,10 @@ struct ScheduledClippedSgd {
     lr: f32,
     decay: f32,
     max_norm: f32,
+    /// Updates applied and gradients clipped, over every pserver of the
+    /// process: what shows the rule ran (printed at the end).
+    applied: Arc<AtomicU64>,
+    clipped: Arc<AtomicU64>,
 }
 
 impl Optimizer for ScheduledClippedSgd {
@@ -45,7 +55,13 @@ impl Optimizer for ScheduledClippedSgd {
 
     fn apply(&self, params: &mut [f32], grad: &[f32], state: &mut OptimizerState) {
         let norm = grad.iter().map(|g| g * g).sum::<f32>().sqrt();
-        let clip = if norm > self.max_norm { self.max_norm / norm } else { 1.0 };
+        let clip = if norm > self.max_norm {
+            self.clipped.fetch_add(1, Ordering::Relaxed);
+            self.max_norm / norm
+        } else {
+            1.0
+        };
+        self.applied.fetch_add(1, Ordering::Relaxed);
         let lr = self.lr / (1.0 + self.decay * state.step as f32) * clip;
         for (p, g) in params.iter_mut().zip(grad) {
             *p -= lr * g;
@@ -73,9 +89,12 @@ async fn run() -> Result<ExitCode, Box<dyn std::error::Error>> {
     config.passes = 5;
     // Names the job's choice in its options; the plugin below replaces it on the pservers.
     config.optimizer = OptimizerConfig::parse("sgd", 0.5)?;
+    let (applied, clipped) = (Arc::new(AtomicU64::new(0)), Arc::new(AtomicU64::new(0)));
+    let counters = (applied.clone(), clipped.clone());
     let plugins = Plugins {
-        optimizer: Some(OptimizerFactory::new(|| {
-            Box::new(ScheduledClippedSgd { lr: 0.5, decay: 0.01, max_norm: 1.0 })
+        optimizer: Some(OptimizerFactory::new(move || {
+            let (applied, clipped) = counters.clone();
+            Box::new(ScheduledClippedSgd { lr: 0.5, decay: 0.01, max_norm: 1.0, applied, clipped })
         })),
         ..Plugins::default()
     };
@@ -91,6 +110,8 @@ async fn run() -> Result<ExitCode, Box<dyn std::error::Error>> {
         )
     })
     .await?;
+    let (applied, clipped) = (applied.load(Ordering::Relaxed), clipped.load(Ordering::Relaxed));
+    println!("scheduled-clipped-sgd: {applied} block updates applied, {clipped} gradients clipped");
     println!("{}", report.to_json());
     Ok(if report.is_done() && report.test_accuracy >= 0.82 { ExitCode::SUCCESS } else { ExitCode::FAILURE })
 }

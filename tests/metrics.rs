@@ -1,6 +1,6 @@
-//! Prometheus metrics of a running job, scraped over HTTP from a master and
-//! a pserver (separate processes, `--metrics 127.0.0.1:0`): the numbers
-//! move while the job trains.
+//! Prometheus metrics of a running job, scraped over HTTP from a master, a
+//! pserver and a trainer (separate processes, `--metrics 127.0.0.1:0`): the
+//! numbers move while the job trains.
 #![cfg(feature = "etcd")]
 
 mod support;
@@ -36,7 +36,7 @@ fn value(scrape: &str, name: &str) -> f64 {
 }
 
 #[test]
-fn a_scraped_master_and_pserver_report_numbers_that_move() {
+fn a_scraped_master_pserver_and_trainer_report_numbers_that_move() {
     let cluster = Cluster::start("metrics");
     let mut job = a1a_job();
     let more = ["--chunk-bytes", "4096", "--passes", "60", "--pservers", "1", "--metrics", "127.0.0.1:0"];
@@ -46,12 +46,14 @@ fn a_scraped_master_and_pserver_report_numbers_that_move() {
     command.args(cluster.conn("pserver")).args(["--metrics", "127.0.0.1:0", "--checkpoint-dir"]);
     command.arg(cluster.dir.path().join("checkpoints")).args(["--checkpoint-interval", "0.2"]);
     let pserver = Proc::spawn("pserver-0", command);
-    let trainers: Vec<_> = (0..2).map(|i| cluster.trainer(&format!("trainer-{i}"))).collect();
+    let trainers =
+        [cluster.trainer_with("trainer-0", &["--metrics", "127.0.0.1:0"]), cluster.trainer("trainer-1")];
     let others: Vec<&Proc> = trainers.iter().chain([&pserver]).collect();
 
     assert!(master.wait_for_line(LONG, |l| l.starts_with("pass 2/")).is_some(), "{}", master.dump());
     let (m_addr, p_addr) = (metrics_addr(&master).unwrap(), metrics_addr(&pserver).unwrap());
-    let (m1, p1) = (scrape(&m_addr), scrape(&p_addr));
+    let t_addr = metrics_addr(&trainers[0]).unwrap();
+    let (m1, p1, t1) = (scrape(&m_addr), scrape(&p_addr), scrape(&t_addr));
     // Long enough for leases to renew and checkpoints (every 0.2 s) to be written.
     std::thread::sleep(Duration::from_millis(1500));
     assert!(
@@ -59,7 +61,7 @@ fn a_scraped_master_and_pserver_report_numbers_that_move() {
         "the job ended before the second scrape\n{}",
         master.dump()
     );
-    let (m2, p2) = (scrape(&m_addr), scrape(&p_addr));
+    let (m2, p2, t2) = (scrape(&m_addr), scrape(&p_addr), scrape(&t_addr));
 
     for (name, before, after) in [
         ("oar_master_state_writes_total", &m1, &m2),
@@ -71,6 +73,10 @@ fn a_scraped_master_and_pserver_report_numbers_that_move() {
         ("oar_ps_apply_seconds_count", &p1, &p2),
         ("oar_ps_barrier_wait_seconds_count", &p1, &p2),
         ("oar_ps_checkpoint_seconds_count", &p1, &p2),
+        ("oar_trainer_examples_total", &t1, &t2),
+        ("oar_trainer_batches_total", &t1, &t2),
+        ("oar_trainer_tasks_finished_total", &t1, &t2),
+        ("oar_trainer_exchange_seconds_count", &t1, &t2),
     ] {
         assert!(
             value(after, name) > value(before, name),
@@ -82,5 +88,9 @@ fn a_scraped_master_and_pserver_report_numbers_that_move() {
     assert!(value(&m2, "oar_pass") > value(&m1, "oar_pass"), "{m2}");
     assert_eq!(value(&m1, "oar_tasks_finished_total{pass=\"0\"}"), 29.0, "all of pass 1's tasks");
     assert!(value(&p2, "oar_ps_last_checkpoint_timestamp_seconds") > 1.7e9, "{p2}");
+    let loss = value(&t2, "oar_trainer_loss");
+    assert!(loss > 0.0 && loss < 1.0, "a task's mean log loss on a1a: {loss}");
+    // Registered from the start (this job is sync: no staleness to measure).
+    assert_eq!(value(&t2, "oar_trainer_parameter_age_seconds_count"), 0.0, "{t2}");
     assert!(exits(&mut master, LONG, &others), "{}", master.dump());
 }

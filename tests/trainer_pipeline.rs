@@ -116,6 +116,11 @@ async fn one_trainer_overlaps_its_exchanges_and_loses_no_push() {
     // merged, so with push-every 1 every batch is a push of its own.
     assert_eq!(t.pushes, t.batches, "{t:?}");
     assert!(o.job.test_accuracy >= 0.8, "it trains: {}", o.job.test_accuracy);
+    // Async batches measure the age of the parameters they train on.
+    let scrape = oar::metrics::encode();
+    let ages = scrape.lines().find_map(|l| l.strip_prefix("oar_trainer_parameter_age_seconds_count "));
+    let ages: f64 = ages.and_then(|v| v.trim().parse().ok()).unwrap_or_else(|| panic!("{scrape}"));
+    assert!(ages >= t.batches as f64, "{ages} ages for {} batches", t.batches);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

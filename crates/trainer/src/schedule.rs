@@ -214,6 +214,11 @@ impl Schedule {
         self.in_flight.is_some()
     }
 
+    /// How long ago the parameters at hand were pulled (none: never).
+    pub fn parameters_age(&self, now: Instant) -> Option<Duration> {
+        self.pulled_at.map(|at| now.saturating_duration_since(at))
+    }
+
     /// Parameters pulled longer ago than this are stale: twice the age the
     /// loop's own pace gives them (an exchange, plus the batches trained
     /// while pushes are due and until the next pull), at least

@@ -95,6 +95,57 @@ impl TrainerOptions {
     }
 }
 
+/// The trainer's metrics, registered when a trainer starts (summed over
+/// the trainers of a process).
+struct Metrics {
+    examples: oar_metrics::Counter,
+    batches: oar_metrics::Counter,
+    tasks: oar_metrics::Counter,
+    stale_pulls: oar_metrics::Counter,
+    /// Mean training loss of the last task finished.
+    loss: oar_metrics::Gauge<f64, std::sync::atomic::AtomicU64>,
+    /// Async: how old the parameters a batch trains on are.
+    parameter_age: oar_metrics::Histogram,
+    /// A push, pull or both with the pservers, start to end (sync: a step).
+    exchange: oar_metrics::Histogram,
+}
+
+fn metrics() -> &'static Metrics {
+    static METRICS: std::sync::LazyLock<Metrics> = std::sync::LazyLock::new(|| {
+        let m = Metrics {
+            examples: Default::default(),
+            batches: Default::default(),
+            tasks: Default::default(),
+            stale_pulls: Default::default(),
+            loss: Default::default(),
+            parameter_age: oar_metrics::seconds_histogram(),
+            exchange: oar_metrics::seconds_histogram(),
+        };
+        use oar_metrics::register as r;
+        r("oar_trainer_examples", "Examples trained on (their rate: examples/s).", m.examples.clone());
+        r("oar_trainer_batches", "Mini-batches trained on.", m.batches.clone());
+        r("oar_trainer_tasks_finished", "Tasks trained to their end.", m.tasks.clone());
+        r(
+            "oar_trainer_stale_pulls",
+            "Async: stale parameters pulled again before training on.",
+            m.stale_pulls.clone(),
+        );
+        r("oar_trainer_loss", "Mean training loss of the last task finished.", m.loss.clone());
+        r(
+            "oar_trainer_parameter_age_seconds",
+            "Async: age of the parameters a batch trains on (staleness).",
+            m.parameter_age.clone(),
+        );
+        r(
+            "oar_trainer_exchange_seconds",
+            "An exchange with the pservers, start to end (sync: a whole step).",
+            m.exchange.clone(),
+        );
+        m
+    });
+    &METRICS
+}
+
 /// What one trainer did.
 #[derive(Clone, Debug, Default, PartialEq, serde::Serialize)]
 pub struct TrainerReport {
@@ -149,6 +200,7 @@ pub async fn run_trainer(
             options.batch_size, options.push_every, options.pull_every
         )));
     }
+    metrics(); // Registered from the start, at zero.
     let specs = model.param_specs();
     let model_bytes: usize = specs.iter().map(|s| s.len() * 4).sum();
     let overlap = options.overlap && options.mode == Mode::Async && model_bytes <= OVERLAP_MAX_BYTES;
@@ -247,6 +299,8 @@ type Exchanged = (ParamBuf, ParamBuf, std::result::Result<(), oar_pserver::Servi
 struct InFlight {
     /// Gives back the buffers, and the exchange's outcome.
     done: AbortOnDropHandle<Exchanged>,
+    /// When it started.
+    started: Instant,
     /// Whether it brings parameters back.
     pulls: bool,
     /// Tasks whose last gradients it pushes: reported once it is applied.
@@ -465,9 +519,17 @@ impl Loop {
             stats.examples += batch.len() as u64;
             stats.loss_sum += loss as f64 * batch.len() as f64;
             self.report.batches += 1;
+            let m = metrics();
+            m.batches.inc();
+            m.examples.inc_by(batch.len() as u64);
         }
         self.report.examples += stats.examples;
         self.report.loss_sum += stats.loss_sum;
+        let m = metrics();
+        m.tasks.inc();
+        if stats.examples > 0 {
+            m.loss.set(stats.loss_sum / stats.examples as f64);
+        }
         Ok(Some(stats))
     }
 
@@ -476,10 +538,14 @@ impl Loop {
     async fn sync_step(&mut self, batch: &[Example]) -> Result<f32> {
         let mut pservers = self.pservers.lock().await;
         loop {
+            let started = Instant::now();
             pservers.pull(&mut self.params).await?;
             let loss = self.model.loss_and_grad(&self.params, batch, &mut self.grads);
             match pservers.push(&self.grads, batch.len() as f32).await? {
-                PushResult::Accepted => return Ok(loss),
+                PushResult::Accepted => {
+                    metrics().exchange.observe(started.elapsed().as_secs_f64());
+                    return Ok(loss);
+                }
                 PushResult::Stale => {
                     tracing::info!(trainer = self.options.id, "sync step moved on without us; rejoining");
                     pservers.join().await?;
@@ -492,8 +558,14 @@ impl Loop {
     /// train one batch: its gradient, weighted by the batch's size, is added
     /// to `sum` for the next push.
     async fn async_step(&mut self, batch: &[Example]) -> Result<f32> {
+        let stale_before = self.schedule.as_ref().map_or(0, |s| s.counts().stale_pulls);
         self.drive(Want::Batch).await?;
         let started = Instant::now();
+        let stale_after = self.schedule.as_ref().map_or(0, |s| s.counts().stale_pulls);
+        metrics().stale_pulls.inc_by(stale_after.saturating_sub(stale_before));
+        if let Some(age) = self.schedule.as_ref().and_then(|s| s.parameters_age(started)) {
+            metrics().parameter_age.observe(age.as_secs_f64());
+        }
         let loss = self.model.loss_and_grad(&self.params, batch, &mut self.grads);
         let weight = batch.len() as f32;
         for (s, g) in self.sum.as_mut_slice().iter_mut().zip(self.grads.as_slice()) {
@@ -524,8 +596,10 @@ impl Loop {
                 Action::Exchange(exchange) => {
                     schedule.started(now, exchange);
                     self.exchange_in_place(exchange).await?;
+                    let ended = Instant::now();
+                    metrics().exchange.observe(ended.saturating_duration_since(now).as_secs_f64());
                     if let Some(schedule) = &mut self.schedule {
-                        schedule.exchanged(Instant::now());
+                        schedule.exchanged(ended);
                     }
                 }
                 Action::Start(exchange) => {
@@ -589,7 +663,7 @@ impl Loop {
             (sum, params, result, Instant::now())
         };
         let done = spawn(run.instrument(tracing::Span::current()));
-        self.in_flight = Some(InFlight { done, pulls: exchange.pull, reports });
+        self.in_flight = Some(InFlight { done, started: Instant::now(), pulls: exchange.pull, reports });
         Ok(())
     }
 
@@ -597,9 +671,10 @@ impl Loop {
     /// become the ones trained on, and the tasks it pushed the last
     /// gradients of become ready to report.
     async fn join(&mut self) -> Result<()> {
-        let Some(InFlight { done, pulls, reports }) = self.in_flight.take() else { return Ok(()) };
+        let Some(InFlight { done, started, pulls, reports }) = self.in_flight.take() else { return Ok(()) };
         let (mut sum, params, result, ended) = joined(done).await?;
         result?;
+        metrics().exchange.observe(ended.saturating_duration_since(started).as_secs_f64());
         if let Some(schedule) = &mut self.schedule {
             schedule.exchanged(ended);
         }
