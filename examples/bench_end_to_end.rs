@@ -76,7 +76,7 @@ use oar::{
     job::{
         config::JobConfig,
         local::{run_local, LocalOptions},
-        report::JobReport,
+        report::{JobReport, Progress},
         JobContext,
     },
     pserver::{
@@ -329,7 +329,7 @@ fn run(args: Args) -> Result<ExitCode, BoxError> {
                 plain.last_loss,
                 fmt_eps(whole),
                 fmt_eps(steady),
-                oar.report.final_loss.unwrap_or(f64::NAN),
+                oar.report.final_loss,
                 whole / plain_eps,
                 steady / plain_eps
             );
@@ -540,7 +540,8 @@ fn oar_run(config: &JobConfig, trainers: u32, kind: TransportArg) -> Result<OarR
         let start = Instant::now();
         let ctx = JobContext::new("local", discovery, transport, listen);
         let options = LocalOptions { trainers, ..LocalOptions::default() };
-        let report = run_local(&ctx, config, &options, |_| {
+        let report = run_local(&ctx, config, &options, |event| {
+            let Progress::PassEnded(_) = event else { return };
             pass_ends.push(start.elapsed().as_secs_f64());
             pass_calls.push(stats.snapshot());
         })

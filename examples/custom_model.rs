@@ -16,6 +16,7 @@ use oar::{
     job::{
         config::JobConfig,
         local::{run_local, LocalOptions},
+        report::Progress,
         JobContext, Plugins,
     },
     pserver::{Init, ParamBuf, ParamSpec},
@@ -152,7 +153,8 @@ async fn run() -> Result<ExitCode, Box<dyn std::error::Error>> {
     let transport = Arc::new(QuicTransport::new(DevCa::new()?.tls_config("custom-model")?)?);
     let discovery = Arc::new(MemDiscovery::new());
     let ctx = JobContext { plugins, ..JobContext::new("local", discovery, transport, "127.0.0.1:0") };
-    let report = run_local(&ctx, &config, &LocalOptions::default(), |p| {
+    let report = run_local(&ctx, &config, &LocalOptions::default(), |event| {
+        let Progress::PassEnded(p) = event else { return };
         println!(
             "pass {}: train loss {:.4}, test accuracy {:.2}%",
             p.pass + 1,

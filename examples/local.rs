@@ -20,17 +20,18 @@ use common::{BoxError, JobArgs};
 use oar::{
     discovery::MemDiscovery,
     job::{
-        keys::JobKeys,
         local::{run_local, LocalOptions},
         Error, JobContext,
     },
-    task_queue::{MasterClient, MasterClientOptions},
     transport::{DevCa, MemNetwork, MemTransport, QuicTransport, Transport},
 };
 use std::{process::ExitCode, sync::Arc};
 
 #[derive(Parser, Debug)]
-#[command(about = "Train a model with a master, pservers and trainers in one process")]
+#[command(
+    about = "Train a model with a master, pservers and trainers in one process",
+    allow_negative_numbers = true
+)]
 struct Args {
     #[command(flatten)]
     job: JobArgs,
@@ -78,17 +79,17 @@ async fn run(args: Args) -> Result<ExitCode, BoxError> {
         TransportArg::Mem => (Arc::new(MemTransport::new(MemNetwork::new())), "mem:0"),
     };
     let discovery = Arc::new(MemDiscovery::new());
-    let ctx = JobContext::new("local", discovery.clone(), transport.clone(), listen);
-    // A progress bar on a terminal; the per-pass lines below are printed either way.
-    let addr_key = JobKeys::new(&ctx.job)?.master_addr();
-    let master = MasterClient::new(discovery, transport, MasterClientOptions::new(addr_key));
-    let _progress = common::follow_progress(master, false);
+    let ctx = JobContext::new("local", discovery, transport, listen);
     let options = LocalOptions {
         trainers: args.trainers,
         shutdown: common::shutdown_on_signals()?,
         ..LocalOptions::default()
     };
-    match run_local(&ctx, &config, &options, |p| common::print_pass(p, config.passes)).await {
+    // A progress bar on a terminal; the per-pass lines either way.
+    let mut display = common::Display::new(config.passes);
+    let ran = run_local(&ctx, &config, &options, |event| display.progress(event)).await;
+    display.finish();
+    match ran {
         Ok(report) => common::finish(&report),
         Err(Error::ShutDown) => Ok(ExitCode::from(130)),
         Err(e) => Err(e.into()),

@@ -22,7 +22,7 @@ use oar::job::role;
 use std::process::ExitCode;
 
 #[derive(Parser, Debug)]
-#[command(about = "Run the master of an oar job")]
+#[command(about = "Run the master of an oar job", allow_negative_numbers = true)]
 struct Args {
     #[command(flatten)]
     conn: ConnArgs,
@@ -43,8 +43,10 @@ async fn run(args: Args) -> Result<ExitCode, BoxError> {
     let ctx = args.conn.connect().await?;
     let options = args.conn.role_options("master");
     let shutdown = common::shutdown_on_signals()?;
-    let on_pass = |p: &_| common::print_pass(p, config.passes);
-    match role::master(&ctx, &config, &options, shutdown, on_pass).await? {
+    let mut display = common::Display::new(config.passes);
+    let ran = role::master(&ctx, &config, &options, shutdown, |event| display.progress(event)).await;
+    display.finish();
+    match ran? {
         Some(report) => common::finish(&report),
         None => {
             common::print_json(&serde_json::json!({ "master": "shut down" }))?;

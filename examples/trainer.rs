@@ -20,10 +20,13 @@ use oar::{
     job::{
         keys::JobKeys,
         role::{self, RoleOptions},
+        status::JobView,
     },
     task_queue::{MasterClient, MasterClientOptions},
 };
-use std::process::ExitCode;
+use std::{process::ExitCode, sync::Arc};
+use tokio::sync::{Mutex, Notify};
+use tokio_util::task::AbortOnDropHandle;
 
 #[derive(Parser, Debug)]
 #[command(about = "Run a trainer of an oar job")]
@@ -49,12 +52,34 @@ async fn run(args: Args) -> Result<ExitCode, BoxError> {
     let stop_grace = std::time::Duration::try_from_secs_f64(args.stop_grace)
         .map_err(|_| format!("--stop-grace {} must be a number of seconds, 0 or more", args.stop_grace))?;
     let options = RoleOptions { stop_grace, ..args.conn.role_options("trainer") };
+    // Progress from events: each time the master accepts this trainer's
+    // reports, its status says which passes ended.
     let addr_key = JobKeys::new(&ctx.job)?.master_addr();
     let master =
         MasterClient::new(ctx.discovery.clone(), ctx.transport.clone(), MasterClientOptions::new(addr_key));
-    let _progress = common::follow_progress(master, true);
+    let reported = Arc::new(Notify::new());
+    let display = Arc::new(Mutex::new(common::Display::new(0)));
+    let follow = {
+        let (reported, display) = (reported.clone(), display.clone());
+        AbortOnDropHandle::new(tokio::spawn(async move {
+            loop {
+                reported.notified().await;
+                if let Ok(status) = master.status().await {
+                    display.lock().await.passes_from(&status);
+                }
+            }
+        }))
+    };
+    let options = RoleOptions { on_report: Some(reported), ..options };
     let shutdown = common::shutdown_on_signals()?;
-    let report = role::trainer(&ctx, &options, shutdown).await?;
+    let report = role::trainer(&ctx, &options, shutdown).await;
+    drop(follow);
+    // The passes that ended since the last report, from what the master stored.
+    if let Ok(Some(JobView { tasks: Some(status), .. })) = JobView::read(&*ctx.discovery, &ctx.job).await {
+        display.lock().await.passes_from(&status);
+    }
+    display.lock().await.finish();
+    let report = report?;
     common::print_json(&Printed { trainer: &options.id, report })?;
     Ok(ExitCode::SUCCESS)
 }

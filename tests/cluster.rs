@@ -45,6 +45,11 @@ fn a_job_of_separate_processes_trains_a1a() {
         let name = trainer.name.clone();
         assert!(exits(trainer, LONG, &[]), "{name} failed\n{}", trainer.dump());
         trained += trainer.last_json()["tasks_finished"].as_u64().unwrap();
+        // Piped, a trainer prints a line for every pass, however short.
+        let out = trainer.stdout();
+        for pass in 1..=5 {
+            assert!(out.contains(&format!("pass {pass}/5: tasks done")), "pass {pass} missing:\n{out}");
+        }
     }
     assert_eq!(Some(trained), report["tasks_done"].as_u64(), "the trainers' tasks add up to the job's");
     let mut indexes = Vec::new();
@@ -62,6 +67,14 @@ fn a_job_of_separate_processes_trains_a1a() {
     {
         assert!(status.contains(wanted), "status lacks {wanted:?}:\n{status}");
     }
+
+    // A trainer started once the job is over says so at once, instead of
+    // waiting out its start-up timeout (120 s) for pservers that are gone.
+    let started = std::time::Instant::now();
+    let mut late = cluster.trainer("trainer-late");
+    assert!(!exits(&mut late, Duration::from_secs(60), &[]), "a late trainer must fail\n{}", late.dump());
+    assert!(late.stderr().contains("is over (done)"), "{}", late.dump());
+    assert!(started.elapsed() < Duration::from_secs(60), "it waited {:?}", started.elapsed());
 }
 
 #[test]

@@ -92,11 +92,11 @@ fn a_trainer_killed_mid_task_has_its_task_done_by_another() {
     );
     let gone = master.stderr();
     let line = gone.lines().find(|l| l.contains("trainer gone") && l.contains("trainer-1"));
-    // Its task, the next one if it had fetched it ahead, and one whose
-    // report was still on its way (see `oar_trainer::worker`).
-    let returned = line.and_then(|l| log_field(l, "returned"));
+    // Its task, the next one if it had fetched it ahead, and any whose
+    // reports were still on their way (see `oar_trainer::worker`).
+    let returned: Option<u64> = line.and_then(|l| log_field(l, "returned")).and_then(|n| n.parse().ok());
     assert!(
-        matches!(returned, Some("1" | "2" | "3")),
+        returned >= Some(1),
         "its task returned to todo at its lease's end\n{}",
         master.dump()
     );

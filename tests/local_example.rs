@@ -58,3 +58,77 @@ fn bad_flags_get_a_clear_message() {
     );
     fails_with(&["--data", "x"], "--features and --classes are required with --data");
 }
+
+/// A failed job as a user meets it: exit 1 (not 2, the code of an error),
+/// one line on stderr naming the cause, and the job's real report as the
+/// last stdout line: failed, with its reason and its discarded tasks.
+fn fails_as_a_job(args: &[&str], cause: &[&str]) -> serde_json::Value {
+    let out = Command::new(example()).args(args).current_dir(env!("CARGO_MANIFEST_DIR")).output().unwrap();
+    let (stdout, stderr) = (String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
+    assert_eq!(out.status.code(), Some(1), "{args:?}\nstdout: {stdout}\nstderr: {stderr}");
+    let error = stderr
+        .lines()
+        .find(|l| l.starts_with("error: "))
+        .unwrap_or_else(|| panic!("no error line: {stderr}"));
+    assert!(error.starts_with("error: the job failed: "), "{error}");
+    for word in cause {
+        assert!(error.contains(word), "{error:?} should name {word:?}");
+    }
+    assert!(!stderr.contains("holds no"), "the report must read back: {stderr}");
+    let report: serde_json::Value = serde_json::from_str(stdout.lines().last().unwrap_or_default())
+        .unwrap_or_else(|e| panic!("{e}: {stdout}"));
+    assert_eq!(report["state"], "failed", "{report}");
+    assert!(error.ends_with(report["reason"].as_str().expect("a reason")), "{error} vs {report}");
+    report
+}
+
+#[test]
+fn a_job_of_garbage_lines_fails_naming_the_file_line_and_the_way_out() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("garbage.libsvm");
+    std::fs::write(&path, "garbage line\nmore junk here\n").unwrap();
+    let data = path.display().to_string();
+    let report = fails_as_a_job(
+        &["--data", &data, "--features", "3", "--classes", "2", "--passes", "2"],
+        &["every task of pass 1 was discarded", "garbage.libsvm:1", "--skip-bad-lines"],
+    );
+    assert_eq!(report["tasks_discarded"], 1, "{report}");
+    assert_eq!(report["passes"], 0, "{report}");
+    assert!(report["final_loss"].is_null(), "no loss was measured: {report}");
+}
+
+#[test]
+fn a_wrong_feature_count_discards_every_task_and_says_why() {
+    let args =
+        ["--data", "testdata/a1a", "--test-data", "testdata/a1a.t", "--features", "10", "--classes", "2"];
+    let report = fails_as_a_job(&args, &["feature index", "out of range 1..=10"]);
+    let discarded = report["discarded"].as_array().unwrap();
+    assert!(!discarded.is_empty(), "{report}");
+    assert_eq!(
+        report["tasks_discarded"].as_u64(),
+        Some(discarded.len() as u64),
+        "every task, listed: {report}"
+    );
+    assert_eq!(report["tasks_done"], 0, "{report}");
+}
+
+#[test]
+fn a_diverging_job_ends_failed_naming_the_learning_rate() {
+    for lr in ["1e9", "1e38"] {
+        let args = [
+            "--data",
+            "testdata/a1a",
+            "--test-data",
+            "testdata/a1a.t",
+            "--features",
+            "123",
+            "--classes",
+            "2",
+            "--lr",
+            lr,
+        ];
+        // Scoring runs beside training: on data this small the job may have
+        // trained to its end before the divergence is seen; it fails anyway.
+        fails_as_a_job(&args, &["diverged", "learning rate"]);
+    }
+}

@@ -7,7 +7,7 @@ use clap::{Args, ValueEnum};
 use oar::{
     job::{
         config::JobConfig,
-        report::{JobReport, PassReport},
+        report::{JobReport, PassReport, Progress},
     },
     pserver::{Mode, OptimizerConfig},
     trainer::{datagen::write_blobs, reader::Format, ModelConfig},
@@ -113,6 +113,12 @@ impl JobArgs {
                 let (Some(features), Some(classes)) = (self.features, self.classes) else {
                     return Err("--features and --classes are required with --data".into());
                 };
+                // Name the flag whose files are missing, before anything starts.
+                for (flag, glob) in [("--data", Some(data)), ("--test-data", self.test_data.as_ref())] {
+                    if let Some(glob) = glob {
+                        oar::task_queue::glob_files(glob).map_err(|e| format!("{flag}: {e}"))?;
+                    }
+                }
                 (data.clone(), self.test_data.clone(), features, classes)
             }
             (None, Some(dir)) => {
@@ -171,57 +177,140 @@ pub fn init_logging(verbose: bool, json: bool) {
     }
 }
 
-/// Follow the job's progress from the master's status: a progress bar per
-/// pass on stderr (tasks done of total, examples per second, loss) when it
-/// is a terminal; otherwise, with `lines`, one plain line per pass that
-/// ended. Stops when the job ends or the returned handle is dropped.
-pub fn follow_progress(master: oar::task_queue::MasterClient, lines: bool) -> ProgressHandle {
-    use std::io::IsTerminal;
-    let terminal = std::io::stderr().is_terminal();
-    tokio_util::task::AbortOnDropHandle::new(tokio::spawn(async move {
-        let style =
-            indicatif::ProgressStyle::with_template("pass {prefix} [{bar:30}] {pos}/{len} tasks, {msg}")
-                .unwrap_or_else(|_| indicatif::ProgressStyle::default_bar())
-                .progress_chars("=> ");
-        let bar = terminal.then(|| indicatif::ProgressBar::new(0).with_style(style));
-        let (mut shown_pass, mut seen, mut rate) = (None, (std::time::Instant::now(), 0u64), 0.0);
-        loop {
-            tokio::time::sleep(std::time::Duration::from_millis(200)).await;
-            let Ok(status) = master.status().await else { continue };
-            let q = &status.queue;
-            let stats = status.passes.get(q.pass as usize).copied().unwrap_or_default();
-            if shown_pass != Some(q.pass) {
-                if let (Some(done), false, true) = (shown_pass, terminal, lines) {
-                    let ended = status.passes.get(done as usize).copied().unwrap_or_default();
-                    let (tasks, loss) = (ended.tasks_finished, ended.mean_loss());
-                    println!("pass {}/{}: tasks done {tasks}, train loss {loss:.4}", done + 1, q.passes);
-                }
-                shown_pass = Some(q.pass);
-                seen = (std::time::Instant::now(), stats.examples);
-            }
-            // Since the pass was first seen: steadier than between two looks.
-            let elapsed = seen.0.elapsed().as_secs_f64();
-            if elapsed > 0.3 {
-                rate = stats.examples.saturating_sub(seen.1) as f64 / elapsed;
-            }
-            if let Some(bar) = &bar {
-                bar.set_prefix(format!("{}/{}", q.pass + 1, q.passes));
-                bar.set_length((q.todo + q.pending + q.done) as u64);
-                bar.set_position(q.done as u64);
-                bar.set_message(format!("{rate:.0} examples/s, loss {:.4}", stats.mean_loss()));
-            }
-            if status.is_finished() {
-                if let Some(bar) = &bar {
-                    bar.finish_and_clear();
-                }
-                return;
-            }
-        }
-    }))
+/// The job's progress as a user sees it: on a terminal, a bar for the pass
+/// under way (tasks done of the pass's tasks, examples per second since the
+/// pass began, the pass's loss so far), cleared before each pass's line;
+/// piped, the pass lines alone. Driven by events: the master's (a status
+/// change, a pass scored) or, in a trainer, its own reports; nothing is
+/// sampled, so every pass gets its line however short it is.
+pub struct Display {
+    bar: Option<indicatif::ProgressBar>,
+    passes: u32,
+    /// The pass the bar shows, and when it began (the previous one ended).
+    pass: u32,
+    pass_began: std::time::Instant,
+    /// Passes whose line is printed.
+    printed: u32,
 }
 
-/// Stops the progress display when dropped.
-pub type ProgressHandle = tokio_util::task::AbortOnDropHandle<()>;
+impl Display {
+    /// A display of a job of `passes` passes; a bar only if stderr is a terminal.
+    pub fn new(passes: u32) -> Display {
+        use std::io::IsTerminal;
+        let bar = std::io::stderr().is_terminal().then(|| {
+            let style =
+                indicatif::ProgressStyle::with_template("pass {prefix} [{bar:30}] {pos}/{len} tasks, {msg}")
+                    .unwrap_or_else(|_| indicatif::ProgressStyle::default_bar())
+                    .progress_chars("=> ");
+            // Hidden until the first status says how many tasks there are.
+            let bar = indicatif::ProgressBar::hidden().with_style(style);
+            bar.set_draw_target(indicatif::ProgressDrawTarget::hidden());
+            bar
+        });
+        Display { bar, passes, pass: 0, pass_began: std::time::Instant::now(), printed: 0 }
+    }
+
+    /// The task queue changed.
+    pub fn status(&mut self, status: &oar::task_queue::MasterStatus) {
+        let q = &status.queue;
+        if q.pass != self.pass {
+            self.pass = q.pass;
+            self.pass_began = std::time::Instant::now();
+        }
+        let Some(bar) = &self.bar else { return };
+        let total = (q.todo + q.pending + q.done) as u64;
+        if total == 0 || status.is_finished() {
+            return;
+        }
+        let stats = status.passes.get(q.pass as usize).copied().unwrap_or_default();
+        let elapsed = self.pass_began.elapsed().as_secs_f64();
+        let rate = match (stats.examples, elapsed > 0.0) {
+            (0, _) | (_, false) => "measuring".to_string(),
+            (examples, true) => format!("{:.0} examples/s", examples as f64 / elapsed),
+        };
+        let loss = match stats.examples {
+            0 => "no task finished yet".to_string(),
+            _ => format!("loss {:.4}", stats.mean_loss()),
+        };
+        bar.set_prefix(format!("{}/{}", q.pass + 1, q.passes));
+        bar.set_length(total);
+        bar.set_position(q.done as u64);
+        bar.set_message(format!("{rate}, {loss}"));
+        // Shown once it has something true to show.
+        if bar.is_hidden() {
+            bar.set_draw_target(indicatif::ProgressDrawTarget::stderr());
+        }
+    }
+
+    /// Print `line` for pass `pass` (0-based), clearing the bar around it.
+    fn line(&mut self, pass: u32, line: &str) {
+        if pass < self.printed {
+            return;
+        }
+        self.printed = pass + 1;
+        match &self.bar {
+            Some(bar) => {
+                bar.suspend(|| println!("{line}"));
+                // The next pass starts afresh: no stale count or loss.
+                bar.set_position(0);
+                bar.set_message("");
+            }
+            None => println!("{line}"),
+        }
+    }
+
+    /// A pass ended and was scored (the master's view).
+    pub fn pass_ended(&mut self, p: &PassReport) {
+        let train = match p.tasks_done {
+            0 => "no task trained".to_string(),
+            _ => format!("train loss {:.4}", p.train_loss),
+        };
+        let line = format!(
+            "pass {}/{}: {train}, test loss {:.4}, test accuracy {:.2}%, tasks done {}, discarded {}",
+            p.pass + 1,
+            self.passes,
+            p.test_loss,
+            p.test_accuracy * 100.0,
+            p.tasks_done,
+            p.tasks_discarded
+        );
+        self.line(p.pass, &line);
+    }
+
+    /// A master's event.
+    pub fn progress(&mut self, event: Progress<'_>) {
+        match event {
+            Progress::Status(status) => self.status(status),
+            Progress::PassEnded(pass) => self.pass_ended(pass),
+        }
+    }
+
+    /// A trainer's view: the master's status after one of its reports (or
+    /// at the end, `finished`): a line for every pass that ended since the
+    /// last one printed, from the master's statistics.
+    pub fn passes_from(&mut self, status: &oar::task_queue::MasterStatus) {
+        self.status(status);
+        let q = &status.queue;
+        let ended = if status.is_finished() { q.pass + 1 } else { q.pass };
+        for pass in self.printed..ended.min(q.passes) {
+            let stats = status.passes.get(pass as usize).copied().unwrap_or_default();
+            let train = match stats.examples {
+                0 => "no task trained".to_string(),
+                _ => format!("train loss {:.4}", stats.mean_loss()),
+            };
+            let line =
+                format!("pass {}/{}: tasks done {}, {train}", pass + 1, q.passes, stats.tasks_finished);
+            self.line(pass, &line);
+        }
+    }
+
+    /// The job is over: take the bar away.
+    pub fn finish(&self) {
+        if let Some(bar) = &self.bar {
+            bar.finish_and_clear();
+        }
+    }
+}
 
 /// Serve Prometheus metrics at `addr` (if given) for as long as the
 /// returned value lives; says where on stderr.
@@ -247,23 +336,15 @@ pub fn load() -> String {
     format!("load average {}, {rustc} rustc running", avg.join(" "))
 }
 
-/// One line of progress per pass.
-pub fn print_pass(p: &PassReport, passes: u32) {
-    println!(
-        "pass {}/{passes}: train loss {:.4}, test loss {:.4}, test accuracy {:.2}%, tasks done {}, discarded {}",
-        p.pass + 1,
-        p.train_loss,
-        p.test_loss,
-        p.test_accuracy * 100.0,
-        p.tasks_done,
-        p.tasks_discarded
-    );
-}
-
-/// Print the job's report as one JSON line; exit 0 if it is done, 1 if it failed.
+/// Print the job's report as one JSON line; exit 0 if it is done, 1 if it
+/// failed (saying why in one line on stderr).
 pub fn finish(report: &JobReport) -> Result<ExitCode, BoxError> {
     println!("{}", report.to_json());
-    Ok(if report.is_done() { ExitCode::SUCCESS } else { ExitCode::FAILURE })
+    if report.is_done() {
+        return Ok(ExitCode::SUCCESS);
+    }
+    eprintln!("error: the job failed: {}", report.reason.as_deref().unwrap_or("no reason recorded"));
+    Ok(ExitCode::FAILURE)
 }
 
 /// Print `value` as one JSON line.

@@ -52,7 +52,13 @@ pub async fn run_in_process(
     let discovery = std::sync::Arc::new(oar::discovery::MemDiscovery::new());
     let ctx = JobContext::new("local", discovery, transport, listen);
     let options = local::LocalOptions { trainers, ..local::LocalOptions::default() };
-    local::run_local(&ctx, config, &options, on_pass).await
+    let mut on_pass = on_pass;
+    local::run_local(&ctx, config, &options, |event| {
+        if let oar::job::report::Progress::PassEnded(pass) = event {
+            on_pass(pass)
+        }
+    })
+    .await
 }
 
 /// Poll `cond` until it holds (true) or `timeout` passes (false).

@@ -43,6 +43,14 @@ pub enum Error {
     /// A trainer id already registered by a live trainer.
     #[error("trainer id {0:?} is held by another live trainer")]
     TrainerIdTaken(String),
+    /// The job had already ended when this process joined it.
+    #[error("job {job:?} is over ({state}); to train again, use a new job name or delete its keys")]
+    JobOver {
+        /// The job.
+        job: String,
+        /// How it ended.
+        state: crate::report::JobEnd,
+    },
     /// The run was stopped by its shutdown signal before the job ended.
     #[error("shut down before the job ended")]
     ShutDown,

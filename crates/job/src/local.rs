@@ -6,7 +6,7 @@
 use crate::{
     config::JobConfig,
     context::JobContext,
-    report::{JobReport, PassReport},
+    report::{JobReport, Progress},
     role::{self, RoleOptions},
     Error, Result,
 };
@@ -44,13 +44,14 @@ impl Default for LocalOptions {
 /// Run `config` as one process: `options.trainers` trainers,
 /// `config.pservers` pservers and a master, on `ctx`'s discovery and
 /// transport, listening at `ctx.listen` addresses of that transport
-/// (`"mem:0"`, `"127.0.0.1:0"`). `on_pass` sees each pass's progress. A
-/// pserver or trainer that fails fails the run with its error.
+/// (`"mem:0"`, `"127.0.0.1:0"`). `on_progress` sees the master's progress
+/// (see [`role::master`]). A pserver or trainer that fails fails the run
+/// with its error.
 pub async fn run_local(
     ctx: &JobContext,
     config: &JobConfig,
     options: &LocalOptions,
-    on_pass: impl FnMut(&PassReport),
+    on_progress: impl FnMut(Progress<'_>),
 ) -> Result<JobReport> {
     config.validate()?;
     if options.trainers == 0 {
@@ -68,7 +69,7 @@ pub async fn run_local(
         members.spawn(async move { role::trainer(&ctx, &options, shutdown).await.map(drop) });
     }
     let master_options = role("master".into());
-    let master = role::master(ctx, config, &master_options, shutdown.clone(), on_pass);
+    let master = role::master(ctx, config, &master_options, shutdown.clone(), on_progress);
     tokio::pin!(master);
     let report = loop {
         tokio::select! {

@@ -5,21 +5,68 @@ use crate::{keys::JobKeys, Error, Result};
 use oar_discovery::Discovery;
 use serde::{Deserialize, Serialize};
 
+/// Floats that may be NaN or infinite (a diverged job's loss) are written
+/// as `null` and read back as NaN, so a report always round-trips.
+mod float_or_null {
+    use serde::{Deserialize, Deserializer, Serializer};
+
+    pub fn serialize<S: Serializer, F: Copy + Into<f64>>(value: &F, s: S) -> Result<S::Ok, S::Error> {
+        let v: f64 = (*value).into();
+        if v.is_finite() {
+            s.serialize_f64(v)
+        } else {
+            s.serialize_none()
+        }
+    }
+
+    pub fn deserialize<'de, D: Deserializer<'de>, F: FromF64>(d: D) -> Result<F, D::Error> {
+        Ok(F::from_f64(Option::<f64>::deserialize(d)?.unwrap_or(f64::NAN)))
+    }
+
+    pub trait FromF64 {
+        fn from_f64(v: f64) -> Self;
+    }
+    impl FromF64 for f64 {
+        fn from_f64(v: f64) -> Self {
+            v
+        }
+    }
+    impl FromF64 for f32 {
+        fn from_f64(v: f64) -> Self {
+            v as f32
+        }
+    }
+}
+
 /// Progress at the end of one pass.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub struct PassReport {
     /// The pass that ended (0-based).
     pub pass: u32,
     /// Mean training loss the trainers measured during the pass.
+    #[serde(with = "float_or_null")]
     pub train_loss: f64,
     /// Loss on the held-out data after the pass.
+    #[serde(with = "float_or_null")]
     pub test_loss: f32,
     /// Accuracy on the held-out data after the pass.
+    #[serde(with = "float_or_null")]
     pub test_accuracy: f32,
     /// Tasks finished in the pass.
     pub tasks_done: u64,
     /// Tasks discarded so far.
     pub tasks_discarded: usize,
+}
+
+/// What a master tells its caller as the job goes (see
+/// [`role::master`](crate::role::master)): every change of the task queue,
+/// and each pass as it ends, scored.
+#[derive(Clone, Copy, Debug)]
+pub enum Progress<'a> {
+    /// The task queue changed (a task handed out, finished or failed).
+    Status(&'a oar_task_queue::MasterStatus),
+    /// A pass ended and the model was scored.
+    PassEnded(&'a PassReport),
 }
 
 /// How a job ended.
@@ -47,18 +94,25 @@ impl std::fmt::Display for JobEnd {
 pub struct JobReport {
     /// Done or failed.
     pub state: JobEnd,
+    /// Why a failed job failed, in a sentence that names the cause.
+    pub reason: Option<String>,
     /// Passes completed.
     pub passes: u32,
-    /// Mean training loss of the last pass (none: no task was trained on).
-    pub final_loss: Option<f64>,
+    /// Mean training loss of the last pass (none: no task was trained on;
+    /// NaN: training diverged).
+    #[serde(with = "float_or_null")]
+    pub final_loss: f64,
     /// Accuracy of the final model on the training data (on an evenly
     /// spread sample of [`TRAIN_SAMPLE_BYTES`](crate::role::TRAIN_SAMPLE_BYTES)
     /// if the data is larger).
+    #[serde(with = "float_or_null")]
     pub train_accuracy: f32,
     /// Accuracy of the final model on the held-out data.
+    #[serde(with = "float_or_null")]
     pub test_accuracy: f32,
     /// Examples trained on per second, over all trainers, while this master
     /// served (a master that took over counts from its start).
+    #[serde(with = "float_or_null")]
     pub examples_per_second: f64,
     /// Tasks finished, summed over passes.
     pub tasks_done: u64,
@@ -71,6 +125,7 @@ pub struct JobReport {
     /// Bad lines skipped (with `skip_bad_lines`).
     pub skipped_lines: u64,
     /// Seconds from this master's start to the end.
+    #[serde(with = "float_or_null")]
     pub wall_seconds: f64,
 }
 
@@ -112,9 +167,10 @@ mod tests {
     fn report() -> JobReport {
         JobReport {
             state: JobEnd::Failed,
+            reason: Some("every task of pass 1 was discarded".into()),
             passes: 0,
-            final_loss: None,
-            train_accuracy: 0.5,
+            final_loss: f64::NAN,
+            train_accuracy: f32::NAN,
             test_accuracy: 0.25,
             examples_per_second: 0.0,
             tasks_done: 0,
@@ -131,8 +187,19 @@ mod tests {
         let r = report();
         let json = r.to_json();
         assert!(json.contains(r#""state":"failed""#) && json.contains(r#""final_loss":null"#), "{json}");
-        assert_eq!(JobReport::from_json("k", json.as_bytes()).unwrap(), r);
-        let done = JobReport { state: JobEnd::Done, final_loss: Some(0.25), ..report() };
+        let back = JobReport::from_json("k", json.as_bytes()).unwrap();
+        assert!(back.final_loss.is_nan() && back.train_accuracy.is_nan(), "{back:?}");
+        // NaN is not equal to itself: compare the JSON again.
+        assert_eq!(back.to_json(), json);
+        let inf = JobReport { final_loss: f64::INFINITY, wall_seconds: -0.0, ..report() };
+        assert!(JobReport::from_json("k", inf.to_json().as_bytes()).unwrap().final_loss.is_nan());
+        let done = JobReport {
+            state: JobEnd::Done,
+            reason: None,
+            final_loss: 0.25,
+            train_accuracy: 0.5,
+            ..report()
+        };
         assert_eq!(JobReport::from_json("k", done.to_json().as_bytes()).unwrap(), done);
     }
 

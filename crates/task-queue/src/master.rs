@@ -241,6 +241,14 @@ impl Shared {
                     tracing::info!(pass, done, discarded, "pass ended")
                 }
                 QueueEvent::JobDone => tracing::info!("job done"),
+                QueueEvent::JobAborted { pass, reason, discarded } => {
+                    tracing::error!(pass, %reason, discarded = discarded.len(), "job aborted");
+                    for task in discarded {
+                        if core.discarded.len() < MAX_DISCARDS_LISTED {
+                            core.discarded.push((task.0, reason.clone()));
+                        }
+                    }
+                }
                 QueueEvent::JobFailed { pass } => tracing::error!(pass, "job failed"),
             }
         }
@@ -426,6 +434,19 @@ impl Master {
                 _ = stopped.changed() => {}
             }
         }
+    }
+
+    /// End the job as failed now, for `reason` (every open task is
+    /// discarded with it; see [`TaskQueue::abort`]); trainers are told the
+    /// job failed at their next call, and [`wait`](Self::wait) returns once
+    /// that is stored. False if the job had already ended.
+    pub fn abort(&self, reason: &str) -> bool {
+        let mut core = self.shared.core();
+        let aborted = core.queue.abort(reason, Instant::now());
+        if aborted {
+            self.shared.changed(&mut core, true);
+        }
+        aborted
     }
 
     /// Write `key` through this master's fence: it fails with

@@ -192,6 +192,15 @@ pub enum QueueEvent {
     },
     /// The last pass ended.
     JobDone,
+    /// The shell ended the job as failed ([`TaskQueue::abort`]).
+    JobAborted {
+        /// The pass it was in.
+        pass: u32,
+        /// Why, as every open task's discard reason says it.
+        reason: String,
+        /// The tasks that were todo or pending, now discarded.
+        discarded: Vec<TaskId>,
+    },
     /// A pass ended with no finished task.
     JobFailed {
         /// The pass.
@@ -311,7 +320,7 @@ impl TaskQueue {
     pub fn get_task(&mut self, trainer: &str, now: Instant) -> GetTask {
         match self.state {
             JobState::Done => return GetTask::Done,
-            JobState::Failed => return GetTask::Failed,
+            JobState::Failed | JobState::Aborted => return GetTask::Failed,
             JobState::Running => {}
         }
         let Some(i) = self.todo.pop_front() else {
@@ -420,6 +429,33 @@ impl TaskQueue {
             Slot::Pending { trainer, .. } => Some(trainer),
             _ => None,
         }
+    }
+
+    /// Ends the job as failed now, for `reason` (cut to
+    /// [`MAX_REASON_BYTES`]): every task still todo or pending in this pass
+    /// is discarded with the reason; tasks done stay done. The shell aborts
+    /// a job that cannot succeed (its training diverged, say). True if the
+    /// job was running.
+    pub fn abort(&mut self, reason: &str, _now: Instant) -> bool {
+        if self.state != JobState::Running {
+            return false;
+        }
+        let reason = format!("the job was aborted: {}", bounded(reason));
+        let mut open: Vec<usize> = self.todo.drain(..).collect();
+        open.extend(self.pending.iter().map(|&(_, i)| i));
+        self.pending.clear();
+        open.sort_unstable();
+        for &i in &open {
+            self.slots[i] = Slot::Discarded { reason: reason.clone() };
+            self.discarded += 1;
+        }
+        self.state = JobState::Aborted;
+        self.version += 1;
+        self.snapshot_due = true;
+        self.changed.clear();
+        let discarded = open.iter().map(|&i| self.tasks[i].id).collect();
+        self.events.push(QueueEvent::JobAborted { pass: self.pass, reason, discarded });
+        true
     }
 
     /// Returns every task `trainer` holds to todo as a failure

@@ -412,7 +412,7 @@ impl Snapshot {
                     "job is running but no task is todo or pending (the pass should have ended)",
                 ));
             }
-            JobState::Done | JobState::Failed if open > 0 => {
+            JobState::Done | JobState::Failed | JobState::Aborted if open > 0 => {
                 return Err(bad(format!(
                     "job is {:?} but {todo_count} task(s) are todo and {pending} pending",
                     self.state
@@ -424,7 +424,9 @@ impl Snapshot {
             }
             _ => {}
         }
-        if self.failures < failure_sum || self.failures < discarded as u64 {
+        // An aborted job discards its open tasks without failing them.
+        let failed_discards = if self.state == JobState::Aborted { 0 } else { discarded as u64 };
+        if self.failures < failure_sum || self.failures < failed_discards {
             return Err(bad(format!(
                 "failure total {} is below this pass's failures ({failure_sum}) or the discarded tasks ({discarded})",
                 self.failures

@@ -15,6 +15,16 @@ pub enum JobState {
     Done,
     /// A pass ended with no finished task (all discarded).
     Failed,
+    /// The shell ended the job as failed (`TaskQueue::abort`): the tasks
+    /// open then are discarded with its reason, those done stay done.
+    Aborted,
+}
+
+impl JobState {
+    /// Whether the job ended without success: failed or aborted.
+    pub fn is_failure(self) -> bool {
+        matches!(self, JobState::Failed | JobState::Aborted)
+    }
 }
 
 /// Where one task stands.

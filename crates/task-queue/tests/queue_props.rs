@@ -44,6 +44,8 @@ enum Op {
     Fail(usize, Mutation),
     Return(usize, Mutation),
     Gone(usize),
+    /// Abort the job.
+    Abort,
     /// Advance the clock by this many ms, then tick.
     Tick(u64),
     /// Snapshot, encode, decode, restore, and carry on with the restored queue.
@@ -73,6 +75,7 @@ fn op() -> impl Strategy<Value = Op> {
         1 => (any::<usize>(), mutation.clone()).prop_map(|(k, m)| Op::Fail(k, m)),
         1 => (any::<usize>(), mutation).prop_map(|(k, m)| Op::Return(k, m)),
         1 => (0..3usize).prop_map(Op::Gone),
+        1 => Just(Op::Abort),
         2 => (0..1500u64).prop_map(Op::Tick),
         1 => Just(Op::Restore),
         3 => prop_oneof![5 => Just(Op::Take(false)), 1 => Just(Op::Take(true))],
@@ -101,6 +104,8 @@ struct Harness {
     todo: VecDeque<TaskId>,
     saw_job_done: bool,
     saw_job_failed: bool,
+    /// The job was aborted (it failed with tasks done).
+    aborted: bool,
     /// What a shell would have stored: the last snapshot and the deltas since.
     journal: Option<(Snapshot, Vec<Delta>)>,
 }
@@ -160,6 +165,7 @@ impl Harness {
             failures: HashMap::new(),
             saw_job_done: false,
             saw_job_failed: false,
+            aborted: false,
             journal: None,
         }
     }
@@ -247,7 +253,7 @@ impl Harness {
                     prop_assert!(before.0.todo == 0 && before.0.pending > 0, "{:?}", before.0);
                 }
                 GetTask::Done => prop_assert_eq!(before.0.state, JobState::Done),
-                GetTask::Failed => prop_assert_eq!(before.0.state, JobState::Failed),
+                GetTask::Failed => prop_assert!(before.0.state.is_failure()),
             },
             Op::FinishPending(k) | Op::FailPending(k) | Op::ReturnPending(k) => {
                 let pending = pending_tasks(&before, &self.ids);
@@ -287,6 +293,20 @@ impl Harness {
                     self.deadlines.remove(id);
                 }
                 new_failures += held.len() as u64;
+            }
+            Op::Abort => {
+                let open = before.0.todo + before.0.pending;
+                let running = before.0.state == JobState::Running;
+                prop_assert_eq!(self.q.abort("diverged", self.now), running);
+                if running {
+                    self.aborted = true;
+                    for (id, _, _) in pending_tasks(&before, &self.ids) {
+                        self.deadlines.remove(&id);
+                    }
+                    let after = self.q.status();
+                    prop_assert_eq!(after.discarded, before.0.discarded + open);
+                    prop_assert_eq!(after.done, before.0.done, "tasks done stay done");
+                }
             }
             Op::Tick(ms) => {
                 self.now += Duration::from_millis(ms);
@@ -404,6 +424,14 @@ impl Harness {
                     self.saw_job_failed = true;
                     self.todo.clear();
                 }
+                QueueEvent::JobAborted { pass, reason, discarded } => {
+                    prop_assert!(reason.contains("diverged"), "{}", reason);
+                    for task in discarded {
+                        prop_assert!(self.discarded_in.insert(task, pass).is_none(), "discarded twice");
+                    }
+                    self.saw_job_failed = true;
+                    self.todo.clear();
+                }
                 QueueEvent::TaskReturned { task_ref, .. } => {
                     // Back at the front, no failure counted: the next get takes it.
                     self.todo.push_front(task_ref.task);
@@ -425,7 +453,8 @@ impl Harness {
             .collect();
         prop_assert_eq!(model_todo, todo_now, "todo set");
         prop_assert_eq!(self.saw_job_done, st.state == JobState::Done);
-        prop_assert_eq!(self.saw_job_failed, st.state == JobState::Failed);
+        prop_assert_eq!(self.saw_job_failed, st.state.is_failure());
+        prop_assert_eq!(self.aborted, st.state == JobState::Aborted);
         prop_assert_eq!(self.discarded_in.len(), st.discarded);
 
         if st.state == JobState::Done {

@@ -74,6 +74,9 @@ pub struct TrainerOptions {
     /// At the stop signal, how long the task in hand may still train
     /// before it is handed back unfinished.
     pub stop_grace: Duration,
+    /// Notified whenever reports were accepted by the master: a progress
+    /// display follows the job from these events.
+    pub reported: Option<Arc<tokio::sync::Notify>>,
 }
 
 impl TrainerOptions {
@@ -91,6 +94,7 @@ impl TrainerOptions {
             prefetch: true,
             overlap: true,
             stop_grace: Duration::from_secs(10),
+            reported: None,
         }
     }
 }
@@ -349,7 +353,8 @@ impl Loop {
                     let span = tracing::info_span!("task", task = task.id.0, pass = task_ref.pass);
                     match self.do_task(master, task, task_ref, data).instrument(span).await? {
                         Trained::Finished(stats) => self.finished((task_ref, stats)).await?,
-                        Trained::Failed => {}
+                        // do_task reports a diverged task failed.
+                        Trained::Failed | Trained::Diverged(_) => {}
                         Trained::Interrupted => {
                             // Its gradients so far are pushed; the task goes back whole.
                             self.drain(master).await?;
@@ -464,6 +469,9 @@ impl Loop {
                 self.report.tasks_finished += 1;
             }
         }
+        if let Some(reported) = &self.options.reported {
+            reported.notify_one();
+        }
         Ok(())
     }
 
@@ -485,13 +493,25 @@ impl Loop {
             Ok(read) => read,
             Err(e) => {
                 tracing::warn!(trainer = id, task = task.id.0, error = %e, "task data is bad");
-                master.task_failed(&id, task_ref, &e.to_string()).await?;
+                master.task_failed(&id, task_ref, &format!("bad data: {e}")).await?;
                 self.report.tasks_failed += 1;
                 return Ok(Trained::Failed);
             }
         };
-        let Some(mut stats) = self.train(&examples).await? else {
-            return Ok(Trained::Interrupted);
+        let mut stats = match self.train(&examples).await? {
+            Trained::Finished(stats) => stats,
+            Trained::Diverged(why) => {
+                tracing::warn!(trainer = id, task = task.id.0, reason = %why, "task failed");
+                if self.joined {
+                    // Nothing of this step will come from us: do not make the others wait.
+                    self.pservers.lock().await.leave().await?;
+                    self.joined = false;
+                }
+                master.task_failed(&id, task_ref, &why).await?;
+                self.report.tasks_failed += 1;
+                return Ok(Trained::Failed);
+            }
+            other => return Ok(other),
         };
         self.report.skipped_lines += skipped;
         stats.skipped_lines = skipped;
@@ -499,9 +519,10 @@ impl Loop {
         Ok(Trained::Finished(stats))
     }
 
-    /// Train on a task's examples; `None` if the stop signal's grace ran
-    /// out first.
-    async fn train(&mut self, examples: &[Example]) -> Result<Option<TaskStats>> {
+    /// Train on a task's examples: finished, interrupted (the stop
+    /// signal's grace ran out) or diverged (a batch's loss is not finite;
+    /// its gradient is not pushed).
+    async fn train(&mut self, examples: &[Example]) -> Result<Trained> {
         let mut stats = TaskStats::default();
         for batch in examples.chunks(self.options.batch_size) {
             if !self.lease.is_valid() {
@@ -510,12 +531,21 @@ impl Loop {
             if self.stopping() && self.stop_by.is_some_and(|by| Instant::now() >= by) {
                 self.report.examples += stats.examples;
                 self.report.loss_sum += stats.loss_sum;
-                return Ok(None);
+                return Ok(Trained::Interrupted);
             }
             let loss = match self.schedule {
                 None => self.sync_step(batch).await?,
                 Some(_) => self.async_step(batch).await?,
             };
+            if !loss.is_finite() {
+                self.report.examples += stats.examples;
+                self.report.loss_sum += stats.loss_sum;
+                return Ok(Trained::Diverged(format!(
+                    "the loss of batch {} of {} is {loss}: training diverged (is the learning rate too high?)",
+                    stats.examples / self.options.batch_size as u64 + 1,
+                    examples.len().div_ceil(self.options.batch_size)
+                )));
+            }
             stats.examples += batch.len() as u64;
             stats.loss_sum += loss as f64 * batch.len() as f64;
             self.report.batches += 1;
@@ -530,7 +560,7 @@ impl Loop {
         if stats.examples > 0 {
             m.loss.set(stats.loss_sum / stats.examples as f64);
         }
-        Ok(Some(stats))
+        Ok(Trained::Finished(stats))
     }
 
     /// Pull step s, compute, push for step s; if the pservers moved on
@@ -541,6 +571,9 @@ impl Loop {
             let started = Instant::now();
             pservers.pull(&mut self.params).await?;
             let loss = self.model.loss_and_grad(&self.params, batch, &mut self.grads);
+            if !loss.is_finite() {
+                return Ok(loss);
+            }
             match pservers.push(&self.grads, batch.len() as f32).await? {
                 PushResult::Accepted => {
                     metrics().exchange.observe(started.elapsed().as_secs_f64());
@@ -567,6 +600,9 @@ impl Loop {
             metrics().parameter_age.observe(age.as_secs_f64());
         }
         let loss = self.model.loss_and_grad(&self.params, batch, &mut self.grads);
+        if !loss.is_finite() {
+            return Ok(loss);
+        }
         let weight = batch.len() as f32;
         for (s, g) in self.sum.as_mut_slice().iter_mut().zip(self.grads.as_slice()) {
             *s += weight * g;
@@ -703,6 +739,8 @@ enum Trained {
     Failed,
     /// The stop signal's grace ran out before the end: hand it back.
     Interrupted,
+    /// A batch's loss is not finite (why): report the task failed.
+    Diverged(String),
 }
 
 /// The master's answer to a trainer asking for a task, with the task's

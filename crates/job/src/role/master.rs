@@ -7,17 +7,25 @@
 //! measured on the training data if it holds at most [`TRAIN_SAMPLE_BYTES`],
 //! else on an evenly spread sample of that size, so the master's memory
 //! does not grow with the dataset.
+//!
+//! **Divergence.** After each pass the scored model is checked: a
+//! non-finite parameter, a non-finite train or test loss, or a test loss
+//! above [`DIVERGED_FACTOR`] times the initial model's (computed here from
+//! the job's seed, as the pservers initialise it) ends the job as failed
+//! at once (`Master::abort`), with a reason that names the learning rate;
+//! training on would only waste the machines. A job that fails otherwise
+//! (every task of a pass discarded) reports the first discard's reason.
 
 use super::{unless_shut_down, RoleOptions};
 use crate::{
     config::JobConfig,
     context::JobContext,
     keys::JobKeys,
-    report::{read_result, JobEnd, JobReport, PassReport},
+    report::{read_result, JobEnd, JobReport, PassReport, Progress},
     Error, Result,
 };
 use oar_discovery::ChangeSignal;
-use oar_pserver::{ParamBuf, Placement, PserverClient, PserverClientOptions};
+use oar_pserver::{OptimizerConfig, ParamBuf, Placement, PserverClient, PserverClientOptions};
 use oar_task_queue::{
     auto_chunk_bytes, chunk_files, glob_files, tasks_from_chunks, JobState, Master, MasterOptions,
     MasterStatus,
@@ -39,9 +47,13 @@ use tracing::Instrument;
 /// evenly spread sample of this size.
 pub const TRAIN_SAMPLE_BYTES: u64 = 64 << 20;
 
+/// A test loss this many times the initial model's means training diverged.
+pub const DIVERGED_FACTOR: f32 = 100.0;
+
 /// Run the master of a job with options `config`: take the lock (waiting as
 /// a standby while another master holds it), publish the options, serve the
-/// task queue, score the model after each pass (`on_pass`), and when the job
+/// task queue, tell `on_progress` of every change of the queue and of each
+/// pass as it ends (scored), and when the job
 /// ends write and return its report. `None` if `shutdown` stopped it first
 /// (a standby, if any, takes over at once). Errors if the master loses its
 /// lock or lease (it stops serving first).
@@ -50,10 +62,10 @@ pub async fn master(
     config: &JobConfig,
     options: &RoleOptions,
     shutdown: CancellationToken,
-    on_pass: impl FnMut(&PassReport),
+    on_progress: impl FnMut(Progress<'_>),
 ) -> Result<Option<JobReport>> {
     let span = tracing::info_span!("master", job = %ctx.job, id = %options.id);
-    run_master(ctx, config, options, shutdown, on_pass).instrument(span).await
+    run_master(ctx, config, options, shutdown, on_progress).instrument(span).await
 }
 
 async fn run_master(
@@ -61,7 +73,7 @@ async fn run_master(
     config: &JobConfig,
     options: &RoleOptions,
     shutdown: CancellationToken,
-    mut on_pass: impl FnMut(&PassReport),
+    mut on_progress: impl FnMut(Progress<'_>),
 ) -> Result<Option<JobReport>> {
     config.validate()?;
     let started = Instant::now();
@@ -129,22 +141,39 @@ async fn run_master(
     let mut evaluator =
         PserverClient::new(ctx.discovery.clone(), ctx.transport.clone(), placement, client_options);
     let mut params = ParamBuf::zeros(&model.param_specs());
+    // The passes to report start from the one the master started at (taken
+    // now: trainers are already at work).
+    let mut status = master.status();
+    let mut reported = status.borrow().queue.pass;
+    // The loss before any training, from the initial values the pservers
+    // start from: what a diverged loss is measured against.
+    let initial_loss =
+        evaluate(&*model, &ParamBuf::init(&model.param_specs(), config.seed), &test_set, 1024).loss;
+    let mut aborted = None;
 
     // Report each pass as it ends, until the job ends, the master stops or
     // it is shut down.
-    let mut status = master.status();
-    let mut reported = status.borrow().queue.pass;
     let followed = async {
         let ended = master.wait();
         tokio::pin!(ended);
         let mut over = false;
         loop {
             let current = status.borrow_and_update().clone();
+            on_progress(Progress::Status(&current));
             let passes_over = if current.is_finished() { current.queue.pass + 1 } else { current.queue.pass };
             while reported < passes_over.min(config.passes) {
                 let eval = score(&mut evaluator, &mut params, &*model, &test_set).await?;
-                on_pass(&pass_report(reported, &current, &eval));
+                let pass = pass_report(reported, &current, &eval);
+                on_progress(Progress::PassEnded(&pass));
                 reported += 1;
+                if let Some(why) =
+                    diverged(&pass, &params, initial_loss, config).filter(|_| aborted.is_none())
+                {
+                    tracing::error!(reason = %why, "training diverged; the job fails");
+                    if master.abort(&why) {
+                        aborted = Some(why);
+                    }
+                }
             }
             if over || current.is_finished() {
                 // Returns at once now: the end is stored, or the master stopped.
@@ -173,10 +202,28 @@ async fn run_master(
         Some(read) => evaluate(&*model, &params, &joined(read).await??, 1024),
         None => evaluate(&*model, &params, &test_set, 1024),
     };
+    // The final model too: a job that ended before its divergence was seen fails.
+    let last_pass = PassReport {
+        pass: last.queue.pass,
+        train_loss: last.passes.last().map_or(f64::NAN, |p| p.mean_loss()),
+        test_loss: test.loss,
+        test_accuracy: test.accuracy,
+        tasks_done: last.passes.iter().map(|p| p.tasks_finished).sum(),
+        tasks_discarded: last.queue.discarded,
+    };
+    if aborted.is_none() {
+        aborted = diverged(&last_pass, &params, initial_loss, config);
+    }
+    let reason = match (state, aborted) {
+        (_, Some(why)) => Some(why),
+        (JobState::Done, None) => None,
+        (_, None) => Some(failure_reason(&last, config)),
+    };
     let report = JobReport {
-        state: if state == JobState::Done { JobEnd::Done } else { JobEnd::Failed },
+        state: if reason.is_none() { JobEnd::Done } else { JobEnd::Failed },
+        reason,
         passes: last.passes.iter().filter(|p| p.tasks_finished > 0).count() as u32,
-        final_loss: last.passes.last().filter(|p| p.examples > 0).map(|p| p.mean_loss()),
+        final_loss: last.passes.last().filter(|p| p.examples > 0).map_or(f64::NAN, |p| p.mean_loss()),
         train_accuracy: train.accuracy,
         test_accuracy: test.accuracy,
         examples_per_second: last.passes.iter().map(|p| p.examples).sum::<u64>() as f64 / training_seconds,
@@ -216,6 +263,59 @@ async fn score(
 ) -> Result<Evaluation> {
     client.pull(params).await?;
     Ok(evaluate(model, params, examples, 1024))
+}
+
+/// Why training looks diverged after `pass` (see the module docs), if it does.
+fn diverged(pass: &PassReport, params: &ParamBuf, initial_loss: f32, config: &JobConfig) -> Option<String> {
+    if pass.tasks_done == 0 {
+        // Nothing trained in the pass: no loss to judge by.
+        return None;
+    }
+    let n = pass.pass + 1;
+    let what = if let Some(i) = params.as_slice().iter().position(|x| !x.is_finite()) {
+        format!("parameter {i} is {}", params.as_slice()[i])
+    } else if !pass.test_loss.is_finite() || !pass.train_loss.is_finite() {
+        format!("the loss is {} (train {})", pass.test_loss, pass.train_loss)
+    } else if initial_loss.is_finite()
+        && pass.test_loss > DIVERGED_FACTOR * initial_loss.max(f32::MIN_POSITIVE)
+    {
+        format!(
+            "the test loss is {:.4e}, {DIVERGED_FACTOR}x more than the initial model's {initial_loss:.4}",
+            pass.test_loss
+        )
+    } else {
+        return None;
+    };
+    Some(format!(
+        "training diverged in pass {n}: {what}; the learning rate ({}) is likely too high",
+        learning_rate(&config.optimizer)
+    ))
+}
+
+/// The learning rate of a built-in optimizer.
+fn learning_rate(optimizer: &OptimizerConfig) -> f32 {
+    match *optimizer {
+        OptimizerConfig::Sgd { lr }
+        | OptimizerConfig::Momentum { lr, .. }
+        | OptimizerConfig::AdaGrad { lr, .. }
+        | OptimizerConfig::Adam { lr, .. } => lr,
+    }
+}
+
+/// Why a job failed that was not aborted: a pass ended with every task discarded.
+fn failure_reason(status: &MasterStatus, config: &JobConfig) -> String {
+    let pass = status.queue.pass + 1;
+    let Some((task, why)) = status.discarded.first() else {
+        return format!("every task of pass {pass} was discarded");
+    };
+    let hint = match why.contains("bad data") && !config.skip_bad_lines {
+        true => "; to skip bad lines and train on the rest, set skip_bad_lines (--skip-bad-lines)",
+        false => "",
+    };
+    format!(
+        "every task of pass {pass} was discarded ({} in all); task {task}: {why}{hint}",
+        status.queue.discarded
+    )
 }
 
 fn pass_report(pass: u32, status: &MasterStatus, eval: &Evaluation) -> PassReport {

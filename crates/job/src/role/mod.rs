@@ -85,6 +85,9 @@ pub struct RoleOptions {
     /// Trainer: at shutdown, how long the task in hand may take to finish
     /// before it is handed back instead.
     pub stop_grace: Duration,
+    /// Trainer: notified whenever the master accepted its reports (what a
+    /// progress display follows).
+    pub on_report: Option<std::sync::Arc<tokio::sync::Notify>>,
     /// Pserver: where checkpoints go (`<dir>/ps-<index>/`); none: no checkpoints.
     pub checkpoint_dir: Option<PathBuf>,
     /// Pserver: how often a checkpoint is written. A crash loses at most
@@ -110,6 +113,7 @@ impl Default for RoleOptions {
             standby_timeout: Duration::from_secs(24 * 3600),
             linger: Duration::from_secs(10),
             stop_grace: Duration::from_secs(10),
+            on_report: None,
             checkpoint_dir: None,
             checkpoint_interval: Duration::from_secs(60),
             pserver_index: None,

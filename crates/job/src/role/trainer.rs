@@ -2,8 +2,13 @@
 //! pservers, run the training loop, deregister.
 
 use super::{read_config, unless_shut_down, RoleOptions};
-use crate::{context::JobContext, keys::JobKeys, Error, Result};
-use oar_discovery::{Discovery, Session};
+use crate::{
+    context::JobContext,
+    keys::JobKeys,
+    report::{read_result, JobEnd},
+    Error, Result,
+};
+use oar_discovery::{ChangeSignal, Discovery, Session};
 use oar_pserver::{Placement, PserverClient, PserverClientOptions};
 use oar_task_queue::{MasterClient, MasterClientOptions};
 use oar_trainer::worker::{run_trainer, TrainerOptions, TrainerReport};
@@ -39,6 +44,9 @@ async fn run_trainer_role(
     let config = read_config(&*ctx.discovery, &ctx.job, options.startup_timeout);
     let Some(config) = unless_shut_down(&shutdown, config).await else { return Ok(stopped_early) };
     let config = config?;
+    if let Some(report) = read_result(&*ctx.discovery, &ctx.job).await? {
+        return Err(Error::JobOver { job: ctx.job.clone(), state: report.state });
+    }
     let model = ctx.model(&config)?;
     let placement = Arc::new(Placement::new(&model.param_specs(), config.pservers, config.block_size)?);
     let keys = JobKeys::new(&ctx.job)?;
@@ -70,10 +78,18 @@ async fn run_trainer_role(
             ..PserverClientOptions::new(keys.ps_prefix(), id.clone())
         },
     );
-    let up = pservers.wait_for_servers(options.startup_timeout);
+    // The pservers come up, or the job ends meanwhile (they never will).
+    let up = async {
+        tokio::select! {
+            up = pservers.wait_for_servers(options.startup_timeout) => up.map_err(Error::from),
+            state = job_ended(&*ctx.discovery, &ctx.job) => {
+                Err(Error::JobOver { job: ctx.job.clone(), state: state? })
+            }
+        }
+    };
     let result = match unless_shut_down(&shutdown, up).await {
         None => Ok(stopped_early),
-        Some(Err(e)) => Err(e.into()),
+        Some(Err(e)) => Err(e),
         Some(Ok(())) => {
             let trainer_options = TrainerOptions {
                 batch_size: config.batch_size,
@@ -82,6 +98,7 @@ async fn run_trainer_role(
                 pull_every: config.pull_every,
                 overlap: config.overlap,
                 stop_grace: options.stop_grace,
+                reported: options.on_report.clone(),
                 ..TrainerOptions::new(id.clone(), config.reader())
             };
             run_trainer(Arc::new(master), pservers, model, session.guard(), trainer_options, shutdown)
@@ -93,6 +110,17 @@ async fn run_trainer_role(
     // not a lease ttl later.
     session.close().await?;
     result
+}
+
+/// How the job ended, once its report is written.
+async fn job_ended(discovery: &dyn Discovery, job: &str) -> Result<JobEnd> {
+    let mut changed = ChangeSignal::new(discovery, &JobKeys::new(job)?.result()).await;
+    loop {
+        if let Some(report) = read_result(discovery, job).await? {
+            return Ok(report.state);
+        }
+        changed.wait(Duration::from_secs(1)).await;
+    }
 }
 
 /// Claim `key` under the session's lease. A key left by a dead trainer with
