@@ -9,6 +9,19 @@
 //! shares the blocks copy-on-write instead of copying them. The checkpoint
 //! is written from the snapshot with no lock held, so pushes and pulls go on
 //! meanwhile (BENCHMARKS.md, "Pushes during a checkpoint").
+//!
+//! **A panic while updating the store stops the pserver.** An update
+//! applies block by block, so a panic midway (in a user's
+//! [`Optimizer`](crate::Optimizer), say) leaves some blocks updated and
+//! others not, and the state is neither before nor after the push. Such a
+//! pserver stops serving for good, before the store's lock is released:
+//! every request after it is refused as unavailable with a reason naming
+//! the panic ([`Pserver::stopped`] says it too), no checkpoint of the
+//! half-updated state is written, and the lease is revoked so a replacement
+//! claims the index at once and loads the last checkpoint (a trainer retries
+//! its push there). A store whose lock is poisoned (a thread panicked
+//! holding it) is treated the same way. Making updates atomic instead would
+//! cost a copy of every block an update touches.
 
 use crate::{
     checkpoint::{CheckpointDir, CheckpointInfo},
@@ -18,9 +31,10 @@ use crate::{
 };
 use async_trait::async_trait;
 use bytes::{Bytes, BytesMut};
-use oar_discovery::{Departures, Discovery, LeaseGuard, Session};
+use oar_discovery::{Departures, Discovery, LeaseGuard, LeaseId, Session};
 use oar_transport::{Frame, Handler, Listener, RemoteError, Transport};
 use std::{
+    panic::AssertUnwindSafe,
     path::PathBuf,
     sync::{
         atomic::{AtomicBool, Ordering},
@@ -232,6 +246,9 @@ struct Shared {
     /// then on requests are refused, so the last checkpoint holds every
     /// push this pserver acknowledged.
     draining: AtomicBool,
+    /// To release the index at once after a panic (see [`Shared::fail`]).
+    discovery: Arc<dyn Discovery>,
+    lease_id: LeaseId,
 }
 
 impl Shared {
@@ -248,15 +265,37 @@ impl Shared {
         });
     }
 
+    /// Stop for a fault that may have left the store half-updated (see the
+    /// module docs): stop serving, and revoke the lease so the index is free
+    /// for a replacement at once (if the revoke fails, the lease expires).
+    fn fail(&self, why: String) {
+        self.stop(why);
+        let (discovery, lease) = (self.discovery.clone(), self.lease_id);
+        if let Ok(runtime) = tokio::runtime::Handle::try_current() {
+            runtime.spawn(async move {
+                match discovery.revoke_lease(lease).await {
+                    Ok(()) => tracing::info!(lease, "lease revoked; a replacement can claim the index"),
+                    Err(e) => tracing::warn!(error = %e, lease, "could not revoke the lease; it will expire"),
+                }
+            });
+        }
+    }
+
+    /// Why the pserver stopped serving, as a refusal.
+    fn refusal(why: &str) -> RemoteError {
+        RemoteError::unavailable(format!("pserver stopped serving: {why}"))
+    }
+
     /// The store, locked, for a request: refused once the pserver stopped
-    /// or began draining.
+    /// (looked at again after the lock is taken: a panic stops the pserver
+    /// while it holds the lock) or began draining.
     fn store(&self) -> std::result::Result<MutexGuard<'_, ParamStore>, RemoteError> {
         if !self.lease.is_valid() {
             self.stop("the pserver's lease may have expired (no refresh within its ttl)".into());
         }
         let store = self.lock()?;
         if let Some(why) = self.stopped.borrow().as_ref() {
-            return Err(RemoteError::unavailable(format!("pserver stopped serving: {why}")));
+            return Err(Self::refusal(why));
         }
         if self.draining.load(Ordering::SeqCst) {
             return Err(RemoteError::unavailable("pserver is shutting down"));
@@ -265,10 +304,36 @@ impl Shared {
     }
 
     /// The store's lock. Held only briefly (see the module docs), so a task
-    /// on the runtime may wait for it.
+    /// on the runtime may wait for it. A poisoned lock is fatal: the thread
+    /// that panicked holding it may have left an update half-done.
     fn lock(&self) -> std::result::Result<MutexGuard<'_, ParamStore>, RemoteError> {
         let store = self.store.get().ok_or_else(|| RemoteError::unavailable("pserver is starting"))?;
-        Ok(store.lock().unwrap_or_else(PoisonError::into_inner))
+        store.lock().map_err(|_| {
+            let why = "the store's lock is poisoned: a thread panicked while holding it, \
+                       perhaps midway through an update";
+            self.fail(why.into());
+            Self::refusal(why)
+        })
+    }
+
+    /// Run `update` on the locked `store`, catching a panic. A panic is
+    /// fatal (the store may be half-updated): the pserver stops before the
+    /// caller releases the lock, so no request or checkpoint reads that state.
+    fn update<T>(
+        &self,
+        store: &mut ParamStore,
+        update: impl FnOnce(&mut ParamStore) -> T,
+    ) -> std::result::Result<T, RemoteError> {
+        std::panic::catch_unwind(AssertUnwindSafe(|| update(store))).map_err(|panic| {
+            let message = panic
+                .downcast_ref::<&str>()
+                .map(|s| s.to_string())
+                .or_else(|| panic.downcast_ref::<String>().cloned())
+                .unwrap_or_else(|| "a panic without a message".into());
+            let why = format!("a panic while updating the store, which may be half-updated: {message}");
+            self.fail(why.clone());
+            Self::refusal(&why)
+        })
     }
 }
 
@@ -314,6 +379,8 @@ impl Pserver {
             index: OnceLock::new(),
             lease: session.guard(),
             draining: AtomicBool::new(false),
+            discovery: discovery.clone(),
+            lease_id: session.lease(),
         });
         let listener = transport.listen(listen_addr, Arc::new(PsHandler { shared: shared.clone() })).await?;
 
@@ -387,19 +454,20 @@ impl Pserver {
         self.listener.local_addr()
     }
 
-    /// Updates applied so far.
+    /// Updates applied so far (read even from a store that a panic stopped).
     pub fn step(&self) -> u64 {
         self.shared.store.get().map(|s| s.lock().unwrap_or_else(PoisonError::into_inner).step()).unwrap_or(0)
     }
 
-    /// Why the pserver stopped serving, if it did (lost lease).
+    /// Why the pserver stopped serving, if it did: its lease was lost, or a
+    /// panic while updating the store (see the module docs).
     pub fn stopped(&self) -> Option<String> {
         self.shared.stopped.borrow().clone()
     }
 
     /// Write a checkpoint now and record it in `ps/<index>/checkpoint` (if
     /// checkpoints are configured). Pushes and pulls go on while it is
-    /// written.
+    /// written. An error once the pserver stopped serving.
     pub async fn checkpoint(&self) -> ServiceResult<Option<CheckpointInfo>> {
         let Some(dir) = self.checkpoints.clone() else { return Ok(None) };
         let key = self.keys.checkpoint(self.index);
@@ -418,7 +486,8 @@ impl Pserver {
                 self.shared.draining.store(true, Ordering::SeqCst);
                 store.step()
             }
-            Err(_) => 0,
+            // Not started, or stopped by a panic: no last checkpoint below.
+            Err(_) => self.step(),
         };
         self.shared.stepped.notify_waiters();
         self.listener.close();
@@ -447,7 +516,9 @@ const CHECKPOINT_STEP_WAIT: Duration = Duration::from_secs(30);
 /// held, off the async threads: the checkpoint is exactly one step's state,
 /// and pushes go on while it is written. A sync step that is underway (a
 /// push in parts being applied part by part) is waited for, up to
-/// [`CHECKPOINT_STEP_WAIT`].
+/// [`CHECKPOINT_STEP_WAIT`]. Refused once the pserver stopped serving: a
+/// panic may have left the store half-updated, or a replacement may own the
+/// index.
 async fn save_checkpoint(
     dir: CheckpointDir,
     keep: usize,
@@ -455,9 +526,12 @@ async fn save_checkpoint(
 ) -> ServiceResult<CheckpointInfo> {
     let started = std::time::Instant::now();
     let snapshot = loop {
-        let taken = match shared.lock() {
-            Ok(store) => store.snapshot(),
-            Err(e) => return Err(ServiceError::Protocol(e.message)),
+        let taken = {
+            let store = shared.lock().map_err(|e| ServiceError::Stopped(e.message))?;
+            if let Some(why) = shared.stopped.borrow().as_ref() {
+                return Err(ServiceError::Stopped(why.clone()));
+            }
+            store.snapshot()
         };
         match taken {
             Err(Error::CheckpointStepUnderway { .. }) if started.elapsed() < CHECKPOINT_STEP_WAIT => {
@@ -577,8 +651,9 @@ async fn trainer_watcher(mut departures: Departures, shared: Arc<Shared>) {
     while let Some(departure) = departures.next().await {
         match departure {
             Ok(trainer) => {
-                let Ok(mut store) = shared.lock() else { return };
-                let stepped = store.leave(&trainer);
+                // Stopped (or shutting down): the store is no longer ours to change.
+                let Ok(mut store) = shared.store() else { return };
+                let Ok(stepped) = shared.update(&mut store, |s| s.leave(&trainer)) else { return };
                 drop(store);
                 tracing::info!(trainer, ?stepped, "trainer gone; it leaves the barrier");
                 shared.stepped.notify_waiters();
@@ -651,7 +726,7 @@ impl PsHandler {
         }
         let push = Push { trainer, seq, step, weight, grads };
         let started = std::time::Instant::now();
-        let taken = store.push(push);
+        let taken = self.shared.update(&mut store, |s| s.push(push))?;
         let m = metrics();
         m.pushes.inc();
         m.push_bytes.inc_by(payload.len() as u64);
@@ -768,7 +843,9 @@ impl Handler for PsHandler {
             }
             PsRequest::Join { trainer } => PsReply::Joined { step: self.shared.store()?.join(&trainer) },
             PsRequest::Leave { trainer } => {
-                self.shared.store()?.leave(&trainer);
+                let mut store = self.shared.store()?;
+                self.shared.update(&mut store, |s| s.leave(&trainer))?;
+                drop(store);
                 self.shared.stepped.notify_waiters();
                 PsReply::Ok
             }
@@ -780,5 +857,56 @@ impl Handler for PsHandler {
             }
         };
         Frame::new(PSERVER_METHOD, &reply, Bytes::new()).map_err(RemoteError::internal)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::{optimizer::Sgd, Init};
+    use oar_discovery::MemDiscovery;
+
+    /// A store whose lock a thread panicked holding is never served again.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_poisoned_store_stops_the_pserver_and_releases_its_lease() {
+        let specs = vec![ParamSpec::new("w", vec![4], Init::Constant(0.0))];
+        let placement = Arc::new(Placement::new(&specs, 1, 4).unwrap());
+        let discovery: Arc<dyn Discovery> = Arc::new(MemDiscovery::new());
+        let session = Session::start(discovery.clone(), Duration::from_secs(30)).await.unwrap();
+        discovery.put("claim", b"x".to_vec(), Some(session.lease())).await.unwrap();
+        let store = ParamStore::new(&placement, 0, 1, Box::new(Sgd { lr: 0.1 }), Mode::Async).unwrap();
+        let shared = Arc::new(Shared {
+            store: OnceLock::from(Mutex::new(store)),
+            placement,
+            stepped: Notify::new(),
+            stopped: watch::channel(None).0,
+            index: OnceLock::from(0),
+            lease: session.guard(),
+            draining: AtomicBool::new(false),
+            discovery: discovery.clone(),
+            lease_id: session.lease(),
+        });
+        assert!(shared.store().is_ok());
+        let poisoner = shared.clone();
+        let panicked = std::thread::spawn(move || {
+            let _held = poisoner.store.get().map(|s| s.lock());
+            panic!("midway through an update");
+        })
+        .join();
+        assert!(panicked.is_err());
+
+        let refused = shared.store().expect_err("a poisoned store is refused");
+        assert_eq!(refused.kind, oar_transport::RemoteErrorKind::Unavailable);
+        assert!(refused.message.contains("poisoned"), "{refused:?}");
+        let why = shared.stopped.borrow().clone().expect("stopped");
+        assert!(why.contains("poisoned"), "{why}");
+        // The lease is revoked, so its keys go and a replacement can claim the index.
+        tokio::time::timeout(Duration::from_secs(10), async {
+            while discovery.get("claim").await.unwrap().is_some() {
+                tokio::time::sleep(Duration::from_millis(10)).await;
+            }
+        })
+        .await
+        .expect("the lease is revoked");
     }
 }
