@@ -4,7 +4,7 @@
 
 use serde::{Deserialize, Serialize};
 use std::collections::{BTreeMap, BTreeSet, HashMap};
-use std::sync::Arc;
+use std::sync::{Arc, Mutex, PoisonError};
 
 use crate::block::BlockId;
 use crate::error::{Error, Result};
@@ -163,7 +163,7 @@ pub enum PushOutcome {
 struct Held {
     id: BlockId,
     /// Shared with the snapshots taken since its last update; an update
-    /// copies it first if one still holds it ([`Arc::make_mut`]).
+    /// copies it first if one still holds it (see [`ParamStore::block_mut`]).
     data: Arc<BlockData>,
 }
 
@@ -173,6 +173,19 @@ struct BlockData {
     params: Vec<f32>,
     state: OptimizerState,
 }
+
+impl BlockData {
+    /// Make this a copy of `other`, reusing this one's buffers.
+    fn copy_from(&mut self, other: &BlockData) {
+        self.params.clone_from(&other.params);
+        self.state.step = other.state.step;
+        self.state.slots.clone_from(&other.state.slots);
+    }
+}
+
+/// Block buffers that no snapshot needs any more, kept for the store's
+/// next copies (see [`StoreSnapshot`]).
+type Spares = Arc<Mutex<Vec<BlockData>>>;
 
 /// A consistent copy of everything a checkpoint records of a
 /// [`ParamStore`], taken by [`ParamStore::snapshot`] under the store's lock
@@ -184,8 +197,15 @@ struct BlockData {
 /// when it updates one that a live snapshot still shares, so while a
 /// snapshot lives the store's memory grows by the blocks updated meanwhile
 /// (each block's parameters and optimizer state once): at most one more
-/// copy of the shard, when every block is updated during the write. Dropping
-/// the snapshot frees the old values.
+/// copy of the shard, when every block is updated during the write.
+///
+/// Dropping the snapshot hands the old values of those blocks back to the
+/// store as spare buffers, which its next copies reuse. Why: a copy into
+/// fresh memory pays its page faults too, 4x the time of a copy into a
+/// reused buffer on the development VM, and more beside a checkpoint
+/// writing to the page cache (BENCHMARKS.md, "Pushes during a
+/// checkpoint"). So the memory a checkpoint's copies took stays with the
+/// store until the next checkpoint reuses it; the peak is the same.
 #[derive(Clone)]
 pub struct StoreSnapshot {
     server: u32,
@@ -196,6 +216,19 @@ pub struct StoreSnapshot {
     blocks: Vec<(BlockId, Arc<BlockData>)>,
     /// Sorted by trainer, so the same state always gives the same bytes.
     last_seqs: Vec<(String, u64)>,
+    /// Where the blocks only this snapshot holds go when it is dropped.
+    spares: Spares,
+}
+
+impl Drop for StoreSnapshot {
+    fn drop(&mut self) {
+        // The blocks the store has replaced since: this is their last holder.
+        let mut old: Vec<BlockData> =
+            self.blocks.drain(..).filter_map(|(_, data)| Arc::try_unwrap(data).ok()).collect();
+        if !old.is_empty() {
+            self.spares.lock().unwrap_or_else(PoisonError::into_inner).append(&mut old);
+        }
+    }
 }
 
 impl StoreSnapshot {
@@ -297,6 +330,8 @@ pub struct ParamStore {
     partial: HashMap<String, Vec<bool>>,
     /// One block's combined gradient (sync), kept between steps.
     scratch: Vec<f32>,
+    /// Buffers for copies of blocks that snapshots share.
+    spares: Spares,
 }
 
 impl std::fmt::Debug for ParamStore {
@@ -356,6 +391,7 @@ impl ParamStore {
             last_seq: HashMap::new(),
             partial: HashMap::new(),
             scratch: Vec::new(),
+            spares: Spares::default(),
         })
     }
 
@@ -412,6 +448,7 @@ impl ParamStore {
             step: self.step,
             blocks: self.held.iter().map(|h| (h.id, h.data.clone())).collect(),
             last_seqs,
+            spares: self.spares.clone(),
         })
     }
 
@@ -485,7 +522,7 @@ impl ParamStore {
             Mode::Async => {
                 let mut scratch = Vec::new();
                 for (i, g) in &grads {
-                    let d = Arc::make_mut(&mut self.held[*i].data);
+                    let d = Self::block_mut(&mut self.held, &self.spares, *i);
                     self.optimizer.apply(&mut d.params, g.floats(&mut scratch), &mut d.state);
                 }
                 self.join(&trainer);
@@ -590,6 +627,26 @@ impl ParamStore {
             *e = seq;
             self.partial.remove(trainer);
         }
+    }
+
+    /// Held block `i`'s values, to update. If a snapshot still shares
+    /// them they are copied first, into a spare buffer when there is one,
+    /// and the snapshot keeps the old ones.
+    fn block_mut<'a>(held: &'a mut [Held], spares: &Spares, i: usize) -> &'a mut BlockData {
+        let data = &mut held[i].data;
+        if Arc::get_mut(data).is_none() {
+            let spare = spares.lock().unwrap_or_else(PoisonError::into_inner).pop();
+            let copy = match spare {
+                Some(mut spare) => {
+                    spare.copy_from(data);
+                    spare
+                }
+                None => BlockData::clone(data),
+            };
+            *data = Arc::new(copy);
+        }
+        // Not shared now: no copy.
+        Arc::make_mut(data)
     }
 
     fn index(&self, id: BlockId) -> Option<usize> {
@@ -723,8 +780,8 @@ impl ParamStore {
         if total != 1.0 {
             div(acc, total);
         }
-        let d = Arc::make_mut(&mut self.held[i].data);
-        self.optimizer.apply(&mut d.params, acc, &mut d.state);
+        let d = Self::block_mut(&mut self.held, &self.spares, i);
+        self.optimizer.apply(&mut d.params, &self.scratch, &mut d.state);
         self.updated[i] = true;
         self.updated_count += 1;
     }
@@ -1187,7 +1244,7 @@ mod tests {
         // 9 + 3 elements in blocks of 4: blocks of 4, 4, 1 and 3.
         let pl = Placement::new(&specs(), 1, 4).unwrap();
         let opt = Adam { lr: 0.1, beta1: 0.9, beta2: 0.99, eps: 1e-8 };
-        let mut st = ParamStore::new(&pl, 0, 1, Box::new(opt), Mode::Async).unwrap();
+        let mut st = ParamStore::new(&pl, 0, 1, Box::new(opt.clone()), Mode::Async).unwrap();
         st.push(push_for(&st, "t", 1, 0, 1.0, |_, i| i as f32)).unwrap();
         let shared = |st: &ParamStore, snap: &StoreSnapshot| -> Vec<bool> {
             st.held.iter().zip(&snap.blocks).map(|(h, (_, d))| Arc::ptr_eq(&h.data, d)).collect()
@@ -1209,7 +1266,24 @@ mod tests {
         assert_eq!(st.blocks().nth(1).unwrap().2.step, 2);
         assert_eq!(snap.step(), 1);
         // Once the snapshot is gone, updates copy nothing: every block is the store's alone.
+        // The three old blocks it held alone are the store's spare buffers now.
         drop(snap);
         assert!(st.held.iter().all(|h| Arc::strong_count(&h.data) == 1));
+        assert_eq!(st.spares.lock().unwrap().len(), 3);
+        // The next copy reuses one of them, and copies the values exactly.
+        let snap = st.snapshot().unwrap();
+        let before: Vec<(Vec<f32>, OptimizerState)> =
+            snap.blocks().map(|(_, p, s)| (p.to_vec(), s.clone())).collect();
+        st.push(part(push_for(&st, "t", 3, 0, 1.0, |_, _| 1.0), 0..1)).unwrap();
+        assert_eq!(st.spares.lock().unwrap().len(), 2);
+        assert_eq!(shared(&st, &snap), vec![false, true, true, true]);
+        let mut reference = ParamStore::new(&pl, 0, 1, Box::new(opt.clone()), Mode::Async).unwrap();
+        let (params, state) = &before[0];
+        reference.restore_block(BlockId::new(0, 0), params.clone(), state.clone()).unwrap();
+        reference.push(part(push_for(&reference, "t", 3, 0, 1.0, |_, _| 1.0), 0..1)).unwrap();
+        assert_eq!(st.blocks().next(), reference.blocks().next());
+        let now: Vec<(Vec<f32>, OptimizerState)> =
+            snap.blocks().map(|(_, p, s)| (p.to_vec(), s.clone())).collect();
+        assert_eq!(now, before);
     }
 }
