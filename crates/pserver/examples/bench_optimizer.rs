@@ -3,12 +3,12 @@
 //!
 //! ```sh
 //! cargo run --release -p oar-pserver --example bench_optimizer
-//! cargo run --release -p oar-pserver --example bench_optimizer -- --n 16777216 --reps 9 --no-split
+//! cargo run --release -p oar-pserver --example bench_optimizer -- --n 16777216 --reps 9
 //! ```
 //!
 //! Options: `--n N` elements per block (default 64M = 67108864 float32, 256 MiB
 //! per array), `--reps R` timed repetitions (default 7, at least 5; one extra
-//! untimed warm-up round runs first), `--no-split` skips the 2-thread runs.
+//! untimed warm-up round runs first).
 //!
 //! Byte accounting, "bytes read + bytes written" per element (4 B per f32):
 //!
@@ -29,12 +29,7 @@
 //! AdaGrad informational). "paired" is the median of the per-round ratios
 //! against the reference call made just before, which is steadier under load.
 //!
-//! The 2-thread runs split the block in halves on `std::thread::scope` threads
-//! (one half on the calling thread): the reference by hand, the optimizers
-//! through the opt-in `Optimizer::apply_parallel(.., 2)`; "vs 1 thread" is the
-//! speed-up over the same call on one thread, "split wins" from 1.15x.
-//! `apply_parallel` splits only blocks of at least 2 x `MIN_SPLIT_CHUNK` (8M)
-//! elements; below that its row measures one thread again. Every array is written before timing, so page faults
+//! Every array is written before timing, so page faults
 //! stay outside the timed region. The number of running `rustc` processes and
 //! the load average are printed before and after, because the figures are only
 //! meaningful on an otherwise idle machine.
@@ -50,18 +45,6 @@ fn reference(a: &mut [f32], b: &[f32], c: &[f32], s: f32) {
     for ((a, &b), &c) in a.iter_mut().zip(b).zip(c) {
         *a = b + s * c;
     }
-}
-
-/// The reference pass split in halves over two threads.
-fn reference_split(a: &mut [f32], b: &[f32], c: &[f32], s: f32) {
-    let mid = a.len() / 2;
-    let (a0, a1) = a.split_at_mut(mid);
-    let (b0, b1) = b.split_at(mid);
-    let (c0, c1) = c.split_at(mid);
-    std::thread::scope(|sc| {
-        sc.spawn(|| reference(a1, b1, c1, s));
-        reference(a0, b0, c0, s);
-    });
 }
 
 /// Deterministic values in `[-1, -0.5] U [0.5, 1]`: no zeros, no denormals in
@@ -123,25 +106,22 @@ struct Case {
     target: Option<f64>,
     state: OptimizerState,
     t1: Vec<f64>,
-    t2: Vec<f64>,
     paired1: Vec<f64>,
-    paired2: Vec<f64>,
 }
 
 fn usage() -> ! {
-    eprintln!("usage: bench_optimizer [--n N] [--reps R (>= 5)] [--no-split]");
+    eprintln!("usage: bench_optimizer [--n N] [--reps R (>= 5)]");
     std::process::exit(2)
 }
 
 fn main() {
-    let (mut n, mut reps, mut split) = (64usize << 20, 7usize, true);
+    let (mut n, mut reps) = (64usize << 20, 7usize);
     let mut args = std::env::args().skip(1);
     while let Some(a) = args.next() {
         let mut num = || args.next().and_then(|v| v.parse::<usize>().ok()).unwrap_or_else(|| usage());
         match a.as_str() {
             "--n" => n = num(),
             "--reps" => reps = num(),
-            "--no-split" => split = false,
             _ => usage(),
         }
     }
@@ -171,26 +151,14 @@ fn main() {
             // in before timing (a zeroed Vec is mapped lazily).
             let mut state = opt.new_state(n);
             state.slots.iter_mut().for_each(|x| *x = 1e-3);
-            Case {
-                opt,
-                bytes_per_elem,
-                target,
-                state,
-                t1: vec![],
-                t2: vec![],
-                paired1: vec![],
-                paired2: vec![],
-            }
+            Case { opt, bytes_per_elem, target, state, t1: vec![], paired1: vec![] }
         })
         .collect();
 
-    println!(
-        "bench_optimizer: N = {n} float32 ({} MiB per array), {reps} reps + 1 warm-up, split: {split}",
-        (n * 4) >> 20
-    );
+    println!("bench_optimizer: N = {n} float32 ({} MiB per array), {reps} reps + 1 warm-up", (n * 4) >> 20);
     println!("before: {}", machine_load());
 
-    let (mut r1, mut r2) = (Vec::new(), Vec::new());
+    let mut r1 = Vec::new();
     for rep in 0..=reps {
         let warm = rep == 0;
         for cs in cases.iter_mut() {
@@ -202,22 +170,6 @@ fn main() {
                 r1.push(tr);
                 cs.t1.push(to);
                 cs.paired1.push((cs.bytes_per_elem / to) / (12.0 / tr));
-            }
-        }
-        if split {
-            for cs in cases.iter_mut() {
-                let tr =
-                    time(|| reference_split(black_box(&mut a), black_box(&b), black_box(&c), black_box(s)));
-                black_box(&a);
-                let to = time(|| {
-                    cs.opt.apply_parallel(black_box(&mut p), black_box(&g), black_box(&mut cs.state), 2)
-                });
-                black_box(&p);
-                if !warm {
-                    r2.push(tr);
-                    cs.t2.push(to);
-                    cs.paired2.push((cs.bytes_per_elem / to) / (12.0 / tr));
-                }
             }
         }
     }
@@ -248,35 +200,5 @@ fn main() {
             ratio,
             median(&cs.paired1)
         );
-    }
-    if split {
-        let ref2 = gbs(12.0, median(&r2));
-        println!();
-        println!("2 threads (halves)         B/elem  median GB/s  ratio  paired  vs 1 thread");
-        let wins = |x: f64| if x >= 1.15 { "split wins" } else { "no clear win" };
-        println!(
-            "{:<26} {:>6}  {:>11.2}  {:>5.2}  {:>6}  {:>5.2}x {}",
-            "reference a = b + s*c",
-            12,
-            ref2,
-            1.0,
-            "",
-            ref2 / ref1,
-            wins(ref2 / ref1)
-        );
-        for cs in &cases {
-            let v = gbs(cs.bytes_per_elem, median(&cs.t2));
-            let one = gbs(cs.bytes_per_elem, median(&cs.t1));
-            println!(
-                "{:<26} {:>6}  {:>11.2}  {:>5.2}  {:>6.2}  {:>5.2}x {}",
-                cs.opt.name(),
-                cs.bytes_per_elem,
-                v,
-                v / ref2,
-                median(&cs.paired2),
-                v / one,
-                wins(v / one)
-            );
-        }
     }
 }

@@ -346,6 +346,10 @@ pub enum ServiceError {
     /// A pserver answered something that makes no sense for the request.
     #[error("pserver protocol error: {0}")]
     Protocol(String),
+    /// This pserver stopped serving (its lease was lost, or a panic while
+    /// updating its store): it writes no more checkpoints.
+    #[error("pserver stopped serving: {0}")]
+    Stopped(String),
     /// A discovery operation failed.
     #[error(transparent)]
     Discovery(#[from] oar_discovery::Error),

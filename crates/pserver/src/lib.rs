@@ -46,11 +46,14 @@
 //!
 //! **What a pserver crash loses.** The [`Pserver`] service checkpoints its
 //! shard every `checkpoint_interval` (when it changed), atomically, with the
-//! optimizer state and the push deduplication table. A replacement loads the
-//! newest verified checkpoint, so a crash loses at most the updates applied
-//! to that shard during one interval (plus the time one checkpoint takes to
-//! write); no update is applied twice, because a trainer's retried push
-//! that the checkpoint already holds is recognised by its `(trainer, seq)`.
+//! optimizer state and the push deduplication table. It writes a
+//! [`StoreSnapshot`] taken under the store's lock (cheap: blocks are shared
+//! copy-on-write) with no lock held, so pushes go on meanwhile. A
+//! replacement loads the newest verified checkpoint, so a crash loses at
+//! most the updates applied to that shard during one interval (plus the
+//! time one checkpoint takes to write); no update is applied twice, because
+//! a trainer's retried push that the checkpoint already holds is recognised
+//! by its `(trainer, seq)`.
 //! Trainers pause their updates while the shard is away and follow the
 //! replacement (see [`client`]). `tests/faults.rs` kills a pserver and checks
 //! that the replacement loads a checkpoint at least as new as the last one
@@ -119,4 +122,4 @@ pub use rng::{hash_str, SplitMix64};
 #[cfg(feature = "service")]
 pub use service::{OptimizerFactory, Pserver, PserverKeys, PserverOptions};
 pub use spec::{init_values, validate_specs, Init, ParamBuf, ParamSpec};
-pub use store::{Grad, Mode, ParamStore, Push, PushOutcome};
+pub use store::{Grad, Mode, ParamStore, Push, PushOutcome, StoreSnapshot};

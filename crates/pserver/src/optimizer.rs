@@ -1,18 +1,21 @@
 //! Update rules run on the pservers: the [`Optimizer`] trait and the built-in
 //! SGD, momentum, AdaGrad and Adam.
 //!
-//! The loops are written over plain slices with `zip`, without indexing, so
-//! the compiler vectorises them (packed SSE in the portable build); per-step
-//! constants (Adam's bias corrections) are computed once outside the loop.
-//! On the 2-core development machine the built-ins run at 1.0-1.7x the bytes
-//! per second of a plain `a = b + s*c` pass over the same memory, AdaGrad
-//! lowest (its square root and division, at 4 SSE lanes, limit it before memory
-//! does); see `examples/bench_optimizer.rs`.
+//! [`Optimizer`] is the plug-in point: a user's rule implements `apply`.
+//! The built-ins share one structure instead: each is a `Kernel`, an
+//! element-wise update with per-step constants (Adam's bias corrections)
+//! computed once per apply, and one driver (`apply_kernel`) runs every
+//! kernel's loop over (parameter, gradient, slots). The driver's loops are
+//! written over plain slices with `zip`, without indexing, so the compiler
+//! vectorises them (packed SSE in the portable build). On the 2-core
+//! development machine the built-ins run at 1.0-1.7x the bytes per second of
+//! a plain `a = b + s*c` pass over the same memory, AdaGrad lowest (its
+//! square root and division, at 4 SSE lanes, limit it before memory does);
+//! see `examples/bench_optimizer.rs`.
 //!
-//! [`Optimizer::apply_parallel`] splits one block across threads. It is
-//! opt-in: on 64M elements it ran 1.1-1.75x faster than [`Optimizer::apply`]
-//! on the 2-core machine, depending on load, and slower (0.8-0.95x) when
-//! other processes held the cores.
+//! Every rule runs on the calling thread: a pserver's other core is busy
+//! receiving gradients while it applies them (BENCHMARKS.md, "Optimizer
+//! apply").
 
 use serde::{Deserialize, Serialize};
 
@@ -42,103 +45,122 @@ pub trait Optimizer: Send + Sync + 'static {
     /// The store guarantees `grad.len() == params.len()` and
     /// `state.slots.len() == state_slots() * params.len()`; the built-in rules
     /// update only the common prefix if that is ever broken, and never panic.
+    /// (A rule that panics stops the pserver: see the `service` module.)
     fn apply(&self, params: &mut [f32], grad: &[f32], state: &mut OptimizerState);
 
     /// Fresh state for a block of `len` elements: step 0, all slots zero.
     fn new_state(&self, len: usize) -> OptimizerState {
         OptimizerState { step: 0, slots: vec![0.0; self.state_slots().saturating_mul(len)] }
     }
-
-    /// [`apply`](Self::apply), with the block split into up to `threads`
-    /// contiguous chunks run on scoped threads (the calling thread runs one).
-    /// Same results, bit for bit, and same `state.step` as `apply`.
-    ///
-    /// Opt-in, for a caller that knows cores are free: a split pays only for
-    /// large blocks on an otherwise idle machine (chunks are at least
-    /// [`MIN_SPLIT_CHUNK`] elements; smaller blocks run on the calling thread),
-    /// and loses when other work holds the cores. The built-in rules split;
-    /// the default (for user rules) just calls `apply`. If a thread cannot be
-    /// started, its chunk runs on the calling thread.
-    fn apply_parallel(&self, params: &mut [f32], grad: &[f32], state: &mut OptimizerState, threads: usize) {
-        let _ = threads;
-        self.apply(params, grad, state);
-    }
 }
 
-/// Fewest elements per chunk in [`Optimizer::apply_parallel`] (16 MiB of
-/// parameters): starting a thread costs tens of microseconds, and on the
-/// development machine a split of 2M elements did not pay for SGD (0.9x)
-/// while 64M did (1.1-1.75x, depending on load).
-pub const MIN_SPLIT_CHUNK: usize = 1 << 22;
+/// The most slot arrays a built-in rule has (Adam's two).
+const MAX_SLOTS: usize = 2;
 
-/// The built-in rules' [`Optimizer::apply_parallel`], with the smallest chunk
-/// as a parameter so the tests can split small blocks.
-trait SplitApply: Optimizer {
-    fn apply_split(
-        &self,
-        params: &mut [f32],
-        grad: &[f32],
-        state: &mut OptimizerState,
-        threads: usize,
-        min_chunk: usize,
-    );
+/// A built-in rule as one element-wise update. [`apply_kernel`] computes
+/// the step's constants once and runs [`element`](Self::element) over every
+/// (parameter, gradient, slot values) of the block.
+trait Kernel {
+    /// Per-element state arrays, at most [`MAX_SLOTS`].
+    const SLOTS: usize;
+    /// What the update needs that does not change within an apply.
+    type Step: Copy;
+
+    /// The constants of update `t` (1-based).
+    fn step(&self, t: u64) -> Self::Step;
+
+    /// Update one element. `slots[..SLOTS]` are its slot values, read
+    /// before and written back after; the rest are unused.
+    fn element(k: Self::Step, p: &mut f32, g: f32, slots: &mut [f32; MAX_SLOTS]);
 }
 
-/// Run `kernel` over `p`, `g` and the `K` slot arrays, all cut to their
-/// common length, split into up to `threads` chunks of at least `min_chunk`
-/// elements on scoped threads. Chunks are multiples of 16 elements (whole
-/// cache lines) except the last.
-fn run_split<const K: usize, F>(
-    threads: usize,
-    min_chunk: usize,
-    p: &mut [f32],
-    g: &[f32],
-    slots: [&mut [f32]; K],
-    kernel: F,
-) where
-    F: Fn(&mut [f32], &[f32], [&mut [f32]; K]) + Sync,
-{
-    let n = slots.iter().map(|s| s.len()).fold(p.len().min(g.len()), usize::min);
-    let (p, g) = (&mut p[..n], &g[..n]);
-    let slots = slots.map(|s| &mut s[..n]);
-    let parts = threads.min(n / min_chunk.max(1)).max(1);
-    if parts == 1 {
-        return kernel(p, g, slots);
-    }
-    let chunk = n.div_ceil(parts).next_multiple_of(16);
-    let mut slot_chunks = slots.map(|s| s.chunks_mut(chunk));
-    let jobs: Vec<_> = p
-        .chunks_mut(chunk)
-        .zip(g.chunks(chunk))
-        .map(|(p, g)| (p, g, slot_chunks.each_mut().map(|c| c.next().unwrap_or_default())))
-        .collect();
-    // A shared queue rather than one chunk per thread: if a thread cannot be
-    // started, the calling thread takes its chunk.
-    let queue = std::sync::Mutex::new(jobs);
-    let work = || loop {
-        // The lock is never held while a kernel runs, so it cannot be poisoned.
-        let job = queue.lock().unwrap_or_else(|e| e.into_inner()).pop();
-        match job {
-            Some((p, g, s)) => kernel(p, g, s),
-            None => break,
-        }
-    };
-    std::thread::scope(|sc| {
-        for _ in 1..parts {
-            if std::thread::Builder::new().spawn_scoped(sc, work).is_err() {
-                break;
+/// The built-in rules' [`Optimizer::apply`]: `K`'s update over the common
+/// prefix of `params`, `grad` and each slot array (slot `k` is
+/// `state.slots[k * len..]`, cut to `len` and to what exists), then the step
+/// counted.
+///
+/// Two slots go in runs of [`RUN`] elements, each run of both slots read
+/// into locals before either is written back. Why: the two slots are one
+/// array split in halves, so slot 0 and slot 1 of an element are `len`
+/// floats apart, often a multiple of 4 KiB (a 64 Ki-float block, or 64 Mi),
+/// and a load of slot 1 issued after the store to slot 0 then looks to the
+/// CPU like it may depend on it (4K aliasing). Element by element Adam ran
+/// 4x slower on this project's AMD EPYC machine (7 GB/s instead of 20-30).
+/// The arithmetic per element is the same either way.
+fn apply_kernel<K: Kernel>(rule: &K, params: &mut [f32], grad: &[f32], state: &mut OptimizerState) {
+    let t = state.step.saturating_add(1);
+    let k = rule.step(t);
+    let len = params.len();
+    let cut = len.min(state.slots.len());
+    let (s0, rest) = state.slots.split_at_mut(cut);
+    let cut = len.min(rest.len());
+    let s1 = &mut rest[..cut];
+    match K::SLOTS {
+        0 => {
+            for (p, &g) in params.iter_mut().zip(grad) {
+                K::element(k, p, g, &mut [0.0; MAX_SLOTS]);
             }
         }
-        work();
-    });
+        1 => {
+            for ((p, &g), s) in params.iter_mut().zip(grad).zip(s0) {
+                let mut v = [*s, 0.0];
+                K::element(k, p, g, &mut v);
+                *s = v[0];
+            }
+        }
+        _ => {
+            let n = len.min(grad.len()).min(s0.len()).min(s1.len());
+            let (params, grad, s0, s1) = (&mut params[..n], &grad[..n], &mut s0[..n], &mut s1[..n]);
+            let mut p_runs = params.chunks_exact_mut(RUN);
+            let mut g_runs = grad.chunks_exact(RUN);
+            let mut a_runs = s0.chunks_exact_mut(RUN);
+            let mut b_runs = s1.chunks_exact_mut(RUN);
+            for (((p, g), a), b) in (&mut p_runs).zip(&mut g_runs).zip(&mut a_runs).zip(&mut b_runs) {
+                let (mut a_run, mut b_run) = ([0f32; RUN], [0f32; RUN]);
+                a_run.copy_from_slice(a);
+                b_run.copy_from_slice(b);
+                two_slots::<K>(k, p, g, &mut a_run, &mut b_run);
+                b.copy_from_slice(&b_run);
+                a.copy_from_slice(&a_run);
+            }
+            let (p, g) = (p_runs.into_remainder(), g_runs.remainder());
+            two_slots::<K>(k, p, g, a_runs.into_remainder(), b_runs.into_remainder());
+        }
+    }
+    state.step = t;
 }
 
-/// Split the state into slot 0 and slot 1 of `len` elements each (shorter if
-/// the state is short).
-fn two_slots(slots: &mut [f32], len: usize) -> (&mut [f32], &mut [f32]) {
-    let (a, b) = slots.split_at_mut(len.min(slots.len()));
-    (a, b)
+/// `K`'s update over elements with two slots, element by element.
+fn two_slots<K: Kernel>(k: K::Step, params: &mut [f32], grad: &[f32], s0: &mut [f32], s1: &mut [f32]) {
+    for (((p, &g), a), b) in params.iter_mut().zip(grad).zip(s0).zip(s1) {
+        let mut v = [*a, *b];
+        K::element(k, p, g, &mut v);
+        (*a, *b) = (v[0], v[1]);
+    }
 }
+
+/// Elements per run of a two-slot kernel: the fastest of 8-256 measured.
+const RUN: usize = 32;
+
+/// The [`Optimizer`] of a built-in rule: its name, and its [`Kernel`] run
+/// by [`apply_kernel`].
+macro_rules! builtin {
+    ($($rule:ty => $name:literal),* $(,)?) => {$(
+        impl Optimizer for $rule {
+            fn name(&self) -> &str {
+                $name
+            }
+            fn state_slots(&self) -> usize {
+                <$rule as Kernel>::SLOTS
+            }
+            fn apply(&self, params: &mut [f32], grad: &[f32], state: &mut OptimizerState) {
+                apply_kernel(self, params, grad, state);
+            }
+        }
+    )*};
+}
+
+builtin!(Sgd => "sgd", Momentum => "momentum", AdaGrad => "adagrad", Adam => "adam");
 
 /// Plain stochastic gradient descent: `p -= lr * g`.
 #[derive(Clone, Debug, PartialEq)]
@@ -147,39 +169,13 @@ pub struct Sgd {
     pub lr: f32,
 }
 
-impl Optimizer for Sgd {
-    fn name(&self) -> &str {
-        "sgd"
+impl Kernel for Sgd {
+    const SLOTS: usize = 0;
+    type Step = f32;
+    fn step(&self, _: u64) -> f32 {
+        self.lr
     }
-    fn state_slots(&self) -> usize {
-        0
-    }
-    fn apply(&self, params: &mut [f32], grad: &[f32], state: &mut OptimizerState) {
-        sgd_kernel(self.lr, params, grad);
-        state.step += 1;
-    }
-    fn apply_parallel(&self, params: &mut [f32], grad: &[f32], state: &mut OptimizerState, threads: usize) {
-        self.apply_split(params, grad, state, threads, MIN_SPLIT_CHUNK);
-    }
-}
-
-impl SplitApply for Sgd {
-    fn apply_split(
-        &self,
-        params: &mut [f32],
-        grad: &[f32],
-        state: &mut OptimizerState,
-        threads: usize,
-        min_chunk: usize,
-    ) {
-        let lr = self.lr;
-        run_split(threads, min_chunk, params, grad, [], |p, g, []| sgd_kernel(lr, p, g));
-        state.step += 1;
-    }
-}
-
-fn sgd_kernel(lr: f32, params: &mut [f32], grad: &[f32]) {
-    for (p, &g) in params.iter_mut().zip(grad) {
+    fn element(lr: f32, p: &mut f32, g: f32, _: &mut [f32; MAX_SLOTS]) {
         *p -= lr * g;
     }
 }
@@ -194,41 +190,13 @@ pub struct Momentum {
     pub momentum: f32,
 }
 
-impl Optimizer for Momentum {
-    fn name(&self) -> &str {
-        "momentum"
+impl Kernel for Momentum {
+    const SLOTS: usize = 1;
+    type Step = (f32, f32);
+    fn step(&self, _: u64) -> (f32, f32) {
+        (self.lr, self.momentum)
     }
-    fn state_slots(&self) -> usize {
-        1
-    }
-    fn apply(&self, params: &mut [f32], grad: &[f32], state: &mut OptimizerState) {
-        momentum_kernel(self.lr, self.momentum, params, grad, &mut state.slots);
-        state.step += 1;
-    }
-    fn apply_parallel(&self, params: &mut [f32], grad: &[f32], state: &mut OptimizerState, threads: usize) {
-        self.apply_split(params, grad, state, threads, MIN_SPLIT_CHUNK);
-    }
-}
-
-impl SplitApply for Momentum {
-    fn apply_split(
-        &self,
-        params: &mut [f32],
-        grad: &[f32],
-        state: &mut OptimizerState,
-        threads: usize,
-        min_chunk: usize,
-    ) {
-        let (lr, mu) = (self.lr, self.momentum);
-        run_split(threads, min_chunk, params, grad, [&mut state.slots[..]], |p, g, [v]| {
-            momentum_kernel(lr, mu, p, g, v)
-        });
-        state.step += 1;
-    }
-}
-
-fn momentum_kernel(lr: f32, mu: f32, params: &mut [f32], grad: &[f32], vel: &mut [f32]) {
-    for ((p, &g), v) in params.iter_mut().zip(grad).zip(vel) {
+    fn element((lr, mu): (f32, f32), p: &mut f32, g: f32, [v, _]: &mut [f32; MAX_SLOTS]) {
         *v = mu * *v + g;
         *p -= lr * *v;
     }
@@ -243,41 +211,13 @@ pub struct AdaGrad {
     pub eps: f32,
 }
 
-impl Optimizer for AdaGrad {
-    fn name(&self) -> &str {
-        "adagrad"
+impl Kernel for AdaGrad {
+    const SLOTS: usize = 1;
+    type Step = (f32, f32);
+    fn step(&self, _: u64) -> (f32, f32) {
+        (self.lr, self.eps)
     }
-    fn state_slots(&self) -> usize {
-        1
-    }
-    fn apply(&self, params: &mut [f32], grad: &[f32], state: &mut OptimizerState) {
-        adagrad_kernel(self.lr, self.eps, params, grad, &mut state.slots);
-        state.step += 1;
-    }
-    fn apply_parallel(&self, params: &mut [f32], grad: &[f32], state: &mut OptimizerState, threads: usize) {
-        self.apply_split(params, grad, state, threads, MIN_SPLIT_CHUNK);
-    }
-}
-
-impl SplitApply for AdaGrad {
-    fn apply_split(
-        &self,
-        params: &mut [f32],
-        grad: &[f32],
-        state: &mut OptimizerState,
-        threads: usize,
-        min_chunk: usize,
-    ) {
-        let (lr, eps) = (self.lr, self.eps);
-        run_split(threads, min_chunk, params, grad, [&mut state.slots[..]], |p, g, [h]| {
-            adagrad_kernel(lr, eps, p, g, h)
-        });
-        state.step += 1;
-    }
-}
-
-fn adagrad_kernel(lr: f32, eps: f32, params: &mut [f32], grad: &[f32], hist: &mut [f32]) {
-    for ((p, &g), h) in params.iter_mut().zip(grad).zip(hist) {
+    fn element((lr, eps): (f32, f32), p: &mut f32, g: f32, [h, _]: &mut [f32; MAX_SLOTS]) {
         *h += g * g;
         *p -= lr * g / (h.sqrt() + eps);
     }
@@ -298,43 +238,7 @@ pub struct Adam {
     pub eps: f32,
 }
 
-impl Optimizer for Adam {
-    fn name(&self) -> &str {
-        "adam"
-    }
-    fn state_slots(&self) -> usize {
-        2
-    }
-    fn apply(&self, params: &mut [f32], grad: &[f32], state: &mut OptimizerState) {
-        let t = state.step.saturating_add(1);
-        let k = AdamStep::new(self, t);
-        let (m, v) = two_slots(&mut state.slots, params.len());
-        k.kernel(params, grad, m, v);
-        state.step = t;
-    }
-    fn apply_parallel(&self, params: &mut [f32], grad: &[f32], state: &mut OptimizerState, threads: usize) {
-        self.apply_split(params, grad, state, threads, MIN_SPLIT_CHUNK);
-    }
-}
-
-impl SplitApply for Adam {
-    fn apply_split(
-        &self,
-        params: &mut [f32],
-        grad: &[f32],
-        state: &mut OptimizerState,
-        threads: usize,
-        min_chunk: usize,
-    ) {
-        let t = state.step.saturating_add(1);
-        let k = AdamStep::new(self, t);
-        let (m, v) = two_slots(&mut state.slots, params.len());
-        run_split(threads, min_chunk, params, grad, [m, v], |p, g, [m, v]| k.kernel(p, g, m, v));
-        state.step = t;
-    }
-}
-
-/// Adam's per-step constants, computed once per apply.
+/// Adam's per-step constants.
 #[derive(Clone, Copy)]
 struct AdamStep {
     step_size: f32,
@@ -346,64 +250,34 @@ struct AdamStep {
     eps: f32,
 }
 
-impl AdamStep {
-    /// The constants for step `t` (1-based).
-    fn new(adam: &Adam, t: u64) -> Self {
+impl Kernel for Adam {
+    const SLOTS: usize = 2;
+    type Step = AdamStep;
+
+    fn step(&self, t: u64) -> AdamStep {
         // Bias corrections in f64: b^t for large t underflows gracefully to 0.
         let t_exp = t.min(i32::MAX as u64) as i32;
-        let bc1 = 1.0 - f64::from(adam.beta1).powi(t_exp);
-        let bc2 = 1.0 - f64::from(adam.beta2).powi(t_exp);
-        let (b1, b2) = (adam.beta1, adam.beta2);
+        let bc1 = 1.0 - f64::from(self.beta1).powi(t_exp);
+        let bc2 = 1.0 - f64::from(self.beta2).powi(t_exp);
+        let (b1, b2) = (self.beta1, self.beta2);
         AdamStep {
-            step_size: (f64::from(adam.lr) / bc1) as f32,
+            step_size: (f64::from(self.lr) / bc1) as f32,
             inv_bc2: (1.0 / bc2) as f32,
             b1,
             b2,
             c1: 1.0 - b1,
             c2: 1.0 - b2,
-            eps: adam.eps,
+            eps: self.eps,
         }
     }
 
-    /// Runs in runs of [`ADAM_RUN`] elements, reading a run of `m` and `v`
-    /// into locals before writing either back. Why: the two slots are one
-    /// array split in halves, so `m[i]` and `v[i]` are `len` floats apart,
-    /// often a multiple of 4 KiB (a 64 Ki-float block, or 64 Mi), and a
-    /// load of `v[i]` issued after the store to `m[i]` then looks to the
-    /// CPU like it may depend on it (4K aliasing). Element by element that
-    /// ran 4x slower on this project's AMD EPYC machine (7 GB/s instead of
-    /// 20-30). The arithmetic per element is unchanged.
-    fn kernel(&self, params: &mut [f32], grad: &[f32], m: &mut [f32], v: &mut [f32]) {
-        let n = params.len().min(grad.len()).min(m.len()).min(v.len());
-        let (params, grad, m, v) = (&mut params[..n], &grad[..n], &mut m[..n], &mut v[..n]);
-        let mut p_runs = params.chunks_exact_mut(ADAM_RUN);
-        let mut g_runs = grad.chunks_exact(ADAM_RUN);
-        let mut m_runs = m.chunks_exact_mut(ADAM_RUN);
-        let mut v_runs = v.chunks_exact_mut(ADAM_RUN);
-        for (((p, g), m), v) in (&mut p_runs).zip(&mut g_runs).zip(&mut m_runs).zip(&mut v_runs) {
-            let (mut m_run, mut v_run) = ([0f32; ADAM_RUN], [0f32; ADAM_RUN]);
-            m_run.copy_from_slice(m);
-            v_run.copy_from_slice(v);
-            self.elements(p, g, &mut m_run, &mut v_run);
-            v.copy_from_slice(&v_run);
-            m.copy_from_slice(&m_run);
-        }
-        let (p, g) = (p_runs.into_remainder(), g_runs.remainder());
-        self.elements(p, g, m_runs.into_remainder(), v_runs.into_remainder());
-    }
-
-    fn elements(&self, params: &mut [f32], grad: &[f32], m: &mut [f32], v: &mut [f32]) {
-        let AdamStep { step_size, inv_bc2, b1, b2, c1, c2, eps } = *self;
-        for (((p, &g), m), v) in params.iter_mut().zip(grad).zip(m).zip(v) {
-            *m = b1 * *m + c1 * g;
-            *v = b2 * *v + c2 * (g * g);
-            *p -= step_size * *m / ((*v * inv_bc2).sqrt() + eps);
-        }
+    fn element(k: AdamStep, p: &mut f32, g: f32, [m, v]: &mut [f32; MAX_SLOTS]) {
+        let AdamStep { step_size, inv_bc2, b1, b2, c1, c2, eps } = k;
+        *m = b1 * *m + c1 * g;
+        *v = b2 * *v + c2 * (g * g);
+        *p -= step_size * *m / ((*v * inv_bc2).sqrt() + eps);
     }
 }
-
-/// Elements per run of Adam's kernel: the fastest of 8-256 measured.
-const ADAM_RUN: usize = 32;
 
 /// A built-in optimizer and its hyper-parameters, as carried in a job's config.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
@@ -618,7 +492,43 @@ mod tests {
         (0..n).map(|_| r.next_normal()).collect()
     }
 
-    fn builtins() -> Vec<Box<dyn SplitApply>> {
+    /// The built-ins' loops as they were before the shared [`Kernel`]
+    /// (element by element, no runs), to check the driver gives the same
+    /// bits.
+    fn previous(opt: &str, p: &mut [f32], g: &[f32], st: &mut OptimizerState) {
+        let n = p.len();
+        match opt {
+            "sgd" => {
+                for (p, &g) in p.iter_mut().zip(g) {
+                    *p -= 0.1 * g;
+                }
+            }
+            "momentum" => {
+                for ((p, &g), v) in p.iter_mut().zip(g).zip(&mut st.slots) {
+                    *v = 0.9 * *v + g;
+                    *p -= 0.1 * *v;
+                }
+            }
+            "adagrad" => {
+                for ((p, &g), h) in p.iter_mut().zip(g).zip(&mut st.slots) {
+                    *h += g * g;
+                    *p -= 0.1 * g / (h.sqrt() + 1e-10);
+                }
+            }
+            _ => {
+                let k = Adam { lr: 0.01, beta1: 0.9, beta2: 0.999, eps: 1e-8 }.step(st.step + 1);
+                let (m, v) = st.slots.split_at_mut(n);
+                for (((p, &g), m), v) in p.iter_mut().zip(g).zip(m).zip(v) {
+                    *m = k.b1 * *m + k.c1 * g;
+                    *v = k.b2 * *v + k.c2 * (g * g);
+                    *p -= k.step_size * *m / ((*v * k.inv_bc2).sqrt() + k.eps);
+                }
+            }
+        }
+        st.step += 1;
+    }
+
+    fn builtins() -> Vec<Box<dyn Optimizer>> {
         vec![
             Box::new(Sgd { lr: 0.1 }),
             Box::new(Momentum { lr: 0.1, momentum: 0.9 }),
@@ -627,111 +537,44 @@ mod tests {
         ]
     }
 
-    /// Smallest chunk in the split tests, so they run on small blocks.
-    const CHUNK: usize = 1000;
-
     #[test]
-    fn adam_runs_match_element_by_element_bit_for_bit() {
-        let opt = Adam { lr: 0.01, beta1: 0.9, beta2: 0.999, eps: 1e-8 };
-        let step = AdamStep::new(&opt, 3);
-        for n in [0, 1, ADAM_RUN - 1, ADAM_RUN, ADAM_RUN + 1, 3 * ADAM_RUN + 5, 1000] {
-            let (p0, g) = (random(n, 1), random(n, 2));
-            // Slots as the store holds them: one array, m then v.
-            let slots0: Vec<f32> = random(2 * n, 3).iter().map(|x| x.abs()).collect();
-            let (mut p, mut slots) = (p0.clone(), slots0.clone());
-            let (m, v) = two_slots(&mut slots, n);
-            step.kernel(&mut p, &g, m, v);
-            let (mut want_p, mut want_slots) = (p0, slots0);
-            let (m, v) = two_slots(&mut want_slots, n);
-            step.elements(&mut want_p, &g, m, v);
-            assert!(p == want_p && slots == want_slots, "n = {n}");
-        }
-    }
-
-    #[test]
-    fn parallel_apply_matches_serial_bit_for_bit() {
-        // Long enough for three chunks, and not a multiple of 16.
-        let n = 3 * CHUNK + 37;
-        let p0 = random(n, 1);
-        let grads = [random(n, 2), random(n, 3)];
-        for opt in builtins() {
-            let mut want = p0.clone();
-            let mut want_st = opt.new_state(n);
-            for g in &grads {
-                opt.apply(&mut want, g, &mut want_st);
-            }
-            for threads in [0, 1, 2, 3, 8] {
-                let mut p = p0.clone();
-                let mut st = opt.new_state(n);
-                for g in &grads {
-                    opt.apply_split(&mut p, g, &mut st, threads, CHUNK);
+    fn the_shared_kernel_gives_the_previous_loops_bits() {
+        for n in [0, 1, RUN - 1, RUN, RUN + 1, 3 * RUN + 5, 1000] {
+            for opt in builtins() {
+                let mut p = random(n, 1);
+                // Slots as the store holds them: one array; positive, as every slot is.
+                let slots: Vec<f32> = random(opt.state_slots() * n, 3).iter().map(|x| x.abs()).collect();
+                let mut st = OptimizerState { step: 2, slots };
+                let (mut want_p, mut want_st) = (p.clone(), st.clone());
+                for step in 0..3 {
+                    let g = random(n, 10 + step);
+                    opt.apply(&mut p, &g, &mut st);
+                    previous(opt.name(), &mut want_p, &g, &mut want_st);
                 }
-                assert!(p == want, "{} threads {threads}: params differ", opt.name());
-                assert!(st == want_st, "{} threads {threads}: state differs", opt.name());
+                let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+                assert_eq!(bits(&p), bits(&want_p), "{} n = {n}: parameters", opt.name());
+                assert_eq!(bits(&st.slots), bits(&want_st.slots), "{} n = {n}: slots", opt.name());
+                assert_eq!(st.step, 5);
             }
         }
     }
 
     #[test]
-    fn split_covers_every_element_once() {
-        for n in [0, 1, 15, 16, 17, 100, 1000] {
-            for threads in 1..=5 {
-                let mut p = vec![0.0f32; n];
-                let g: Vec<f32> = (0..n).map(|i| i as f32).collect();
-                let mut s = vec![0.0f32; n + 3];
-                run_split(threads, 4, &mut p, &g, [&mut s[..]], |p, g, [s]| {
-                    for ((p, &g), s) in p.iter_mut().zip(g).zip(s) {
-                        *p += g;
-                        *s += 1.0;
-                    }
-                });
-                assert_eq!(p, g, "n {n} threads {threads}");
-                assert!(s[..n].iter().all(|&x| x == 1.0) && s[n..].iter().all(|&x| x == 0.0));
-            }
-        }
-    }
-
-    #[test]
-    fn parallel_apply_short_state_and_user_default() {
-        // A broken length contract updates the same prefix as `apply`.
-        let n = 2 * CHUNK + 5;
-        let g = random(n, 4);
+    fn short_state_updates_the_common_prefix() {
+        let g = random(100, 4);
         for opt in builtins() {
-            let short = opt.state_slots() * n - opt.state_slots().min(1) * 7;
-            let (mut a, mut b) = (random(n, 5), random(n, 5));
-            let mut sa = OptimizerState { step: 3, slots: vec![0.5; short] };
-            let mut sb = sa.clone();
-            opt.apply(&mut a, &g[..n - 1], &mut sa);
-            opt.apply_split(&mut b, &g[..n - 1], &mut sb, 2, CHUNK);
-            assert!(a == b && sa == sb, "{}", opt.name());
+            let slots = opt.state_slots();
+            // Adam's second slot cut short: only the elements with both slots move.
+            let short = (slots * 100).saturating_sub(40);
+            let mut p = random(100, 5);
+            let before = p.clone();
+            let mut st = OptimizerState { step: 0, slots: vec![0.5; short] };
+            opt.apply(&mut p, &g[..90], &mut st);
+            let moved = if slots == 0 { 90 } else { 60 };
+            assert!(p[..moved].iter().zip(&before).all(|(a, b)| a != b), "{}", opt.name());
+            assert_eq!(&p[moved..], &before[moved..], "{}", opt.name());
+            assert_eq!(st.step, 1);
         }
-        // The public entry point: below the real threshold it runs on the
-        // calling thread, with the same results.
-        for opt in builtins() {
-            let (mut a, mut b) = (random(n, 6), random(n, 6));
-            let (mut sa, mut sb) = (opt.new_state(n), opt.new_state(n));
-            opt.apply(&mut a, &g, &mut sa);
-            opt.apply_parallel(&mut b, &g, &mut sb, 2);
-            assert!(a == b && sa == sb, "{}", opt.name());
-        }
-        // A user rule without its own split runs `apply` once.
-        struct Count;
-        impl Optimizer for Count {
-            fn name(&self) -> &str {
-                "count"
-            }
-            fn state_slots(&self) -> usize {
-                0
-            }
-            fn apply(&self, params: &mut [f32], _: &[f32], state: &mut OptimizerState) {
-                params.iter_mut().for_each(|p| *p += 1.0);
-                state.step += 1;
-            }
-        }
-        let mut p = vec![0.0; 10];
-        let mut st = Count.new_state(10);
-        Count.apply_parallel(&mut p, &[0.0; 10], &mut st, 4);
-        assert_eq!((p, st.step), (vec![1.0; 10], 1));
     }
 
     #[test]

@@ -1,7 +1,27 @@
 //! The pserver shell: claims a shard index in discovery, serves its blocks
 //! of the parameter store over a [`Transport`], follows the trainers'
-//! registrations for the sync barrier, and stops serving when its lease is
-//! lost.
+//! registrations for the sync barrier, checkpoints its shard, and stops
+//! serving when its lease is lost.
+//!
+//! **The store's lock** (a plain `Mutex`) is held only for short
+//! operations: applying one push part, copying one pull part out, and
+//! taking a checkpoint's [`StoreSnapshot`](crate::StoreSnapshot), which
+//! shares the blocks copy-on-write instead of copying them. The checkpoint
+//! is written from the snapshot with no lock held, so pushes and pulls go on
+//! meanwhile (BENCHMARKS.md, "Pushes during a checkpoint").
+//!
+//! **A panic while updating the store stops the pserver.** An update
+//! applies block by block, so a panic midway (in a user's
+//! [`Optimizer`](crate::Optimizer), say) leaves some blocks updated and
+//! others not, and the state is neither before nor after the push. Such a
+//! pserver stops serving for good, before the store's lock is released:
+//! every request after it is refused as unavailable with a reason naming
+//! the panic ([`Pserver::stopped`] says it too), no checkpoint of the
+//! half-updated state is written, and the lease is revoked so a replacement
+//! claims the index at once and loads the last checkpoint (a trainer retries
+//! its push there). A store whose lock is poisoned (a thread panicked
+//! holding it) is treated the same way. Making updates atomic instead would
+//! cost a copy of every block an update touches.
 
 use crate::{
     checkpoint::{CheckpointDir, CheckpointInfo},
@@ -11,13 +31,14 @@ use crate::{
 };
 use async_trait::async_trait;
 use bytes::{Bytes, BytesMut};
-use oar_discovery::{Departures, Discovery, LeaseGuard, Session};
+use oar_discovery::{Departures, Discovery, LeaseGuard, LeaseId, Session};
 use oar_transport::{Frame, Handler, Listener, RemoteError, Transport};
 use std::{
+    panic::AssertUnwindSafe,
     path::PathBuf,
     sync::{
         atomic::{AtomicBool, Ordering},
-        Arc, Mutex, MutexGuard, OnceLock, PoisonError, TryLockError,
+        Arc, Mutex, MutexGuard, OnceLock, PoisonError,
     },
     time::Duration,
 };
@@ -225,6 +246,9 @@ struct Shared {
     /// then on requests are refused, so the last checkpoint holds every
     /// push this pserver acknowledged.
     draining: AtomicBool,
+    /// To release the index at once after a panic (see [`Shared::fail`]).
+    discovery: Arc<dyn Discovery>,
+    lease_id: LeaseId,
 }
 
 impl Shared {
@@ -241,52 +265,77 @@ impl Shared {
         });
     }
 
+    /// Stop for a fault that may have left the store half-updated (see the
+    /// module docs): stop serving, and revoke the lease so the index is free
+    /// for a replacement at once (if the revoke fails, the lease expires).
+    fn fail(&self, why: String) {
+        self.stop(why);
+        let (discovery, lease) = (self.discovery.clone(), self.lease_id);
+        if let Ok(runtime) = tokio::runtime::Handle::try_current() {
+            runtime.spawn(async move {
+                match discovery.revoke_lease(lease).await {
+                    Ok(()) => tracing::info!(lease, "lease revoked; a replacement can claim the index"),
+                    Err(e) => tracing::warn!(error = %e, lease, "could not revoke the lease; it will expire"),
+                }
+            });
+        }
+    }
+
+    /// Why the pserver stopped serving, as a refusal.
+    fn refusal(why: &str) -> RemoteError {
+        RemoteError::unavailable(format!("pserver stopped serving: {why}"))
+    }
+
+    /// The store, locked, for a request: refused once the pserver stopped
+    /// (looked at again after the lock is taken: a panic stops the pserver
+    /// while it holds the lock) or began draining.
     fn store(&self) -> std::result::Result<MutexGuard<'_, ParamStore>, RemoteError> {
         if !self.lease.is_valid() {
             self.stop("the pserver's lease may have expired (no refresh within its ttl)".into());
         }
+        let store = self.lock()?;
         if let Some(why) = self.stopped.borrow().as_ref() {
-            return Err(RemoteError::unavailable(format!("pserver stopped serving: {why}")));
+            return Err(Self::refusal(why));
         }
-        let store = self.store.get().ok_or_else(|| RemoteError::unavailable("pserver is starting"))?;
-        let store = lock_store(store);
         if self.draining.load(Ordering::SeqCst) {
             return Err(RemoteError::unavailable("pserver is shutting down"));
         }
         Ok(store)
     }
-}
 
-/// Lock the store from a task on the runtime. The lock is held for as long
-/// as a part is applied or copied out, and for a whole checkpoint (seconds
-/// for a large model): blocking a runtime thread that long would stall
-/// everything else it runs, down to the QUIC drivers and the lease's
-/// keep-alive, so that connections time out and the lease can lapse. So a
-/// lock that is taken waits with `block_in_place` (on a multi-thread
-/// runtime), which hands the thread's other tasks to another thread first.
-///
-/// Handing the thread's tasks over costs more than a small push takes to
-/// apply, so a lock held by one first gets [`LOCK_SPIN`] of polling.
-fn lock_store(store: &Mutex<ParamStore>) -> MutexGuard<'_, ParamStore> {
-    let spin_until = std::time::Instant::now() + LOCK_SPIN;
-    loop {
-        match store.try_lock() {
-            Ok(guard) => return guard,
-            Err(TryLockError::Poisoned(poisoned)) => return poisoned.into_inner(),
-            Err(TryLockError::WouldBlock) if std::time::Instant::now() < spin_until => std::hint::spin_loop(),
-            Err(TryLockError::WouldBlock) => break,
-        }
+    /// The store's lock. Held only briefly (see the module docs), so a task
+    /// on the runtime may wait for it. A poisoned lock is fatal: the thread
+    /// that panicked holding it may have left an update half-done.
+    fn lock(&self) -> std::result::Result<MutexGuard<'_, ParamStore>, RemoteError> {
+        let store = self.store.get().ok_or_else(|| RemoteError::unavailable("pserver is starting"))?;
+        store.lock().map_err(|_| {
+            let why = "the store's lock is poisoned: a thread panicked while holding it, \
+                       perhaps midway through an update";
+            self.fail(why.into());
+            Self::refusal(why)
+        })
     }
-    let lock = || store.lock().unwrap_or_else(PoisonError::into_inner);
-    match tokio::runtime::Handle::try_current().map(|h| h.runtime_flavor()) {
-        Ok(tokio::runtime::RuntimeFlavor::MultiThread) => tokio::task::block_in_place(lock),
-        _ => lock(),
+
+    /// Run `update` on the locked `store`, catching a panic. A panic is
+    /// fatal (the store may be half-updated): the pserver stops before the
+    /// caller releases the lock, so no request or checkpoint reads that state.
+    fn update<T>(
+        &self,
+        store: &mut ParamStore,
+        update: impl FnOnce(&mut ParamStore) -> T,
+    ) -> std::result::Result<T, RemoteError> {
+        std::panic::catch_unwind(AssertUnwindSafe(|| update(store))).map_err(|panic| {
+            let message = panic
+                .downcast_ref::<&str>()
+                .map(|s| s.to_string())
+                .or_else(|| panic.downcast_ref::<String>().cloned())
+                .unwrap_or_else(|| "a panic without a message".into());
+            let why = format!("a panic while updating the store, which may be half-updated: {message}");
+            self.fail(why.clone());
+            Self::refusal(&why)
+        })
     }
 }
-
-/// How long [`lock_store`] polls a held lock before it hands its thread's
-/// other tasks over and waits.
-const LOCK_SPIN: Duration = Duration::from_micros(20);
 
 impl Pserver {
     /// Serve at `listen_addr`, claim the lowest free `ps/<index>` below
@@ -330,6 +379,8 @@ impl Pserver {
             index: OnceLock::new(),
             lease: session.guard(),
             draining: AtomicBool::new(false),
+            discovery: discovery.clone(),
+            lease_id: session.lease(),
         });
         let listener = transport.listen(listen_addr, Arc::new(PsHandler { shared: shared.clone() })).await?;
 
@@ -403,18 +454,20 @@ impl Pserver {
         self.listener.local_addr()
     }
 
-    /// Updates applied so far.
+    /// Updates applied so far (read even from a store that a panic stopped).
     pub fn step(&self) -> u64 {
-        self.shared.store.get().map(|s| lock_store(s).step()).unwrap_or(0)
+        self.shared.store.get().map(|s| s.lock().unwrap_or_else(PoisonError::into_inner).step()).unwrap_or(0)
     }
 
-    /// Why the pserver stopped serving, if it did (lost lease).
+    /// Why the pserver stopped serving, if it did: its lease was lost, or a
+    /// panic while updating the store (see the module docs).
     pub fn stopped(&self) -> Option<String> {
         self.shared.stopped.borrow().clone()
     }
 
     /// Write a checkpoint now and record it in `ps/<index>/checkpoint` (if
-    /// checkpoints are configured).
+    /// checkpoints are configured). Pushes and pulls go on while it is
+    /// written. An error once the pserver stopped serving.
     pub async fn checkpoint(&self) -> ServiceResult<Option<CheckpointInfo>> {
         let Some(dir) = self.checkpoints.clone() else { return Ok(None) };
         let key = self.keys.checkpoint(self.index);
@@ -428,13 +481,13 @@ impl Pserver {
     /// the lease), so a replacement claims it at once and loads that
     /// checkpoint. Returns the updates applied to the shard.
     pub async fn shutdown(mut self) -> ServiceResult<u64> {
-        let step = match self.shared.store.get() {
-            Some(store) => {
-                let store = lock_store(store);
+        let step = match self.shared.lock() {
+            Ok(store) => {
                 self.shared.draining.store(true, Ordering::SeqCst);
                 store.step()
             }
-            None => 0,
+            // Not started, or stopped by a panic: no last checkpoint below.
+            Err(_) => self.step(),
         };
         self.shared.stepped.notify_waiters();
         self.listener.close();
@@ -459,32 +512,37 @@ impl Drop for Pserver {
 /// How long a checkpoint waits for a sync step that is underway to complete.
 const CHECKPOINT_STEP_WAIT: Duration = Duration::from_secs(30);
 
-/// Save the store under its lock, off the async threads. Pushes and pulls
-/// wait while a checkpoint is written (about 0.4 s per 10M floats with Adam
-/// here), without blocking the runtime (see [`lock_store`]); the checkpoint
-/// is then exactly one step's state. A sync step
-/// that is underway (a push in parts being applied part by part) is waited
-/// for, up to [`CHECKPOINT_STEP_WAIT`].
+/// Take a snapshot of the store under its lock and write it with no lock
+/// held, off the async threads: the checkpoint is exactly one step's state,
+/// and pushes go on while it is written. A sync step that is underway (a
+/// push in parts being applied part by part) is waited for, up to
+/// [`CHECKPOINT_STEP_WAIT`]. Refused once the pserver stopped serving: a
+/// panic may have left the store half-updated, or a replacement may own the
+/// index.
 async fn save_checkpoint(
     dir: CheckpointDir,
     keep: usize,
     shared: Arc<Shared>,
 ) -> ServiceResult<CheckpointInfo> {
     let started = std::time::Instant::now();
-    let info = tokio::task::spawn_blocking(move || {
-        let store = shared.store.get().ok_or_else(|| Error::Config("pserver is not started".into()))?;
-        loop {
-            let saved = dir.save(&store.lock().unwrap_or_else(PoisonError::into_inner), keep);
-            match saved {
-                Err(Error::CheckpointStepUnderway { .. }) if started.elapsed() < CHECKPOINT_STEP_WAIT => {
-                    std::thread::sleep(Duration::from_millis(2));
-                }
-                saved => return saved,
+    let snapshot = loop {
+        let taken = {
+            let store = shared.lock().map_err(|e| ServiceError::Stopped(e.message))?;
+            if let Some(why) = shared.stopped.borrow().as_ref() {
+                return Err(ServiceError::Stopped(why.clone()));
             }
+            store.snapshot()
+        };
+        match taken {
+            Err(Error::CheckpointStepUnderway { .. }) if started.elapsed() < CHECKPOINT_STEP_WAIT => {
+                tokio::time::sleep(Duration::from_millis(2)).await;
+            }
+            taken => break taken?,
         }
-    })
-    .await
-    .map_err(|e| ServiceError::Protocol(format!("checkpoint task failed: {e}")))??;
+    };
+    let info = tokio::task::spawn_blocking(move || dir.save(&snapshot, keep))
+        .await
+        .map_err(|e| ServiceError::Protocol(format!("checkpoint task failed: {e}")))??;
     metrics().checkpoint.observe(started.elapsed().as_secs_f64());
     metrics().checkpoint_time.set(info.unix_time_ms as f64 / 1000.0);
     Ok(info)
@@ -513,8 +571,8 @@ async fn checkpointer(
             // A replacement may own the index now: its checkpoints are not ours to write.
             return;
         }
-        let step = shared.store.get().map(|s| lock_store(s).step());
-        if step == saved_step {
+        let Ok(step) = shared.lock().map(|s| s.step()) else { return };
+        if Some(step) == saved_step {
             continue;
         }
         match save_and_record(&*discovery, &key, dir.clone(), keep, shared.clone()).await {
@@ -593,11 +651,12 @@ async fn trainer_watcher(mut departures: Departures, shared: Arc<Shared>) {
     while let Some(departure) = departures.next().await {
         match departure {
             Ok(trainer) => {
-                if let Some(store) = shared.store.get() {
-                    let stepped = lock_store(store).leave(&trainer);
-                    tracing::info!(trainer, ?stepped, "trainer gone; it leaves the barrier");
-                    shared.stepped.notify_waiters();
-                }
+                // Stopped (or shutting down): the store is no longer ours to change.
+                let Ok(mut store) = shared.store() else { return };
+                let Ok(stepped) = shared.update(&mut store, |s| s.leave(&trainer)) else { return };
+                drop(store);
+                tracing::info!(trainer, ?stepped, "trainer gone; it leaves the barrier");
+                shared.stepped.notify_waiters();
             }
             Err(e) => {
                 tracing::warn!(error = %e, "trainer watch failed; dead trainers leave only by Leave calls");
@@ -667,7 +726,7 @@ impl PsHandler {
         }
         let push = Push { trainer, seq, step, weight, grads };
         let started = std::time::Instant::now();
-        let taken = store.push(push);
+        let taken = self.shared.update(&mut store, |s| s.push(push))?;
         let m = metrics();
         m.pushes.inc();
         m.push_bytes.inc_by(payload.len() as u64);
@@ -784,7 +843,9 @@ impl Handler for PsHandler {
             }
             PsRequest::Join { trainer } => PsReply::Joined { step: self.shared.store()?.join(&trainer) },
             PsRequest::Leave { trainer } => {
-                self.shared.store()?.leave(&trainer);
+                let mut store = self.shared.store()?;
+                self.shared.update(&mut store, |s| s.leave(&trainer))?;
+                drop(store);
                 self.shared.stepped.notify_waiters();
                 PsReply::Ok
             }
@@ -803,67 +864,49 @@ impl Handler for PsHandler {
 mod tests {
     use super::*;
     use crate::{optimizer::Sgd, Init};
-    use std::sync::atomic::{AtomicU64, Ordering};
+    use oar_discovery::MemDiscovery;
 
-    fn store() -> Arc<Mutex<ParamStore>> {
-        let specs = vec![ParamSpec::new("w", vec![4], Init::Constant(0.0))];
-        let placement = Placement::new(&specs, 1, 4).unwrap();
-        Arc::new(Mutex::new(
-            ParamStore::new(&placement, 0, 1, Box::new(Sgd { lr: 0.1 }), Mode::Async).unwrap(),
-        ))
-    }
-
-    /// Hold the store's lock on a thread of its own for `hold` (a long
-    /// checkpoint), once it is taken.
-    fn hold_lock(store: &Arc<Mutex<ParamStore>>, hold: Duration) -> std::thread::JoinHandle<()> {
-        let (taken, is_taken) = std::sync::mpsc::channel();
-        let store = store.clone();
-        let holder = std::thread::spawn(move || {
-            let _guard = store.lock().unwrap();
-            taken.send(()).unwrap();
-            std::thread::sleep(hold);
-        });
-        is_taken.recv().unwrap();
-        holder
-    }
-
+    /// A store whose lock a thread panicked holding is never served again.
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-    async fn tasks_waiting_for_the_store_leave_the_runtime_running() {
-        let store = store();
-        let holder = hold_lock(&store, Duration::from_millis(500));
-        // More waiters than the runtime has threads: each would block one.
-        let waiters: Vec<_> = (0..4)
-            .map(|_| {
-                let store = store.clone();
-                tokio::spawn(async move { lock_store(&store).step() })
-            })
-            .collect();
-        let ticks = Arc::new(AtomicU64::new(0));
-        let ticker = tokio::spawn({
-            let ticks = ticks.clone();
-            async move {
-                loop {
-                    tokio::time::sleep(Duration::from_millis(5)).await;
-                    ticks.fetch_add(1, Ordering::Relaxed);
-                }
-            }
+    async fn a_poisoned_store_stops_the_pserver_and_releases_its_lease() {
+        let specs = vec![ParamSpec::new("w", vec![4], Init::Constant(0.0))];
+        let placement = Arc::new(Placement::new(&specs, 1, 4).unwrap());
+        let discovery: Arc<dyn Discovery> = Arc::new(MemDiscovery::new());
+        let session = Session::start(discovery.clone(), Duration::from_secs(30)).await.unwrap();
+        discovery.put("claim", b"x".to_vec(), Some(session.lease())).await.unwrap();
+        let store = ParamStore::new(&placement, 0, 1, Box::new(Sgd { lr: 0.1 }), Mode::Async).unwrap();
+        let shared = Arc::new(Shared {
+            store: OnceLock::from(Mutex::new(store)),
+            placement,
+            stepped: Notify::new(),
+            stopped: watch::channel(None).0,
+            index: OnceLock::from(0),
+            lease: session.guard(),
+            draining: AtomicBool::new(false),
+            discovery: discovery.clone(),
+            lease_id: session.lease(),
         });
-        for waiter in waiters {
-            assert_eq!(waiter.await.unwrap(), 0);
-        }
-        ticker.abort();
-        holder.join().unwrap();
-        // Up to 100 ticks fit in the 500 ms; with the runtime's threads
-        // blocked on the lock, none would.
-        let ticks = ticks.load(Ordering::Relaxed);
-        assert!(ticks >= 20, "the runtime ran {ticks} ticks of 5 ms while the store was locked for 500 ms");
-    }
+        assert!(shared.store().is_ok());
+        let poisoner = shared.clone();
+        let panicked = std::thread::spawn(move || {
+            let _held = poisoner.store.get().map(|s| s.lock());
+            panic!("midway through an update");
+        })
+        .join();
+        assert!(panicked.is_err());
 
-    #[tokio::test(flavor = "current_thread")]
-    async fn a_current_thread_runtime_waits_for_the_store_without_panicking() {
-        let store = store();
-        let holder = hold_lock(&store, Duration::from_millis(50));
-        assert_eq!(lock_store(&store).step(), 0);
-        holder.join().unwrap();
+        let refused = shared.store().expect_err("a poisoned store is refused");
+        assert_eq!(refused.kind, oar_transport::RemoteErrorKind::Unavailable);
+        assert!(refused.message.contains("poisoned"), "{refused:?}");
+        let why = shared.stopped.borrow().clone().expect("stopped");
+        assert!(why.contains("poisoned"), "{why}");
+        // The lease is revoked, so its keys go and a replacement can claim the index.
+        tokio::time::timeout(Duration::from_secs(10), async {
+            while discovery.get("claim").await.unwrap().is_some() {
+                tokio::time::sleep(Duration::from_millis(10)).await;
+            }
+        })
+        .await
+        .expect("the lease is revoked");
     }
 }

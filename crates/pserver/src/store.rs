@@ -1,8 +1,10 @@
 //! The parameter store of one pserver shard: its blocks, their optimizer
-//! state, push deduplication and the sync barrier. No I/O, no clock.
+//! state, push deduplication and the sync barrier, and the copy-on-write
+//! [`StoreSnapshot`] a checkpoint is written from. No I/O, no clock.
 
 use serde::{Deserialize, Serialize};
 use std::collections::{BTreeMap, BTreeSet, HashMap};
+use std::sync::{Arc, Mutex, PoisonError};
 
 use crate::block::BlockId;
 use crate::error::{Error, Result};
@@ -156,12 +158,127 @@ pub enum PushOutcome {
     Duplicate,
 }
 
-/// A held block: its parameters and optimizer state.
+/// A held block.
 #[derive(Debug)]
 struct Held {
     id: BlockId,
+    /// Shared with the snapshots taken since its last update; an update
+    /// copies it first if one still holds it (see [`ParamStore::block_mut`]).
+    data: Arc<BlockData>,
+}
+
+/// A block's parameters and optimizer state.
+#[derive(Clone, Debug)]
+struct BlockData {
     params: Vec<f32>,
     state: OptimizerState,
+}
+
+impl BlockData {
+    /// Make this a copy of `other`, reusing this one's buffers.
+    fn copy_from(&mut self, other: &BlockData) {
+        self.params.clone_from(&other.params);
+        self.state.step = other.state.step;
+        self.state.slots.clone_from(&other.state.slots);
+    }
+}
+
+/// Block buffers that no snapshot needs any more, kept for the store's
+/// next copies (see [`StoreSnapshot`]).
+type Spares = Arc<Mutex<Vec<BlockData>>>;
+
+/// A consistent copy of everything a checkpoint records of a
+/// [`ParamStore`], taken by [`ParamStore::snapshot`] under the store's lock
+/// and written with no lock held, so pushes go on while a checkpoint is
+/// written.
+///
+/// Taking one is cheap (no parameter is copied): the snapshot shares each
+/// block's values with the store, copy-on-write. The store copies a block
+/// when it updates one that a live snapshot still shares, so while a
+/// snapshot lives the store's memory grows by the blocks updated meanwhile
+/// (each block's parameters and optimizer state once): at most one more
+/// copy of the shard, when every block is updated during the write.
+///
+/// Dropping the snapshot hands the old values of those blocks back to the
+/// store as spare buffers, which its next copies reuse. Why: a copy into
+/// fresh memory pays its page faults too, 4x the time of a copy into a
+/// reused buffer on the development VM, and more beside a checkpoint
+/// writing to the page cache (BENCHMARKS.md, "Pushes during a
+/// checkpoint"). So the memory a checkpoint's copies took stays with the
+/// store until the next checkpoint reuses it; the peak is the same.
+#[derive(Clone)]
+pub struct StoreSnapshot {
+    server: u32,
+    fingerprint: u64,
+    optimizer: String,
+    state_slots: usize,
+    step: u64,
+    blocks: Vec<(BlockId, Arc<BlockData>)>,
+    /// Sorted by trainer, so the same state always gives the same bytes.
+    last_seqs: Vec<(String, u64)>,
+    /// Where the blocks only this snapshot holds go when it is dropped.
+    spares: Spares,
+}
+
+impl Drop for StoreSnapshot {
+    fn drop(&mut self) {
+        // The blocks the store has replaced since: this is their last holder.
+        let mut old: Vec<BlockData> =
+            self.blocks.drain(..).filter_map(|(_, data)| Arc::try_unwrap(data).ok()).collect();
+        if !old.is_empty() {
+            self.spares.lock().unwrap_or_else(PoisonError::into_inner).append(&mut old);
+        }
+    }
+}
+
+impl StoreSnapshot {
+    /// The store's shard index.
+    pub fn server(&self) -> u32 {
+        self.server
+    }
+
+    /// Fingerprint of the store's placement.
+    pub fn fingerprint(&self) -> u64 {
+        self.fingerprint
+    }
+
+    /// The name of the store's optimizer.
+    pub fn optimizer(&self) -> &str {
+        &self.optimizer
+    }
+
+    /// The optimizer's state slots per element.
+    pub fn state_slots(&self) -> usize {
+        self.state_slots
+    }
+
+    /// The store's step when the snapshot was taken.
+    pub fn step(&self) -> u64 {
+        self.step
+    }
+
+    /// Every held block with its parameters and optimizer state, in
+    /// [`BlockId`] order, as they were when the snapshot was taken.
+    pub fn blocks(&self) -> impl ExactSizeIterator<Item = (BlockId, &[f32], &OptimizerState)> + '_ {
+        self.blocks.iter().map(|(id, d)| (*id, d.params.as_slice(), &d.state))
+    }
+
+    /// The last accepted seq of every trainer seen, sorted by trainer.
+    pub fn last_seqs(&self) -> impl ExactSizeIterator<Item = (&str, u64)> + '_ {
+        self.last_seqs.iter().map(|(t, s)| (t.as_str(), *s))
+    }
+}
+
+impl std::fmt::Debug for StoreSnapshot {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("StoreSnapshot")
+            .field("server", &self.server)
+            .field("optimizer", &self.optimizer)
+            .field("step", &self.step)
+            .field("blocks", &self.blocks.len())
+            .field("trainers", &self.last_seqs.len())
+            .finish()
+    }
 }
 
 /// The blocks of one shard and the logic that updates them.
@@ -213,6 +330,8 @@ pub struct ParamStore {
     partial: HashMap<String, Vec<bool>>,
     /// One block's combined gradient (sync), kept between steps.
     scratch: Vec<f32>,
+    /// Buffers for copies of blocks that snapshots share.
+    spares: Spares,
 }
 
 impl std::fmt::Debug for ParamStore {
@@ -252,7 +371,7 @@ impl ParamStore {
                 if let Some(spec) = specs.get(b.id.param as usize) {
                     init_values(spec, seed, b.offset, &mut params);
                 }
-                Held { id: b.id, params, state: optimizer.new_state(b.len) }
+                Held { id: b.id, data: Arc::new(BlockData { params, state: optimizer.new_state(b.len) }) }
             })
             .collect();
         let blocks = held.len();
@@ -272,6 +391,7 @@ impl ParamStore {
             last_seq: HashMap::new(),
             partial: HashMap::new(),
             scratch: Vec::new(),
+            spares: Spares::default(),
         })
     }
 
@@ -305,6 +425,31 @@ impl ParamStore {
     /// (a restart from a mixed state would apply those blocks' step twice).
     pub fn step_underway(&self) -> bool {
         self.updated_count > 0
+    }
+
+    /// What a checkpoint records of the store now: its identity, step,
+    /// blocks with their optimizer state, and the last seq of every
+    /// trainer. Cheap: see [`StoreSnapshot`] for how the blocks are shared
+    /// and what that costs in memory.
+    ///
+    /// [`Error::CheckpointStepUnderway`] while a sync step is underway: its
+    /// parameters mix two steps (the caller waits for the step to end).
+    pub fn snapshot(&self) -> Result<StoreSnapshot> {
+        if self.step_underway() {
+            return Err(Error::CheckpointStepUnderway { step: self.step });
+        }
+        let mut last_seqs: Vec<(String, u64)> = self.last_seq.iter().map(|(t, &s)| (t.clone(), s)).collect();
+        last_seqs.sort_unstable();
+        Ok(StoreSnapshot {
+            server: self.server,
+            fingerprint: self.fingerprint,
+            optimizer: self.optimizer.name().to_string(),
+            state_slots: self.optimizer.state_slots(),
+            step: self.step,
+            blocks: self.held.iter().map(|h| (h.id, h.data.clone())).collect(),
+            last_seqs,
+            spares: self.spares.clone(),
+        })
     }
 
     /// Make `trainer` a member, from the current step on or, if that step
@@ -377,8 +522,8 @@ impl ParamStore {
             Mode::Async => {
                 let mut scratch = Vec::new();
                 for (i, g) in &grads {
-                    let h = &mut self.held[*i];
-                    self.optimizer.apply(&mut h.params, g.floats(&mut scratch), &mut h.state);
+                    let d = Self::block_mut(&mut self.held, &self.spares, *i);
+                    self.optimizer.apply(&mut d.params, g.floats(&mut scratch), &mut d.state);
                 }
                 self.join(&trainer);
                 if self.take(&trainer, seq, grads.iter().map(|(i, _)| *i)) {
@@ -419,7 +564,7 @@ impl ParamStore {
     /// The parameters of a held block.
     pub fn block(&self, id: BlockId) -> Result<&[f32]> {
         self.index(id)
-            .map(|i| self.held[i].params.as_slice())
+            .map(|i| self.held[i].data.params.as_slice())
             .ok_or(Error::BlockNotHeld { block: id, server: self.server })
     }
 
@@ -430,7 +575,7 @@ impl ParamStore {
 
     /// Every held block with its parameters and optimizer state (for checkpoints).
     pub fn blocks(&self) -> impl Iterator<Item = (BlockId, &[f32], &OptimizerState)> + '_ {
-        self.held.iter().map(|h| (h.id, h.params.as_slice(), &h.state))
+        self.held.iter().map(|h| (h.id, h.data.params.as_slice(), &h.data.state))
     }
 
     /// Replace a held block's parameters and optimizer state (from a
@@ -439,7 +584,7 @@ impl ParamStore {
     pub fn restore_block(&mut self, id: BlockId, params: Vec<f32>, state: OptimizerState) -> Result<()> {
         let server = self.server;
         let i = self.index(id).ok_or(Error::BlockNotHeld { block: id, server })?;
-        let len = self.held[i].params.len();
+        let len = self.held[i].data.params.len();
         let slots = self.optimizer.state_slots().saturating_mul(len);
         for (what, values, expected) in
             [("parameters", &params, len), ("optimizer slots", &state.slots, slots)]
@@ -451,8 +596,7 @@ impl ParamStore {
                 return Err(Error::RestoreNonFinite { block: id, what, index, value: values[index] });
             }
         }
-        self.held[i].params = params;
-        self.held[i].state = state;
+        self.held[i].data = Arc::new(BlockData { params, state });
         Ok(())
     }
 
@@ -485,6 +629,26 @@ impl ParamStore {
         }
     }
 
+    /// Held block `i`'s values, to update. If a snapshot still shares
+    /// them they are copied first, into a spare buffer when there is one,
+    /// and the snapshot keeps the old ones.
+    fn block_mut<'a>(held: &'a mut [Held], spares: &Spares, i: usize) -> &'a mut BlockData {
+        let data = &mut held[i].data;
+        if Arc::get_mut(data).is_none() {
+            let spare = spares.lock().unwrap_or_else(PoisonError::into_inner).pop();
+            let copy = match spare {
+                Some(mut spare) => {
+                    spare.copy_from(data);
+                    spare
+                }
+                None => BlockData::clone(data),
+            };
+            *data = Arc::new(copy);
+        }
+        // Not shared now: no copy.
+        Arc::make_mut(data)
+    }
+
     fn index(&self, id: BlockId) -> Option<usize> {
         self.held.binary_search_by_key(&id, |h| h.id).ok()
     }
@@ -513,7 +677,7 @@ impl ParamStore {
                     server: self.server,
                 });
             };
-            let expected = self.held[i].params.len();
+            let expected = self.held[i].data.params.len();
             if g.len() != expected || !g.whole() {
                 return Err(Error::GradLength {
                     trainer: trainer.to_string(),
@@ -616,8 +780,8 @@ impl ParamStore {
         if total != 1.0 {
             div(acc, total);
         }
-        let h = &mut self.held[i];
-        self.optimizer.apply(&mut h.params, acc, &mut h.state);
+        let d = Self::block_mut(&mut self.held, &self.spares, i);
+        self.optimizer.apply(&mut d.params, &self.scratch, &mut d.state);
         self.updated[i] = true;
         self.updated_count += 1;
     }
@@ -969,9 +1133,8 @@ mod tests {
         assert_eq!(st.join("c"), 1);
         assert_eq!(st.members(), vec!["a".to_string(), "b".to_string()]);
         // A checkpoint would mix two steps now.
-        let dir = crate::checkpoint::CheckpointDir::new(std::env::temp_dir().join("oar-never-written"), 0);
-        let saved = dir.save(&st, 2);
-        assert!(matches!(saved, Err(Error::CheckpointStepUnderway { step: 0 })), "{saved:?}");
+        let taken = st.snapshot();
+        assert!(matches!(taken, Err(Error::CheckpointStepUnderway { step: 0 })), "{taken:?}");
         // The second halves complete the step; "c" is then a member.
         assert!(matches!(st.push(part(a, 3..7)).unwrap(), PushOutcome::Buffered { waiting_for: 1, .. }));
         assert_eq!(st.waiting_for(), vec!["b".to_string()]);
@@ -1074,5 +1237,53 @@ mod tests {
         st.restore_last_seq("q", 4);
         let p = push_for(&st, "q", 4, 10, 1.0, |_, _| 1.0);
         assert_eq!(st.push(p).unwrap(), PushOutcome::Duplicate);
+    }
+
+    #[test]
+    fn a_snapshot_shares_blocks_until_the_store_updates_them() {
+        // 9 + 3 elements in blocks of 4: blocks of 4, 4, 1 and 3.
+        let pl = Placement::new(&specs(), 1, 4).unwrap();
+        let opt = Adam { lr: 0.1, beta1: 0.9, beta2: 0.99, eps: 1e-8 };
+        let mut st = ParamStore::new(&pl, 0, 1, Box::new(opt.clone()), Mode::Async).unwrap();
+        st.push(push_for(&st, "t", 1, 0, 1.0, |_, i| i as f32)).unwrap();
+        let shared = |st: &ParamStore, snap: &StoreSnapshot| -> Vec<bool> {
+            st.held.iter().zip(&snap.blocks).map(|(h, (_, d))| Arc::ptr_eq(&h.data, d)).collect()
+        };
+        let snap = st.snapshot().unwrap();
+        assert_eq!((snap.step(), snap.server(), snap.optimizer(), snap.state_slots()), (1, 0, "adam", 2));
+        assert_eq!(snap.last_seqs().collect::<Vec<_>>(), vec![("t", 1)]);
+        assert_eq!(shared(&st, &snap), vec![true; 4], "taking a snapshot copies nothing");
+        let frozen: Vec<(Vec<f32>, OptimizerState)> =
+            snap.blocks().map(|(_, p, s)| (p.to_vec(), s.clone())).collect();
+        // Updating block 1 copies block 1 only, and the snapshot keeps the old values.
+        st.push(part(push_for(&st, "t", 2, 0, 1.0, |_, _| 1.0), 1..2)).unwrap();
+        st.push(part(push_for(&st, "t", 2, 0, 1.0, |_, _| 1.0), 2..4)).unwrap();
+        assert_eq!(shared(&st, &snap), vec![true, false, false, false]);
+        let now: Vec<(Vec<f32>, OptimizerState)> =
+            snap.blocks().map(|(_, p, s)| (p.to_vec(), s.clone())).collect();
+        assert_eq!(now, frozen);
+        assert_ne!(st.block(BlockId::new(0, 1)).unwrap(), frozen[1].0.as_slice());
+        assert_eq!(st.blocks().nth(1).unwrap().2.step, 2);
+        assert_eq!(snap.step(), 1);
+        // Once the snapshot is gone, updates copy nothing: every block is the store's alone.
+        // The three old blocks it held alone are the store's spare buffers now.
+        drop(snap);
+        assert!(st.held.iter().all(|h| Arc::strong_count(&h.data) == 1));
+        assert_eq!(st.spares.lock().unwrap().len(), 3);
+        // The next copy reuses one of them, and copies the values exactly.
+        let snap = st.snapshot().unwrap();
+        let before: Vec<(Vec<f32>, OptimizerState)> =
+            snap.blocks().map(|(_, p, s)| (p.to_vec(), s.clone())).collect();
+        st.push(part(push_for(&st, "t", 3, 0, 1.0, |_, _| 1.0), 0..1)).unwrap();
+        assert_eq!(st.spares.lock().unwrap().len(), 2);
+        assert_eq!(shared(&st, &snap), vec![false, true, true, true]);
+        let mut reference = ParamStore::new(&pl, 0, 1, Box::new(opt.clone()), Mode::Async).unwrap();
+        let (params, state) = &before[0];
+        reference.restore_block(BlockId::new(0, 0), params.clone(), state.clone()).unwrap();
+        reference.push(part(push_for(&reference, "t", 3, 0, 1.0, |_, _| 1.0), 0..1)).unwrap();
+        assert_eq!(st.blocks().next(), reference.blocks().next());
+        let now: Vec<(Vec<f32>, OptimizerState)> =
+            snap.blocks().map(|(_, p, s)| (p.to_vec(), s.clone())).collect();
+        assert_eq!(now, before);
     }
 }

@@ -1,4 +1,5 @@
-//! Checkpoints through the public API: exact round trips, fallback past
+//! Checkpoints through the public API (a store's snapshot saved, the file
+//! loaded into a store): exact round trips, fallback past
 //! corrupt, truncated and foreign files, temp-file cleanup, pruning, and a
 //! property test that no single-byte corruption ever loads wrong data.
 
@@ -92,7 +93,7 @@ fn round_trip_is_exact_and_training_continues_identically() {
     let tmp = tempfile::tempdir().unwrap();
     let dir = CheckpointDir::new(tmp.path(), 1);
     let (pl, mut orig) = trained(5);
-    let info = dir.save(&orig, 3).unwrap();
+    let info = dir.save(&orig.snapshot().unwrap(), 3).unwrap();
     assert_eq!(info.step, 5);
     assert_eq!(PathBuf::from(&info.path), dir.file_for_step(5));
     assert_eq!(info.bytes, fs::metadata(&info.path).unwrap().len());
@@ -139,7 +140,7 @@ fn sync_store_with_momentum_round_trips() {
     st.join("u");
     st.push(push(&st, "t", 3, 3)).unwrap(); // buffered, not in the checkpoint
     let dir = CheckpointDir::new(tmp.path(), 0);
-    dir.save(&st, 2).unwrap();
+    dir.save(&st.snapshot().unwrap(), 2).unwrap();
     let mut r = store(&pl, 0, 2, opt(), Mode::Sync);
     dir.load_latest(&mut r).unwrap().unwrap();
     assert_eq!(snap(&r), snap(&st));
@@ -159,7 +160,7 @@ fn no_checkpoint_is_none_and_lists_are_newest_first() {
     let mut steps = Vec::new();
     for k in 0..3 {
         st.push(push(&st, "x", k, k)).unwrap();
-        steps.push(dir.save(&st, 5).unwrap().step);
+        steps.push(dir.save(&st.snapshot().unwrap(), 5).unwrap().step);
     }
     fs::write(dir.path().join("notes.txt"), b"not a checkpoint").unwrap();
     fs::write(dir.path().join("ckpt-12x.oarckpt"), b"not a checkpoint either").unwrap();
@@ -172,9 +173,9 @@ fn a_flipped_byte_anywhere_in_the_newest_falls_back_with_the_reason() {
     let tmp = tempfile::tempdir().unwrap();
     let dir = CheckpointDir::new(tmp.path(), 1);
     let (pl, mut st) = trained(2);
-    let older = dir.save(&st, 3).unwrap();
+    let older = dir.save(&st.snapshot().unwrap(), 3).unwrap();
     st.push(push(&st, "trainer-c", 1, 9)).unwrap();
-    let newest = dir.save(&st, 3).unwrap();
+    let newest = dir.save(&st.snapshot().unwrap(), 3).unwrap();
     let good = fs::read(&newest.path).unwrap();
     let n = good.len();
     // (offset, expected words in the reason)
@@ -206,10 +207,10 @@ fn a_truncated_newest_falls_back() {
     let tmp = tempfile::tempdir().unwrap();
     let dir = CheckpointDir::new(tmp.path(), 1);
     let (pl, mut st) = trained(2);
-    let older = dir.save(&st, 3).unwrap();
+    let older = dir.save(&st.snapshot().unwrap(), 3).unwrap();
     let older_snap = snap(&st);
     st.push(push(&st, "trainer-c", 1, 9)).unwrap();
-    let newest = dir.save(&st, 3).unwrap();
+    let newest = dir.save(&st.snapshot().unwrap(), 3).unwrap();
     let good = fs::read(&newest.path).unwrap();
     for len in [0, 10, 70, good.len() / 2, good.len() - 4, good.len() - 1] {
         fs::write(&newest.path, &good[..len]).unwrap();
@@ -237,7 +238,7 @@ fn every_checkpoint_corrupt_is_an_error_naming_each_file() {
     let mut paths = Vec::new();
     for k in 0..3 {
         st.push(push(&st, "x", k, k)).unwrap();
-        paths.push(dir.save(&st, 3).unwrap().path);
+        paths.push(dir.save(&st.snapshot().unwrap(), 3).unwrap().path);
     }
     for p in &paths {
         let len = fs::metadata(p).unwrap().len() as usize;
@@ -268,7 +269,7 @@ fn foreign_checkpoints_are_refused_by_name() {
     let tmp = tempfile::tempdir().unwrap();
     let (pl, st) = trained(2);
     let ours = CheckpointDir::new(tmp.path(), 1);
-    let file = ours.save(&st, 2).unwrap().path;
+    let file = ours.save(&st.snapshot().unwrap(), 2).unwrap().path;
 
     // Another placement (block size) for the same server index.
     let other_pl = Placement::new(&specs(&[19, 6, 3]), 2, 7).unwrap();
@@ -295,7 +296,7 @@ fn foreign_checkpoints_are_refused_by_name() {
     assert!(matches!(err, Error::CheckpointMismatch { .. }), "{err}");
 
     // A store of another server cannot use this directory at all.
-    assert!(matches!(ours.save(&s0, 2), Err(Error::Config(_))));
+    assert!(matches!(ours.save(&s0.snapshot().unwrap(), 2), Err(Error::Config(_))));
     assert!(matches!(ours.load_latest(&mut s0), Err(Error::Config(_))));
 }
 
@@ -304,7 +305,7 @@ fn leftover_temp_files_are_ignored_and_removed() {
     let tmp = tempfile::tempdir().unwrap();
     let dir = CheckpointDir::new(tmp.path(), 1);
     let (pl, mut st) = trained(2);
-    let info = dir.save(&st, 2).unwrap();
+    let info = dir.save(&st.snapshot().unwrap(), 2).unwrap();
     // An interrupted save of a later step: half a file under the temp name.
     let leftover = dir.path().join("ckpt-00000000000000000099.oarckpt.tmp");
     let bytes = fs::read(&info.path).unwrap();
@@ -318,7 +319,7 @@ fn leftover_temp_files_are_ignored_and_removed() {
     // Save removes them too.
     fs::write(&leftover, b"x").unwrap();
     st.push(push(&st, "q", 1, 1)).unwrap();
-    dir.save(&st, 2).unwrap();
+    dir.save(&st.snapshot().unwrap(), 2).unwrap();
     assert!(!leftover.exists(), "removed by save");
 }
 
@@ -327,11 +328,13 @@ fn keep_prunes_older_checkpoints_only() {
     let tmp = tempfile::tempdir().unwrap();
     let dir = CheckpointDir::new(tmp.path(), 1);
     let (_pl, mut st) = trained(0);
-    assert!(matches!(dir.save(&st, 1), Err(Error::Config(m)) if m.contains("at least 2")));
+    assert!(
+        matches!(dir.save(&st.snapshot().unwrap(), 1), Err(Error::Config(m)) if m.contains("at least 2"))
+    );
     let mut infos = Vec::new();
     for k in 0..5 {
         st.push(push(&st, "x", k, k)).unwrap();
-        infos.push(dir.save(&st, 3).unwrap());
+        infos.push(dir.save(&st.snapshot().unwrap(), 3).unwrap());
     }
     let steps: Vec<u64> = infos.iter().map(|i| i.step).collect();
     assert_eq!(steps, vec![1, 2, 3, 4, 5]);
@@ -340,7 +343,7 @@ fn keep_prunes_older_checkpoints_only() {
     // and the new checkpoint is never pruned.
     fs::copy(&infos[4].path, dir.file_for_step(100)).unwrap();
     st.push(push(&st, "x", 9, 9)).unwrap();
-    dir.save(&st, 2).unwrap();
+    dir.save(&st.snapshot().unwrap(), 2).unwrap();
     assert_eq!(dir.list().unwrap(), vec![dir.file_for_step(100), dir.file_for_step(6), dir.file_for_step(5)]);
 }
 
@@ -399,10 +402,10 @@ proptest! {
         for k in 0..pushes {
             st.push(push(&st, &format!("t{}", k % 2), k, seed ^ k)).unwrap();
         }
-        let older = dir.save(&st, 2).unwrap();
+        let older = dir.save(&st.snapshot().unwrap(), 2).unwrap();
         let older_snap = snap(&st);
         st.push(push(&st, "t9", 1, seed)).unwrap();
-        let newest = dir.save(&st, 2).unwrap();
+        let newest = dir.save(&st.snapshot().unwrap(), 2).unwrap();
         let newest_snap = snap(&st);
 
         let b = fs::read(&newest.path).unwrap();

@@ -1,16 +1,24 @@
 //! The pserver shell end to end on the in-memory discovery and transport:
-//! bad pushes, retried pushes, a trainer dying inside a sync step, and a
-//! lost lease.
+//! bad pushes, retried pushes, a trainer dying inside a sync step, a lost
+//! lease, and a user optimizer panicking midway through a push.
 
 use bytes::Bytes;
 use oar_discovery::{Discovery, MemDiscovery};
 use oar_pserver::{
+    checkpoint::CheckpointDir,
     protocol::{BlockSpan, PsReply, PsRequest, PSERVER_METHOD},
-    Init, Mode, OptimizerConfig, ParamBuf, ParamSpec, Placement, Pserver, PserverClient,
-    PserverClientOptions, PserverKeys, PserverOptions, PushOutcome, PushResult,
+    Init, Mode, Optimizer, OptimizerConfig, OptimizerFactory, OptimizerState, ParamBuf, ParamSpec, Placement,
+    Pserver, PserverClient, PserverClientOptions, PserverKeys, PserverOptions, PushOutcome, PushResult,
+    ServiceError, Sgd,
 };
 use oar_transport::{call, f32s_to_bytes, MemNetwork, MemTransport, RemoteErrorKind, RetryPolicy, Transport};
-use std::{sync::Arc, time::Duration};
+use std::{
+    sync::{
+        atomic::{AtomicU64, Ordering},
+        Arc,
+    },
+    time::Duration,
+};
 
 /// The pservers' keys, under `/ps-test/`.
 fn keys() -> PserverKeys {
@@ -448,4 +456,139 @@ async fn sync_pushes_in_parts_combine_every_block_once() {
         assert!((p - 2.0 * i as f32).abs() <= 1e-3 * (1.0 + 2.0 * i as f32), "element {i}: {p}");
     }
     server.shutdown().await.unwrap();
+}
+
+/// SGD (lr 0.5) that panics on its `panic_at`-th apply, counted over every
+/// block it updates: a user's optimizer with a bug.
+struct Fragile {
+    applies: AtomicU64,
+    panic_at: u64,
+}
+
+impl Optimizer for Fragile {
+    fn name(&self) -> &str {
+        "fragile-sgd"
+    }
+    fn state_slots(&self) -> usize {
+        0
+    }
+    fn apply(&self, params: &mut [f32], grad: &[f32], state: &mut OptimizerState) {
+        let n = self.applies.fetch_add(1, Ordering::SeqCst) + 1;
+        if n == self.panic_at {
+            panic!("fragile-sgd broke on apply {n}");
+        }
+        Sgd { lr: 0.5 }.apply(params, grad, state);
+    }
+}
+
+/// A call of `request` that must be refused as unavailable, naming the panic.
+async fn assert_refused_naming_the_panic(env: &Env, ps: &Pserver, request: PsRequest, payload: Vec<f32>) {
+    let conn = env.transport.connect(ps.addr()).await.unwrap();
+    let what = format!("{request:?}");
+    let result =
+        call(conn.as_ref(), PSERVER_METHOD, &request, f32s_to_bytes(&payload), Duration::from_secs(1))
+            .await
+            .map(|(r, _): (PsReply, Bytes)| r);
+    match result {
+        Err(oar_transport::Error::Remote { error, .. }) => {
+            assert_eq!(error.kind, RemoteErrorKind::Unavailable, "{what}: {error:?}");
+            assert!(error.message.contains("fragile-sgd broke on apply 8"), "{what}: {error:?}");
+        }
+        other => panic!("{what}: expected a refusal naming the panic, got {other:?}"),
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_panic_midway_through_a_push_stops_the_pserver_and_a_replacement_loads_the_last_checkpoint() {
+    let env = Env::new();
+    let dir = tempfile::tempdir().unwrap();
+    let start = |panic_at: u64| {
+        let mut o = options(specs(), 1, Mode::Async, 0.5);
+        o.block_size = 8;
+        o.lease_ttl = Duration::from_secs(30);
+        o.checkpoint_dir = Some(dir.path().to_path_buf());
+        o.checkpoint_interval = Duration::from_secs(3600);
+        o.custom_optimizer =
+            Some(OptimizerFactory::new(move || Box::new(Fragile { applies: AtomicU64::new(0), panic_at })));
+        Pserver::start(env.discovery.clone(), env.transport.clone(), "mem:0", o)
+    };
+    // Five blocks: 8 + 8 + 8 + 6 of "w", 3 of "b". The first push applies
+    // 1-5; the second updates two blocks and panics on the third (apply 8).
+    assert_eq!(all_blocks(&env).end, 5);
+    let ps = start(8).await.unwrap();
+    let fp = env.placement.fingerprint();
+    let first = raw_push(&env, &ps, 0, vec![1.0; total()], fp).await.unwrap();
+    assert_eq!(first, PsReply::Pushed(PushOutcome::Applied { step: 1 }));
+    let saved = ps.checkpoint().await.unwrap().unwrap();
+    assert_eq!(saved.step, 1);
+    let files = |d: &CheckpointDir| -> Vec<(String, Vec<u8>)> {
+        d.list().unwrap().iter().map(|p| (p.display().to_string(), std::fs::read(p).unwrap())).collect()
+    };
+    let ckpt_dir = CheckpointDir::new(dir.path(), 0);
+    let before_panic = files(&ckpt_dir);
+    let mut reader = env.client("reader", Duration::from_secs(5));
+    let mut after_first = ParamBuf::zeros(&specs());
+    reader.pull(&mut after_first).await.unwrap();
+
+    // The push that panics is refused, and so is everything after it.
+    let second = raw_push(&env, &ps, 1, vec![2.0; total()], fp).await;
+    match second {
+        Err(oar_transport::Error::Remote { error, .. }) => {
+            assert_eq!(error.kind, RemoteErrorKind::Unavailable, "{error:?}");
+            assert!(error.message.contains("fragile-sgd broke on apply 8"), "{error:?}");
+        }
+        other => panic!("expected the panicking push to be refused, got {other:?}"),
+    }
+    let why = ps.stopped().expect("the pserver stopped serving");
+    assert!(why.contains("fragile-sgd broke on apply 8") && why.contains("half-updated"), "{why}");
+    let blocks = all_blocks(&env);
+    let refused = [
+        (PsRequest::Info, vec![]),
+        (PsRequest::Join { trainer: "t9".into() }, vec![]),
+        (PsRequest::Leave { trainer: "t9".into() }, vec![]),
+        (PsRequest::Pull { fingerprint: fp, blocks, min_step: None, max_wait_ms: 0 }, vec![]),
+        (
+            PsRequest::Push { fingerprint: fp, blocks, trainer: "t1".into(), seq: 2, step: 0, weight: 1.0 },
+            vec![1.0; total()],
+        ),
+        (
+            PsRequest::PushPull { fingerprint: fp, blocks, trainer: "t1".into(), seq: 3, weight: 1.0 },
+            vec![1.0; total()],
+        ),
+    ];
+    for (request, payload) in refused {
+        assert_refused_naming_the_panic(&env, &ps, request, payload).await;
+    }
+
+    // No checkpoint of the half-updated store: asked for, it is refused,
+    // and the files are those from before the panic, byte for byte.
+    match ps.checkpoint().await {
+        Err(ServiceError::Stopped(why)) => assert!(why.contains("fragile-sgd broke on apply 8"), "{why}"),
+        other => panic!("expected the checkpoint to be refused, got {other:?}"),
+    }
+    assert_eq!(files(&ckpt_dir), before_panic);
+
+    // The index is released at once (the lease revoked): a replacement
+    // claims it, loads the checkpoint of step 1, and takes the push again.
+    let claim = keys().claim(0);
+    tokio::time::timeout(Duration::from_secs(10), async {
+        while env.discovery.get(&claim).await.unwrap().is_some() {
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+    })
+    .await
+    .expect("the stopped pserver releases its index");
+    let replacement = start(u64::MAX).await.unwrap();
+    assert_eq!(replacement.step(), 1);
+    let mut restored = ParamBuf::zeros(&specs());
+    reader.pull(&mut restored).await.unwrap();
+    assert_eq!(
+        restored.as_slice(),
+        after_first.as_slice(),
+        "the state of the last checkpoint, not the half-update"
+    );
+    let again = raw_push(&env, &replacement, 1, vec![2.0; total()], fp).await.unwrap();
+    assert_eq!(again, PsReply::Pushed(PushOutcome::Applied { step: 2 }));
+    drop(ps);
+    replacement.shutdown().await.unwrap();
 }

@@ -1,0 +1,526 @@
+//! The checkpoint file format (see the module docs of [`checkpoint`](super)
+//! for the layout): a writer of a [`StoreSnapshot`] into any `Write`, and a
+//! reader from any `Read + Seek` that verifies a whole file against a store
+//! before it restores anything. No files, names or directories here: those
+//! are [`CheckpointDir`](super::CheckpointDir)'s.
+
+use std::io::{self, BufReader, Read, Seek, SeekFrom, Write};
+use std::path::Path;
+
+use crate::block::BlockId;
+use crate::error::{Error, Result};
+use crate::optimizer::OptimizerState;
+use crate::store::{ParamStore, StoreSnapshot};
+
+/// The first 8 bytes of every checkpoint file.
+pub const MAGIC: [u8; 8] = *b"OARCKPT\0";
+/// The format version this build writes and reads.
+pub const FORMAT_VERSION: u32 = 1;
+
+/// Header bytes before the optimizer name.
+const FIXED_HEADER: u64 = 60;
+/// param + block + len + optimizer step.
+const BLOCK_HEAD: u64 = 24;
+/// trainer id length + seq: the smallest last-seq entry.
+const SEQ_ENTRY_MIN: u64 = 12;
+const TRAILER: u64 = 4;
+/// The read buffer, and the write buffer [`CheckpointDir`](super::CheckpointDir) uses.
+pub(super) const IO_BUF: usize = 1 << 20;
+
+// ---------------------------------------------------------------- writing
+
+/// A snapshot checked for what the header must hold (lengths that fit
+/// their fields), ready to be written: the checks come before any file is
+/// created.
+pub(super) struct Encoder<'a> {
+    snapshot: &'a StoreSnapshot,
+    name_len: u32,
+    header_len: u32,
+    slots: u32,
+}
+
+impl<'a> Encoder<'a> {
+    pub(super) fn new(snapshot: &'a StoreSnapshot) -> Result<Self> {
+        let name = snapshot.optimizer();
+        let too_big = |what: String| Error::Config(format!("cannot checkpoint: {what}"));
+        let name_len = u32::try_from(name.len())
+            .map_err(|_| too_big(format!("optimizer name of {} bytes is too long", name.len())))?;
+        let header_len = u32::try_from(FIXED_HEADER + u64::from(name_len))
+            .map_err(|_| too_big(format!("optimizer name of {} bytes is too long", name.len())))?;
+        let slots = u32::try_from(snapshot.state_slots())
+            .map_err(|_| too_big(format!("{} optimizer state slots", snapshot.state_slots())))?;
+        Ok(Self { snapshot, name_len, header_len, slots })
+    }
+
+    /// Write the whole checkpoint, its CRC last, to `w` (buffer it: the
+    /// floats go in one `write_all` per block, the rest in a few bytes at a
+    /// time). Returns the CRC and the bytes written.
+    pub(super) fn write<W: Write>(&self, w: &mut W, unix_time_ms: u64) -> io::Result<(u32, u64)> {
+        let mut w = CrcWriter { inner: w, hasher: crc32fast::Hasher::new(), bytes: 0 };
+        self.body(&mut w, unix_time_ms)?;
+        let checksum = w.hasher.clone().finalize();
+        w.inner.write_all(&checksum.to_le_bytes())?;
+        Ok((checksum, w.bytes + TRAILER))
+    }
+
+    fn body<W: Write>(&self, w: &mut CrcWriter<W>, unix_time_ms: u64) -> io::Result<()> {
+        let snap = self.snapshot;
+        w.put(&MAGIC)?;
+        w.u32(FORMAT_VERSION)?;
+        w.u32(self.header_len)?;
+        w.u64(snap.fingerprint())?;
+        w.u32(snap.server())?;
+        w.u64(snap.step())?;
+        w.u64(unix_time_ms)?;
+        w.u32(self.slots)?;
+        w.u64(snap.blocks().len() as u64)?;
+        w.u32(self.name_len)?;
+        w.put(snap.optimizer().as_bytes())?;
+        for (id, params, state) in snap.blocks() {
+            w.u32(id.param)?;
+            w.u32(id.block)?;
+            w.u64(params.len() as u64)?;
+            w.u64(state.step)?;
+            w.f32s(params)?;
+            w.f32s(&state.slots)?;
+        }
+        // Sorted by trainer (see `StoreSnapshot`), so the same state always gives the same bytes.
+        w.u64(snap.last_seqs().len() as u64)?;
+        for (trainer, seq) in snap.last_seqs() {
+            let len = u32::try_from(trainer.len())
+                .map_err(|_| io::Error::new(io::ErrorKind::InvalidInput, "trainer id longer than 4 GiB"))?;
+            w.u32(len)?;
+            w.put(trainer.as_bytes())?;
+            w.u64(seq)?;
+        }
+        Ok(())
+    }
+}
+
+/// A writer that hashes and counts what goes through it.
+struct CrcWriter<W> {
+    inner: W,
+    hasher: crc32fast::Hasher,
+    bytes: u64,
+}
+
+impl<W: Write> CrcWriter<W> {
+    fn put(&mut self, b: &[u8]) -> io::Result<()> {
+        self.inner.write_all(b)?;
+        self.hasher.update(b);
+        self.bytes += b.len() as u64;
+        Ok(())
+    }
+
+    fn u32(&mut self, v: u32) -> io::Result<()> {
+        self.put(&v.to_le_bytes())
+    }
+
+    fn u64(&mut self, v: u64) -> io::Result<()> {
+        self.put(&v.to_le_bytes())
+    }
+
+    fn f32s(&mut self, v: &[f32]) -> io::Result<()> {
+        if cfg!(target_endian = "little") {
+            self.put(bytemuck::cast_slice(v))
+        } else {
+            let mut buf = Vec::with_capacity(4096);
+            for chunk in v.chunks(1024) {
+                buf.clear();
+                for x in chunk {
+                    buf.extend_from_slice(&x.to_le_bytes());
+                }
+                self.put(&buf)?;
+            }
+            Ok(())
+        }
+    }
+}
+
+// ---------------------------------------------------------------- reading
+
+/// Why a file was refused.
+#[derive(Debug)]
+pub(super) enum Reject {
+    Io(&'static str, io::Error),
+    Corrupt(String),
+    Mismatch(String),
+}
+
+impl Reject {
+    pub(super) fn reason(&self) -> String {
+        match self {
+            Reject::Io(action, e) => format!("I/O error {action}: {e}"),
+            Reject::Corrupt(r) => format!("corrupt: {r}"),
+            Reject::Mismatch(r) => format!("does not fit this pserver: {r}"),
+        }
+    }
+
+    pub(super) fn into_error(self, path: &Path) -> Error {
+        let path = path.to_path_buf();
+        match self {
+            Reject::Io(action, source) => Error::CheckpointIo { action, path, source },
+            Reject::Corrupt(reason) => Error::CorruptCheckpoint { path, reason },
+            Reject::Mismatch(reason) => Error::CheckpointMismatch { path, reason },
+        }
+    }
+}
+
+pub(super) type Check<T> = std::result::Result<T, Reject>;
+
+/// What the store expects of a checkpoint.
+struct Expect {
+    server: u32,
+    fingerprint: u64,
+    optimizer: String,
+    slots: u64,
+    blocks: Vec<(BlockId, usize)>,
+}
+
+impl Expect {
+    fn of(store: &ParamStore) -> Self {
+        Self {
+            server: store.server(),
+            fingerprint: store.fingerprint(),
+            optimizer: store.optimizer().name().to_string(),
+            slots: store.optimizer().state_slots() as u64,
+            blocks: store.blocks().map(|(id, p, _)| (id, p.len())).collect(),
+        }
+    }
+}
+
+struct Header {
+    fingerprint: u64,
+    server: u32,
+    step: u64,
+    unix_time_ms: u64,
+    slots: u64,
+    blocks: u64,
+    optimizer: String,
+}
+
+impl Header {
+    /// Why the file does not fit the store, if it does not.
+    fn mismatch(&self, e: &Expect) -> Option<String> {
+        if self.server != e.server {
+            return Some(format!("written by server {}, this store is server {}", self.server, e.server));
+        }
+        if self.fingerprint != e.fingerprint {
+            return Some(format!(
+                "placement fingerprint {:016x} in the file, {:016x} for this store (another model, server count or block size)",
+                self.fingerprint, e.fingerprint
+            ));
+        }
+        if self.optimizer != e.optimizer {
+            return Some(format!(
+                "optimizer {:?} in the file, this store uses {:?}",
+                self.optimizer, e.optimizer
+            ));
+        }
+        if self.slots != e.slots {
+            return Some(format!(
+                "{} optimizer state slots per element in the file, optimizer {:?} has {}",
+                self.slots, e.optimizer, e.slots
+            ));
+        }
+        if self.blocks != e.blocks.len() as u64 {
+            return Some(format!("{} blocks in the file, this store holds {}", self.blocks, e.blocks.len()));
+        }
+        None
+    }
+}
+
+/// What a whole scan of a file found.
+struct Scanned {
+    header: Header,
+    seqs: Vec<(String, u64)>,
+    checksum: u32,
+    bytes: u64,
+}
+
+/// A reader over the checksummed part of a file (everything but the
+/// trailer) that never reads or allocates past it.
+struct Body<R> {
+    inner: R,
+    hasher: crc32fast::Hasher,
+    pos: u64,
+    end: u64,
+}
+
+impl<R: Read> Body<R> {
+    fn remaining(&self) -> u64 {
+        self.end.saturating_sub(self.pos)
+    }
+
+    fn need(&self, n: u64, what: &str) -> Check<()> {
+        if n > self.remaining() {
+            Err(Reject::Corrupt(format!(
+                "{what} at byte {} needs {n} bytes, but only {} remain before the checksum (truncated, or a corrupt length)",
+                self.pos,
+                self.remaining()
+            )))
+        } else {
+            Ok(())
+        }
+    }
+
+    fn fill(&mut self, buf: &mut [u8]) -> Check<()> {
+        match self.inner.read_exact(buf) {
+            Ok(()) => {}
+            Err(e) if e.kind() == io::ErrorKind::UnexpectedEof => {
+                return Err(Reject::Corrupt(format!("the file ends early, near byte {}", self.pos)))
+            }
+            Err(e) => return Err(Reject::Io("reading", e)),
+        }
+        self.hasher.update(buf);
+        self.pos += buf.len() as u64;
+        Ok(())
+    }
+
+    fn array<const N: usize>(&mut self, what: &str) -> Check<[u8; N]> {
+        self.need(N as u64, what)?;
+        let mut b = [0u8; N];
+        self.fill(&mut b)?;
+        Ok(b)
+    }
+
+    fn u32(&mut self, what: &str) -> Check<u32> {
+        self.array(what).map(u32::from_le_bytes)
+    }
+
+    fn u64(&mut self, what: &str) -> Check<u64> {
+        self.array(what).map(u64::from_le_bytes)
+    }
+
+    fn string(&mut self, len: u64, what: &str) -> Check<String> {
+        self.need(len, what)?;
+        let mut b = vec![0u8; to_usize(len, what)?];
+        self.fill(&mut b)?;
+        String::from_utf8(b).map_err(|e| Reject::Corrupt(format!("{what} is not UTF-8: {e}")))
+    }
+
+    /// `n` floats; the length is checked against the file before allocating.
+    fn f32s(&mut self, n: u64, what: &str) -> Check<Vec<f32>> {
+        let bytes =
+            n.checked_mul(4).ok_or_else(|| Reject::Corrupt(format!("{what}: {n} values overflow")))?;
+        self.need(bytes, what)?;
+        let mut v = vec![0f32; to_usize(n, what)?];
+        self.fill(bytemuck::cast_slice_mut(&mut v))?;
+        if cfg!(target_endian = "big") {
+            for x in &mut v {
+                *x = f32::from_bits(u32::from_le(x.to_bits()));
+            }
+        }
+        Ok(v)
+    }
+
+    fn skip(&mut self, mut n: u64, what: &str) -> Check<()> {
+        self.need(n, what)?;
+        let mut buf = [0u8; 8192];
+        while n > 0 {
+            let k = n.min(buf.len() as u64) as usize;
+            self.fill(&mut buf[..k])?;
+            n -= k as u64;
+        }
+        Ok(())
+    }
+
+    /// Everything read; compare the trailer with the CRC of what was read.
+    fn finish(&mut self) -> Check<u32> {
+        if self.pos != self.end {
+            return Err(Reject::Corrupt(format!(
+                "{} unexpected bytes between the last section (ends at byte {}) and the checksum",
+                self.remaining(),
+                self.pos
+            )));
+        }
+        let mut t = [0u8; 4];
+        match self.inner.read_exact(&mut t) {
+            Ok(()) => {}
+            Err(e) if e.kind() == io::ErrorKind::UnexpectedEof => {
+                return Err(Reject::Corrupt("the file ends before its checksum".into()))
+            }
+            Err(e) => return Err(Reject::Io("reading", e)),
+        }
+        let stored = u32::from_le_bytes(t);
+        let computed = self.hasher.clone().finalize();
+        if stored != computed {
+            return Err(Reject::Corrupt(format!(
+                "checksum mismatch: the file records crc32 {stored:08x}, its contents hash to {computed:08x}"
+            )));
+        }
+        Ok(stored)
+    }
+}
+
+fn to_usize(n: u64, what: &str) -> Check<usize> {
+    usize::try_from(n).map_err(|_| Reject::Corrupt(format!("{what}: {n} does not fit in memory")))
+}
+
+fn read_header<R: Read>(r: &mut Body<R>) -> Check<Header> {
+    let magic: [u8; 8] = r.array("magic")?;
+    if magic != MAGIC {
+        return Err(Reject::Corrupt(format!(
+            "bad magic \"{}\", expected \"{}\": not an oar checkpoint",
+            magic.escape_ascii(),
+            MAGIC.escape_ascii()
+        )));
+    }
+    let version = r.u32("format version")?;
+    if version != FORMAT_VERSION {
+        return Err(Reject::Corrupt(format!(
+            "format version {version}, but this build reads version {FORMAT_VERSION}"
+        )));
+    }
+    let header_len = u64::from(r.u32("header length")?);
+    if header_len < FIXED_HEADER {
+        return Err(Reject::Corrupt(format!(
+            "header length {header_len} is below the minimum {FIXED_HEADER}"
+        )));
+    }
+    let fingerprint = r.u64("placement fingerprint")?;
+    let server = r.u32("server index")?;
+    let step = r.u64("step")?;
+    let unix_time_ms = r.u64("save time")?;
+    let slots = u64::from(r.u32("optimizer slots")?);
+    let blocks = r.u64("block count")?;
+    let name_len = u64::from(r.u32("optimizer name length")?);
+    if FIXED_HEADER + name_len > header_len {
+        return Err(Reject::Corrupt(format!(
+            "optimizer name of {name_len} bytes does not fit in the {header_len}-byte header"
+        )));
+    }
+    let optimizer = r.string(name_len, "optimizer name")?;
+    r.skip(header_len - FIXED_HEADER - name_len, "header extension")?;
+    Ok(Header { fingerprint, server, step, unix_time_ms, slots, blocks, optimizer })
+}
+
+/// Read a whole checkpoint through `r` (from its start to its end),
+/// checking everything, and hand each block to `on_block` once it checked
+/// out. A mismatch with the store found before the end is reported only
+/// after the CRC verified (a corrupt file is called corrupt, not
+/// mismatching).
+fn scan<R: Read + Seek>(
+    r: &mut R,
+    expect: &Expect,
+    on_block: &mut dyn FnMut(BlockId, Vec<f32>, OptimizerState) -> Check<()>,
+) -> Check<Scanned> {
+    let size = r.seek(SeekFrom::End(0)).map_err(|e| Reject::Io("seeking", e))?;
+    r.seek(SeekFrom::Start(0)).map_err(|e| Reject::Io("seeking", e))?;
+    let smallest = FIXED_HEADER + 8 + TRAILER;
+    if size < smallest {
+        return Err(Reject::Corrupt(format!(
+            "the file is {size} bytes, shorter than the smallest checkpoint ({smallest} bytes): truncated?"
+        )));
+    }
+    let mut r = Body {
+        inner: BufReader::with_capacity(IO_BUF, r),
+        hasher: crc32fast::Hasher::new(),
+        pos: 0,
+        end: size - TRAILER,
+    };
+    let header = read_header(&mut r)?;
+    let mut problem = header.mismatch(expect).map(Reject::Mismatch);
+    let mut seqs = Vec::new();
+    if problem.is_none() {
+        problem = scan_blocks(&mut r, &header, expect, on_block)?;
+    }
+    if problem.is_none() {
+        let n = r.u64("last-seq count")?;
+        r.need(n.saturating_mul(SEQ_ENTRY_MIN), &format!("{n} last-seq entries"))?;
+        for i in 0..n {
+            let len = u64::from(r.u32("trainer id length")?);
+            let trainer = r.string(len, &format!("trainer id of last-seq entry {i}"))?;
+            let seq = r.u64("last seq")?;
+            seqs.push((trainer, seq));
+        }
+    } else {
+        // Only to tell corruption from a mismatch.
+        r.skip(r.remaining(), "the rest")?;
+    }
+    let checksum = r.finish()?;
+    match problem {
+        Some(p) => Err(p),
+        None => Ok(Scanned { header, seqs, checksum, bytes: size }),
+    }
+}
+
+/// The blocks, in the store's order. `Err` for corruption, `Ok(Some)` for a
+/// mismatch with the store (the caller still checks the CRC).
+fn scan_blocks<R: Read>(
+    r: &mut Body<R>,
+    h: &Header,
+    expect: &Expect,
+    on_block: &mut dyn FnMut(BlockId, Vec<f32>, OptimizerState) -> Check<()>,
+) -> Check<Option<Reject>> {
+    r.need(h.blocks.saturating_mul(BLOCK_HEAD), &format!("{} blocks", h.blocks))?;
+    for &(id, len) in &expect.blocks {
+        let file_id = BlockId::new(r.u32("block id")?, r.u32("block id")?);
+        let file_len = r.u64("block length")?;
+        let opt_step = r.u64("block optimizer step")?;
+        if file_id != id {
+            return Ok(Some(Reject::Mismatch(format!(
+                "block {file_id} in the file where this store holds {id}"
+            ))));
+        }
+        if file_len != len as u64 {
+            return Ok(Some(Reject::Mismatch(format!(
+                "block {id} has {file_len} values in the file, this store's has {len}"
+            ))));
+        }
+        let params = r.f32s(file_len, &format!("block {id} parameters"))?;
+        let slots = r.f32s(file_len.saturating_mul(h.slots), &format!("block {id} optimizer slots"))?;
+        for (what, v) in [("parameters", &params), ("optimizer slots", &slots)] {
+            if let Some(i) = v.iter().position(|x| !x.is_finite()) {
+                return Err(Reject::Corrupt(format!(
+                    "block {id} {what} hold non-finite value {} at index {i} (the model had diverged, or the file was altered)",
+                    v[i]
+                )));
+            }
+        }
+        on_block(id, params, OptimizerState { step: opt_step, slots })?;
+    }
+    Ok(None)
+}
+
+/// What a checkpoint that loaded held besides its blocks.
+pub(super) struct Loaded {
+    pub(super) step: u64,
+    pub(super) checksum: u32,
+    pub(super) bytes: u64,
+    pub(super) unix_time_ms: u64,
+}
+
+/// Load the checkpoint read through `r` into `store`. Pass 1 verifies
+/// everything without touching the store; only then pass 2 reads the same
+/// bytes again and restores them block by block (one block of extra memory,
+/// not a second copy of the store). The step and the last seqs are set last.
+pub(super) fn load<R: Read + Seek>(r: &mut R, store: &mut ParamStore) -> Check<Loaded> {
+    let expect = Expect::of(store);
+    let first = scan(r, &expect, &mut |_, _, _| Ok(()))?;
+    let second = scan(r, &expect, &mut |id, params, state| {
+        store.restore_block(id, params, state).map_err(|e| Reject::Corrupt(e.to_string()))
+    })
+    .map_err(|r| {
+        Reject::Corrupt(format!(
+            "the file changed on disk between its verification and its restore ({}); the store may be partly restored",
+            r.reason()
+        ))
+    })?;
+    if second.checksum != first.checksum {
+        return Err(Reject::Corrupt(format!(
+            "the file changed on disk between its verification (crc32 {:08x}) and its restore ({:08x}); the store may be partly restored",
+            first.checksum, second.checksum
+        )));
+    }
+    store.set_step(second.header.step);
+    for (trainer, seq) in &second.seqs {
+        store.restore_last_seq(trainer, *seq);
+    }
+    Ok(Loaded {
+        step: second.header.step,
+        checksum: second.checksum,
+        bytes: second.bytes,
+        unix_time_ms: second.header.unix_time_ms,
+    })
+}

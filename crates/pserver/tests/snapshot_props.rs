@@ -1,0 +1,170 @@
+//! Property test of the store's copy-on-write snapshots: whatever is
+//! applied after a snapshot is taken, the snapshot holds, and a checkpoint
+//! written from it records, exactly the store's state at that step; and
+//! taking snapshots never changes what the store computes.
+
+use oar_pserver::checkpoint::{load_file, CheckpointDir};
+use oar_pserver::{
+    Adam, BlockId, Error, Grad, Init, Mode, ParamSpec, ParamStore, Placement, Push, SplitMix64, StoreSnapshot,
+};
+use proptest::prelude::*;
+use std::path::Path;
+
+const TRAINERS: [&str; 2] = ["a", "b"];
+
+#[derive(Clone, Debug)]
+enum Event {
+    /// A part of a push: `trainer`'s gradient for a run of blocks (from
+    /// `seed`); async pushes start a new seq when `fresh`.
+    Push {
+        trainer: usize,
+        fresh: bool,
+        seed: u64,
+    },
+    Snapshot,
+    /// Drop one of the live snapshots (picked by the index).
+    Drop(usize),
+    /// Write one of the live snapshots as a checkpoint and load it back.
+    Write(usize),
+}
+
+fn event() -> impl Strategy<Value = Event> {
+    prop_oneof![
+        6 => (0..TRAINERS.len(), any::<bool>(), any::<u64>())
+            .prop_map(|(trainer, fresh, seed)| Event::Push { trainer, fresh, seed }),
+        2 => Just(Event::Snapshot),
+        1 => any::<usize>().prop_map(Event::Drop),
+        1 => any::<usize>().prop_map(Event::Write),
+    ]
+}
+
+/// Everything a checkpoint records, floats as bits so comparisons are exact.
+#[derive(Clone, Debug, PartialEq)]
+struct Frozen {
+    step: u64,
+    blocks: Vec<(BlockId, Vec<u32>, u64, Vec<u32>)>,
+    seqs: Vec<(String, u64)>,
+}
+
+fn bits(v: &[f32]) -> Vec<u32> {
+    v.iter().map(|x| x.to_bits()).collect()
+}
+
+fn of_store(st: &ParamStore) -> Frozen {
+    let mut seqs: Vec<(String, u64)> = st.last_seqs().map(|(t, s)| (t.to_string(), s)).collect();
+    seqs.sort();
+    Frozen {
+        step: st.step(),
+        blocks: st.blocks().map(|(id, p, s)| (id, bits(p), s.step, bits(&s.slots))).collect(),
+        seqs,
+    }
+}
+
+fn of_snapshot(snap: &StoreSnapshot) -> Frozen {
+    Frozen {
+        step: snap.step(),
+        blocks: snap.blocks().map(|(id, p, s)| (id, bits(p), s.step, bits(&s.slots))).collect(),
+        seqs: snap.last_seqs().map(|(t, s)| (t.to_string(), s)).collect(),
+    }
+}
+
+fn adam() -> Box<Adam> {
+    Box::new(Adam { lr: 0.05, beta1: 0.9, beta2: 0.99, eps: 1e-8 })
+}
+
+/// What a call did, comparable across two stores.
+fn outcome<T: std::fmt::Debug>(r: Result<T, Error>) -> String {
+    match r {
+        Ok(v) => format!("{v:?}"),
+        Err(e) => format!("error: {e}"),
+    }
+}
+
+fn run(mode: Mode, block_size: usize, events: Vec<Event>) -> Result<(), TestCaseError> {
+    let specs: Vec<ParamSpec> = [7usize, 5, 3]
+        .iter()
+        .enumerate()
+        .map(|(i, &n)| ParamSpec::new(format!("p{i}"), vec![n], Init::Normal { mean: 0.0, std: 1.0 }))
+        .collect();
+    let placement = Placement::new(&specs, 1, block_size).unwrap();
+    let held: Vec<(BlockId, usize)> = placement.blocks_on(0).map(|b| (b.id, b.len)).collect();
+    let mut store = ParamStore::new(&placement, 0, 5, adam(), mode).unwrap();
+    // The same pushes, never snapshotted: the reference for the live store.
+    let mut twin = ParamStore::new(&placement, 0, 5, adam(), mode).unwrap();
+    for t in TRAINERS {
+        store.join(t);
+        twin.join(t);
+    }
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = CheckpointDir::new(tmp.path(), 0);
+    let mut seqs = [0u64; TRAINERS.len()];
+    // Each live snapshot with the store's state when it was taken.
+    let mut live: Vec<(StoreSnapshot, Frozen)> = Vec::new();
+
+    for ev in events {
+        match ev {
+            Event::Push { trainer, fresh, seed } => {
+                let mut rng = SplitMix64::new(seed);
+                let start = (rng.next_u64() % held.len() as u64) as usize;
+                let len = 1 + (rng.next_u64() % (held.len() - start) as u64) as usize;
+                let grads: Vec<(BlockId, Grad)> = held[start..start + len]
+                    .iter()
+                    .map(|&(id, n)| (id, Grad::Floats((0..n).map(|_| rng.next_f32() * 2.0 - 1.0).collect())))
+                    .collect();
+                // Sync: one seq per step; async: parts of one seq until a fresh one.
+                let seq = match mode {
+                    Mode::Sync => store.step(),
+                    Mode::Async => {
+                        seqs[trainer] += u64::from(fresh);
+                        seqs[trainer]
+                    }
+                };
+                let push =
+                    Push { trainer: TRAINERS[trainer].into(), seq, step: store.step(), weight: 1.0, grads };
+                let got = outcome(store.push(push.clone()));
+                prop_assert_eq!(got, outcome(twin.push(push)));
+            }
+            Event::Snapshot => match store.snapshot() {
+                Ok(snap) => {
+                    prop_assert!(!store.step_underway());
+                    live.push((snap, of_store(&store)));
+                }
+                Err(Error::CheckpointStepUnderway { step }) => {
+                    prop_assert!(mode == Mode::Sync && store.step_underway());
+                    prop_assert_eq!(step, store.step());
+                }
+                Err(e) => return Err(TestCaseError::fail(format!("snapshot failed: {e}"))),
+            },
+            Event::Drop(pick) if !live.is_empty() => {
+                live.remove(pick % live.len());
+            }
+            Event::Write(pick) if !live.is_empty() => {
+                let (snap, frozen) = &live[pick % live.len()];
+                let info = dir.save(snap, 2).unwrap();
+                prop_assert_eq!(info.step, frozen.step);
+                let mut loaded = ParamStore::new(&placement, 0, 99, adam(), mode).unwrap();
+                load_file(Path::new(&info.path), &mut loaded).unwrap();
+                prop_assert_eq!(&of_store(&loaded), frozen, "the checkpoint records the snapshot's step");
+            }
+            Event::Drop(_) | Event::Write(_) => {}
+        }
+        prop_assert_eq!(of_store(&store), of_store(&twin), "snapshots change nothing the store computes");
+        for (snap, frozen) in &live {
+            prop_assert_eq!(&of_snapshot(snap), frozen, "a snapshot keeps the state it was taken at");
+        }
+    }
+    Ok(())
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(64))]
+
+    #[test]
+    fn snapshots_keep_their_step_whatever_is_applied_after(
+        sync in any::<bool>(),
+        block_size in 1usize..6,
+        events in prop::collection::vec(event(), 1..60),
+    ) {
+        run(if sync { Mode::Sync } else { Mode::Async }, block_size, events)?;
+    }
+}
