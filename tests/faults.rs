@@ -95,11 +95,7 @@ fn a_trainer_killed_mid_task_has_its_task_done_by_another() {
     // Its task, the next one if it had fetched it ahead, and any whose
     // reports were still on their way (see `oar_trainer::worker`).
     let returned: Option<u64> = line.and_then(|l| log_field(l, "returned")).and_then(|n| n.parse().ok());
-    assert!(
-        returned >= Some(1),
-        "its task returned to todo at its lease's end\n{}",
-        master.dump()
-    );
+    assert!(returned >= Some(1), "its task returned to todo at its lease's end\n{}", master.dump());
     assert_each_task_once(&everyone, &report, passes, TASKS_PER_PASS);
     for trainer in [0, 2] {
         let t = &mut trainers[trainer];

@@ -14,7 +14,7 @@
 //! AdaGrad and Adam built in, see [`OptimizerConfig`]):
 //!
 //! - [`Mode::Async`]: every push is applied on arrival. A trainer that pulls
-//!   right after it pushes sends both as one [`PserverClient::push_pull`]:
+//!   right after it pushes sends both as one `PserverClient::push_pull`:
 //!   each shard applies the push and answers with its parameters, one round
 //!   trip instead of two (a retried push-pull is applied once and still
 //!   answered with the parameters).
@@ -26,7 +26,7 @@
 //!   the barrier instead of hanging it.
 //!
 //! A large shard's push and pull travel in parts of bounded size (a run of
-//! its blocks each, [`protocol::BlockSpan`]), and the store takes a push
+//! its blocks each, `protocol::BlockSpan`), and the store takes a push
 //! part by part: async applies each part on arrival; sync keeps its barrier
 //! block by block, updating a block as soon as every member has pushed it.
 //! So a pserver never holds a message the size of its shard: its peak
@@ -92,6 +92,8 @@
 //! # Ok::<(), oar_pserver::Error>(())
 //! ```
 #![warn(missing_docs)]
+// The docs link the shell's items, which exist with the `service` feature only.
+#![cfg_attr(not(feature = "service"), allow(rustdoc::broken_intra_doc_links))]
 
 pub mod block;
 pub mod checkpoint;

@@ -58,6 +58,8 @@
 //! # Ok::<(), oar_task_queue::Error>(())
 //! ```
 #![warn(missing_docs)]
+// The docs link the shell's items, which exist with the `service` feature only.
+#![cfg_attr(not(feature = "service"), allow(rustdoc::broken_intra_doc_links))]
 
 #[cfg(feature = "service")]
 pub mod client;

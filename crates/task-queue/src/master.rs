@@ -12,7 +12,7 @@
 //! is handed out again, and the first trainer's late report is then stale.
 //!
 //! What is stored is a journal over a snapshot:
-//! - `master/state` holds a [`StoredState`]: the queue's [`Snapshot`] and the
+//! - `master/state` holds a [`StoredState`]: the queue's [`Snapshot`](crate::Snapshot) and the
 //!   per-pass training statistics, so a master that takes over reports the
 //!   passes before it correctly. Its size is the snapshot's plus a few bytes
 //!   per pass and per listed discard (at most [`MAX_DISCARDS_LISTED`]): for
@@ -21,7 +21,7 @@
 //!   default 1.5 MiB request limit (test
 //!   `stored_state_of_100k_tasks_fits_in_an_etcd_request`).
 //! - `master/journal/<version>` holds one [`JournalRecord`] per write since
-//!   then: the tasks that changed ([`Delta`]), the current pass's statistics
+//!   then: the tasks that changed ([`Delta`](crate::Delta)), the current pass's statistics
 //!   and new discards; a few dozen bytes per report.
 //!
 //! A snapshot replaces the journal when a pass starts (every task changes),
@@ -30,7 +30,7 @@
 //! write (its delta is lost, so the chain must restart), and when a master
 //! starts. The records it covers are then deleted in one fenced range
 //! delete; a record left over by a crash in between is skipped on restore,
-//! because it is not newer than the snapshot. [`StoredState::load`] reads
+//! because it is not newer than the snapshot. [`load`] reads
 //! the key and the records in one read and replays them.
 
 use crate::{
