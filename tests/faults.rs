@@ -43,14 +43,6 @@ fn assert_running(master: &mut Proc) {
     assert!(master.wait(Duration::ZERO).is_none(), "the job ended before the fault\n{}", master.dump());
 }
 
-/// Whether the last task event of a trainer is "got task": it is training
-/// (it logs "reporting task" before it sends the report).
-fn mid_task(trainer: &Proc) -> bool {
-    let err = trainer.stderr();
-    let last = err.lines().rev().find(|l| l.contains("got task") || l.contains("reporting task"));
-    last.is_some_and(|l| l.contains("got task"))
-}
-
 #[test]
 fn a_trainer_killed_mid_task_has_its_task_done_by_another() {
     let cluster = Cluster::start("trainer-kill");
@@ -66,18 +58,7 @@ fn a_trainer_killed_mid_task_has_its_task_done_by_another() {
     wait_for_pass(&mut master, 1, &[]);
 
     // Freeze it to look at it; kill it once it is frozen in the middle of a task.
-    let caught = wait_until(LONG, || {
-        assert!(trainers[1].wait(Duration::ZERO).is_none(), "trainer-1 ended first\n{}", trainers[1].dump());
-        trainers[1].signal("STOP");
-        std::thread::sleep(Duration::from_millis(100));
-        let caught = mid_task(&trainers[1]);
-        if !caught {
-            trainers[1].signal("CONT");
-            std::thread::sleep(Duration::from_millis(37));
-        }
-        caught
-    });
-    assert!(caught, "trainer-1 was never caught mid-task\n{}", trainers[1].dump());
+    trainers[1].stop_mid_task(LONG);
     assert_running(&mut master);
     trainers[1].kill();
 

@@ -141,13 +141,6 @@ fn a_master_stopped_by_sigterm_hands_over_to_its_standby_at_once() {
     assert_each_task_once(&trainers.iter().collect::<Vec<_>>(), &report, passes, TASKS_PER_PASS);
 }
 
-/// Whether the trainer's last task event is "got task": it is training.
-fn mid_task(trainer: &Proc) -> bool {
-    let err = trainer.stderr();
-    let last = err.lines().rev().find(|l| l.contains("got task") || l.contains("reporting task"));
-    last.is_some_and(|l| l.contains("got task"))
-}
-
 /// A stopped trainer hands back the task it holds (no grace here: the
 /// task in hand goes back unfinished), deregisters and exits 0. A task
 /// handed back counts as no failure, and the job finishes with every task
@@ -169,18 +162,7 @@ fn a_trainer_stopped_by_sigterm_hands_back_its_task_and_the_job_finishes() {
     wait_for_pass(&mut master, 1, &[]);
 
     // Catch it in the middle of a task: stop it, look, stop it for good.
-    let caught = wait_until(LONG, || {
-        assert!(trainers[1].wait(Duration::ZERO).is_none(), "trainer-1 ended first\n{}", trainers[1].dump());
-        trainers[1].signal("STOP");
-        std::thread::sleep(Duration::from_millis(100));
-        let caught = mid_task(&trainers[1]);
-        if !caught {
-            trainers[1].signal("CONT");
-            std::thread::sleep(Duration::from_millis(37));
-        }
-        caught
-    });
-    assert!(caught, "trainer-1 was never caught mid-task\n{}", trainers[1].dump());
+    trainers[1].stop_mid_task(LONG);
     assert!(master.wait(Duration::ZERO).is_none(), "the job ended before the stop\n{}", master.dump());
     trainers[1].signal("TERM");
     trainers[1].signal("CONT");

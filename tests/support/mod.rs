@@ -185,6 +185,32 @@ impl Proc {
         self.status
     }
 
+    /// Whether its last task event is "got task": it is training (a
+    /// trainer logs "reporting task" before it sends a report).
+    pub fn mid_task(&self) -> bool {
+        let err = self.stderr();
+        let last = err.lines().rev().find(|l| l.contains("got task") || l.contains("reporting task"));
+        last.is_some_and(|l| l.contains("got task"))
+    }
+
+    /// Leave this trainer stopped (SIGSTOP) in the middle of a task: stop
+    /// it, look, let it run a little if it was between tasks, try again;
+    /// panics if it exits or is never caught within `timeout`.
+    pub fn stop_mid_task(&mut self, timeout: Duration) {
+        let caught = wait_until(timeout, || {
+            assert!(self.wait(Duration::ZERO).is_none(), "{} ended first\n{}", self.name, self.dump());
+            self.signal("STOP");
+            std::thread::sleep(Duration::from_millis(100));
+            let caught = self.mid_task();
+            if !caught {
+                self.signal("CONT");
+                std::thread::sleep(Duration::from_millis(37));
+            }
+            caught
+        });
+        assert!(caught, "{} was never caught mid-task\n{}", self.name, self.dump());
+    }
+
     /// Wait for it to exit; `None` at the deadline (it keeps running).
     pub fn wait(&mut self, timeout: Duration) -> Option<ExitStatus> {
         let deadline = Instant::now() + timeout;

@@ -26,6 +26,9 @@
 //! into fresh memory cost; later rounds show the steady state. The running `rustc` count and the
 //! load average are printed, since the figures mean little on a busy machine.
 
+#[path = "common/mod.rs"]
+mod common;
+
 use bytes::Bytes;
 use oar_discovery::MemDiscovery;
 use oar_pserver::{
@@ -45,26 +48,6 @@ fn keys() -> PserverKeys {
         desired: "/bench/ps_desired".into(),
         members: "/bench/trainer/".into(),
     }
-}
-
-/// Running `rustc` processes and the 1-minute load average, from /proc.
-fn machine_load() -> String {
-    let rustc = std::fs::read_dir("/proc")
-        .map(|d| {
-            d.filter_map(|e| e.ok())
-                .filter(|e| {
-                    std::fs::read_to_string(e.path().join("comm"))
-                        .map(|c| c.trim() == "rustc")
-                        .unwrap_or(false)
-                })
-                .count()
-        })
-        .unwrap_or(0);
-    let load = std::fs::read_to_string("/proc/loadavg")
-        .ok()
-        .and_then(|l| l.split_whitespace().next().map(str::to_string))
-        .unwrap_or_else(|| "?".into());
-    format!("rustc running: {rustc}, load average (1 min): {load}")
 }
 
 /// p50, p99 and max of `v`, in ms.
@@ -200,7 +183,7 @@ async fn main() {
         block * 4 / 1024,
         tmp.path().display()
     );
-    println!("before: {}", machine_load());
+    println!("before: {}", common::machine_load());
     // Every block once (its pages are mapped lazily until first written), then 200 more.
     pusher.run(blocks + 200).await;
 
@@ -248,7 +231,7 @@ async fn main() {
         ratios.push(ratio);
     }
     let med = |v: &[[f64; 3]], k: usize| median(v.iter().map(|x| x[k]).collect());
-    println!("after:  {}", machine_load());
+    println!("after:  {}", common::machine_load());
     println!(
         "median {:>7.2}/{:>6.2}/{:>8.2} {:>7.2}/{:>6.2}/{:>8.2} {:>8.2}",
         med(&a_all, 0),

@@ -34,6 +34,9 @@
 //! the load average are printed before and after, because the figures are only
 //! meaningful on an otherwise idle machine.
 
+#[path = "common/mod.rs"]
+mod common;
+
 use std::hint::black_box;
 use std::time::Instant;
 
@@ -72,26 +75,6 @@ fn median(xs: &[f64]) -> f64 {
     } else {
         0.5 * (v[n / 2 - 1] + v[n / 2])
     }
-}
-
-/// Running `rustc` processes and the 1-minute load average, from /proc.
-fn machine_load() -> String {
-    let rustc = std::fs::read_dir("/proc")
-        .map(|d| {
-            d.filter_map(|e| e.ok())
-                .filter(|e| {
-                    std::fs::read_to_string(e.path().join("comm"))
-                        .map(|c| c.trim() == "rustc")
-                        .unwrap_or(false)
-                })
-                .count()
-        })
-        .unwrap_or(0);
-    let load = std::fs::read_to_string("/proc/loadavg")
-        .ok()
-        .and_then(|l| l.split_whitespace().next().map(str::to_string))
-        .unwrap_or_else(|| "?".into());
-    format!("rustc running: {rustc}, load average (1 min): {load}")
 }
 
 fn time<F: FnOnce()>(f: F) -> f64 {
@@ -156,7 +139,7 @@ fn main() {
         .collect();
 
     println!("bench_optimizer: N = {n} float32 ({} MiB per array), {reps} reps + 1 warm-up", (n * 4) >> 20);
-    println!("before: {}", machine_load());
+    println!("before: {}", common::machine_load());
 
     let mut r1 = Vec::new();
     for rep in 0..=reps {
@@ -173,7 +156,7 @@ fn main() {
             }
         }
     }
-    println!("after:  {}", machine_load());
+    println!("after:  {}", common::machine_load());
     // Sanity: the arrays still hold finite numbers.
     let finite = p.iter().chain(&a).all(|x| x.is_finite())
         && cases.iter().all(|cs| cs.state.slots.iter().all(|x| x.is_finite()));
