@@ -269,8 +269,21 @@ impl EtcdServer {
 
     /// Freezes etcd (SIGSTOP): connections stay open but nothing answers, as
     /// with a hung server or a partition. [`EtcdServer::resume`] undoes it.
+    ///
+    /// Returns once every thread of etcd is stopped (kill(2) returns before
+    /// the stop takes effect, and a request sent meanwhile could still be
+    /// answered).
     pub fn pause(&self) -> Result<()> {
-        self.with_running(|running| running.signal(SIGSTOP))
+        self.with_running(|running| running.signal(SIGSTOP))?;
+        let pid = self.pid().unwrap_or_default();
+        let deadline = std::time::Instant::now() + Duration::from_secs(5);
+        while !all_threads_stopped(pid) {
+            if std::time::Instant::now() >= deadline {
+                return Err(Error::Server(format!("etcd (pid {pid}) did not stop within 5 s of SIGSTOP")));
+            }
+            std::thread::sleep(Duration::from_millis(1));
+        }
+        Ok(())
     }
 
     /// Lets a paused etcd run again (SIGCONT).
@@ -591,4 +604,21 @@ mod tests {
         assert!(!shown.contains("line 87\n"), "{shown}");
         assert_eq!(tail(&Mutex::new(VecDeque::new())), "(nothing)");
     }
+}
+
+/// Whether every thread of process `pid` is stopped (state `T` in
+/// `/proc/<pid>/task/*/stat`); false if that cannot be read.
+fn all_threads_stopped(pid: u32) -> bool {
+    let Ok(tasks) = std::fs::read_dir(format!("/proc/{pid}/task")) else { return false };
+    let mut any = false;
+    for task in tasks.flatten() {
+        let Ok(stat) = std::fs::read_to_string(task.path().join("stat")) else { return false };
+        // `pid (comm) state ...`: the state follows the last ')'.
+        let state = stat.rsplit_once(')').and_then(|(_, rest)| rest.trim_start().chars().next());
+        if !matches!(state, Some('T' | 't')) {
+            return false;
+        }
+        any = true;
+    }
+    any
 }
