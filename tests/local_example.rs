@@ -37,7 +37,7 @@ fn a_short_job_on_generated_data_ends_with_a_json_report() {
 }
 
 fn fails_with(args: &[&str], message: &str) {
-    let out = Command::new(example()).args(args).output().unwrap();
+    let out = Command::new(example()).args(args).current_dir(env!("CARGO_MANIFEST_DIR")).output().unwrap();
     let stderr = String::from_utf8_lossy(&out.stderr);
     assert!(!out.status.success(), "{args:?} should fail");
     assert!(stderr.contains(message), "{args:?}: stderr {stderr:?} should contain {message:?}");
@@ -51,10 +51,17 @@ fn bad_flags_get_a_clear_message() {
     fails_with(&["--passes", "0"], "passes must be at least 1");
     fails_with(&["--trainers", "0"], "trainers must be at least 1");
     fails_with(&["--lr=-1"], "lr");
+    // A negative value after a space reaches the validation too.
+    fails_with(&["--lr", "-1"], "lr = -1 is invalid: finite and > 0");
+    fails_with(&["--passes", "-1"], "invalid value '-1' for '--passes");
     fails_with(&["--push-every", "3"], "async mode only");
     fails_with(
         &["--data", "/nonexistent/*.libsvm", "--features", "3", "--classes", "2"],
-        "/nonexistent/*.libsvm",
+        "--data: glob pattern \"/nonexistent/*.libsvm\" matches no file",
+    );
+    fails_with(
+        &["--data", "testdata/a1a", "--test-data", "/nonexistent.t", "--features", "3", "--classes", "2"],
+        "--test-data: glob pattern \"/nonexistent.t\" matches no file",
     );
     fails_with(&["--data", "x"], "--features and --classes are required with --data");
 }
