@@ -139,3 +139,33 @@ fn a_diverging_job_ends_failed_naming_the_learning_rate() {
         fails_as_a_job(&args, &["diverged", "learning rate"]);
     }
 }
+
+/// Ctrl-C stops a running job gracefully: the trainers first (they push
+/// what they trained and hand their tasks back to a master still serving),
+/// then the master and the pservers; `local` exits 130 with no error.
+#[test]
+fn ctrl_c_stops_a_running_job_gracefully() {
+    let mut command = Command::new(example());
+    command.current_dir(env!("CARGO_MANIFEST_DIR")).args([
+        "--data",
+        "testdata/a1a",
+        "--test-data",
+        "testdata/a1a.t",
+        "--features",
+        "123",
+        "--classes",
+        "2",
+        "--passes",
+        "100000",
+        "--mode",
+        "async",
+    ]);
+    let mut local = support::Proc::spawn("local", command);
+    let started = local.wait_for_line(std::time::Duration::from_secs(60), |l| l.starts_with("pass 2/"));
+    assert!(started.is_some(), "{}", local.dump());
+    local.signal("INT");
+    let status =
+        local.wait(std::time::Duration::from_secs(30)).unwrap_or_else(|| panic!("no exit\n{}", local.dump()));
+    assert_eq!(status.code(), Some(130), "{}", local.dump());
+    assert!(!local.stderr().contains("error"), "{}", local.dump());
+}

@@ -568,6 +568,23 @@ fn dechunk(mut body: &str) -> String {
     out
 }
 
+/// Whether every thread of process `pid` is stopped (state `T` in
+/// `/proc/<pid>/task/*/stat`); false if that cannot be read.
+fn all_threads_stopped(pid: u32) -> bool {
+    let Ok(tasks) = std::fs::read_dir(format!("/proc/{pid}/task")) else { return false };
+    let mut any = false;
+    for task in tasks.flatten() {
+        let Ok(stat) = std::fs::read_to_string(task.path().join("stat")) else { return false };
+        // `pid (comm) state ...`: the state follows the last ')'.
+        let state = stat.rsplit_once(')').and_then(|(_, rest)| rest.trim_start().chars().next());
+        if !matches!(state, Some('T' | 't')) {
+            return false;
+        }
+        any = true;
+    }
+    any
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -604,21 +621,4 @@ mod tests {
         assert!(!shown.contains("line 87\n"), "{shown}");
         assert_eq!(tail(&Mutex::new(VecDeque::new())), "(nothing)");
     }
-}
-
-/// Whether every thread of process `pid` is stopped (state `T` in
-/// `/proc/<pid>/task/*/stat`); false if that cannot be read.
-fn all_threads_stopped(pid: u32) -> bool {
-    let Ok(tasks) = std::fs::read_dir(format!("/proc/{pid}/task")) else { return false };
-    let mut any = false;
-    for task in tasks.flatten() {
-        let Ok(stat) = std::fs::read_to_string(task.path().join("stat")) else { return false };
-        // `pid (comm) state ...`: the state follows the last ')'.
-        let state = stat.rsplit_once(')').and_then(|(_, rest)| rest.trim_start().chars().next());
-        if !matches!(state, Some('T' | 't')) {
-            return false;
-        }
-        any = true;
-    }
-    any
 }

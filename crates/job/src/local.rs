@@ -58,29 +58,39 @@ pub async fn run_local(
         return Err(Error::BadConfig("trainers must be at least 1".into()));
     }
     let role = |id: String| RoleOptions { id, ..options.roles.clone() };
-    let shutdown = &options.shutdown;
-    let mut members = tokio::task::JoinSet::new();
+    // A stop reaches the trainers first: they push what they trained and
+    // hand their tasks back to a master and pservers still serving; then
+    // the master and the pservers stop.
+    let (trainers_stop, servers_stop) = (CancellationToken::new(), CancellationToken::new());
+    let mut servers = tokio::task::JoinSet::new();
     for i in 0..config.pservers {
-        let (ctx, options, shutdown) = (ctx.clone(), role(format!("pserver-{i:03}")), shutdown.clone());
-        members.spawn(async move { role::pserver(&ctx, &options, shutdown).await.map(drop) });
+        let (ctx, options, stop) = (ctx.clone(), role(format!("pserver-{i:03}")), servers_stop.clone());
+        servers.spawn(async move { role::pserver(&ctx, &options, stop).await.map(drop) });
     }
+    let mut trainers = tokio::task::JoinSet::new();
     for t in 0..options.trainers {
-        let (ctx, options, shutdown) = (ctx.clone(), role(format!("trainer-{t:03}")), shutdown.clone());
-        members.spawn(async move { role::trainer(&ctx, &options, shutdown).await.map(drop) });
+        let (ctx, options, stop) = (ctx.clone(), role(format!("trainer-{t:03}")), trainers_stop.clone());
+        trainers.spawn(async move { role::trainer(&ctx, &options, stop).await.map(drop) });
     }
     let master_options = role("master".into());
-    let master = role::master(ctx, config, &master_options, shutdown.clone(), on_progress);
+    let master = role::master(ctx, config, &master_options, servers_stop.clone(), on_progress);
     tokio::pin!(master);
+    let failed = |e: tokio::task::JoinError| Error::Panicked(format!("a pserver or trainer: {e}"));
     let report = loop {
         tokio::select! {
             report = &mut master => break report?,
-            Some(joined) = members.join_next() => {
-                joined.map_err(|e| Error::Panicked(format!("a pserver or trainer: {e}")))??;
-            }
+            Some(joined) = servers.join_next() => joined.map_err(failed)??,
+            Some(joined) = trainers.join_next() => joined.map_err(failed)??,
+            _ = options.shutdown.cancelled(), if !trainers_stop.is_cancelled() => trainers_stop.cancel(),
+        }
+        if trainers_stop.is_cancelled() && trainers.is_empty() {
+            servers_stop.cancel();
         }
     };
-    while let Some(joined) = members.join_next().await {
-        joined.map_err(|e| Error::Panicked(format!("a pserver or trainer: {e}")))??;
+    for members in [&mut trainers, &mut servers] {
+        while let Some(joined) = members.join_next().await {
+            joined.map_err(failed)??;
+        }
     }
     report.ok_or(Error::ShutDown)
 }

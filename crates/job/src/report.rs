@@ -10,31 +10,43 @@ use serde::{Deserialize, Serialize};
 mod float_or_null {
     use serde::{Deserialize, Deserializer, Serializer};
 
-    pub fn serialize<S: Serializer, F: Copy + Into<f64>>(value: &F, s: S) -> Result<S::Ok, S::Error> {
-        let v: f64 = (*value).into();
-        if v.is_finite() {
-            s.serialize_f64(v)
-        } else {
-            s.serialize_none()
+    /// f32 and f64, each written as itself (an f32 as an f32: `0.85`, not
+    /// `0.8500000238418579`).
+    pub trait Float: Copy {
+        fn write<S: Serializer>(self, s: S) -> Result<S::Ok, S::Error>;
+        fn read(v: Option<f64>) -> Self;
+    }
+    impl Float for f64 {
+        fn write<S: Serializer>(self, s: S) -> Result<S::Ok, S::Error> {
+            if self.is_finite() {
+                s.serialize_f64(self)
+            } else {
+                s.serialize_none()
+            }
+        }
+        fn read(v: Option<f64>) -> Self {
+            v.unwrap_or(f64::NAN)
+        }
+    }
+    impl Float for f32 {
+        fn write<S: Serializer>(self, s: S) -> Result<S::Ok, S::Error> {
+            if self.is_finite() {
+                s.serialize_f32(self)
+            } else {
+                s.serialize_none()
+            }
+        }
+        fn read(v: Option<f64>) -> Self {
+            v.map_or(f32::NAN, |v| v as f32)
         }
     }
 
-    pub fn deserialize<'de, D: Deserializer<'de>, F: FromF64>(d: D) -> Result<F, D::Error> {
-        Ok(F::from_f64(Option::<f64>::deserialize(d)?.unwrap_or(f64::NAN)))
+    pub fn serialize<S: Serializer, F: Float>(value: &F, s: S) -> Result<S::Ok, S::Error> {
+        value.write(s)
     }
 
-    pub trait FromF64 {
-        fn from_f64(v: f64) -> Self;
-    }
-    impl FromF64 for f64 {
-        fn from_f64(v: f64) -> Self {
-            v
-        }
-    }
-    impl FromF64 for f32 {
-        fn from_f64(v: f64) -> Self {
-            v as f32
-        }
+    pub fn deserialize<'de, D: Deserializer<'de>, F: Float>(d: D) -> Result<F, D::Error> {
+        Ok(F::read(Option::<f64>::deserialize(d)?))
     }
 }
 
@@ -75,7 +87,8 @@ pub enum Progress<'a> {
 pub enum JobEnd {
     /// Every pass ended with at least one task finished.
     Done,
-    /// A pass ended with no task finished (every one discarded).
+    /// The job failed: a pass ended with every task discarded, or training
+    /// diverged ([`JobReport::reason`] says which).
     Failed,
 }
 
@@ -98,8 +111,8 @@ pub struct JobReport {
     pub reason: Option<String>,
     /// Passes completed.
     pub passes: u32,
-    /// Mean training loss of the last pass (none: no task was trained on;
-    /// NaN: training diverged).
+    /// Mean training loss of the last pass; NaN (written `null`) when no
+    /// example was trained on.
     #[serde(with = "float_or_null")]
     pub final_loss: f64,
     /// Accuracy of the final model on the training data (on an evenly

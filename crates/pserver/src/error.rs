@@ -219,7 +219,7 @@ pub enum Error {
     },
     /// A checkpoint of a sync store while its step is underway (some
     /// blocks updated, not all) would mix two steps; it waits for the step.
-    #[error("cannot checkpoint now: step {step} is underway (some blocks updated, not all)")]
+    #[error("cannot checkpoint now: step {step} is underway (some blocks updated, not all), or a push in parts is half taken")]
     CheckpointStepUnderway {
         /// The step underway.
         step: u64,

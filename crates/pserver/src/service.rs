@@ -246,6 +246,10 @@ struct Shared {
     /// then on requests are refused, so the last checkpoint holds every
     /// push this pserver acknowledged.
     draining: AtomicBool,
+    /// Held while a checkpoint file is written: the periodic checkpointer
+    /// and a last checkpoint at shutdown never write at once (they could
+    /// share a step, and so a file name).
+    saving: Mutex<()>,
     /// To release the index at once after a panic (see [`Shared::fail`]).
     discovery: Arc<dyn Discovery>,
     lease_id: LeaseId,
@@ -290,6 +294,10 @@ impl Shared {
     /// (looked at again after the lock is taken: a panic stops the pserver
     /// while it holds the lock) or began draining.
     fn store(&self) -> std::result::Result<MutexGuard<'_, ParamStore>, RemoteError> {
+        // Shutting down releases the lease on purpose: not a reason to stop.
+        if self.draining.load(Ordering::SeqCst) {
+            return Err(RemoteError::unavailable("pserver is shutting down"));
+        }
         if !self.lease.is_valid() {
             self.stop("the pserver's lease may have expired (no refresh within its ttl)".into());
         }
@@ -379,6 +387,7 @@ impl Pserver {
             index: OnceLock::new(),
             lease: session.guard(),
             draining: AtomicBool::new(false),
+            saving: Mutex::new(()),
             discovery: discovery.clone(),
             lease_id: session.lease(),
         });
@@ -480,25 +489,41 @@ impl Pserver {
     /// last checkpoint of everything applied, and release the index (revoke
     /// the lease), so a replacement claims it at once and loads that
     /// checkpoint. Returns the updates applied to the shard.
+    ///
+    /// Requests are refused from a moment when no sync step is underway and
+    /// no push in parts is half taken, waited for up to [`DRAIN_WAIT`]
+    /// (serving meanwhile), so that the last checkpoint holds whole steps
+    /// and whole pushes. Past that wait (a trainer that died mid-push) the
+    /// checkpoint may fail or hold half a push; the index is released
+    /// either way, and the error returned.
     pub async fn shutdown(mut self) -> ServiceResult<u64> {
-        let step = match self.shared.lock() {
-            Ok(store) => {
-                self.shared.draining.store(true, Ordering::SeqCst);
-                store.step()
+        let deadline = tokio::time::Instant::now() + DRAIN_WAIT;
+        let step = loop {
+            match self.shared.lock() {
+                Ok(store) => {
+                    let whole = !store.step_underway() && !store.push_in_parts_underway();
+                    if whole || tokio::time::Instant::now() >= deadline {
+                        self.shared.draining.store(true, Ordering::SeqCst);
+                        break store.step();
+                    }
+                }
+                // Not started, or stopped by a panic: no last checkpoint below.
+                Err(_) => break self.step(),
             }
-            // Not started, or stopped by a panic: no last checkpoint below.
-            Err(_) => self.step(),
+            tokio::time::sleep(Duration::from_millis(1)).await;
         };
         self.shared.stepped.notify_waiters();
         self.listener.close();
         self.background.iter().for_each(|t| t.abort());
-        if self.shared.stopped.borrow().is_none() {
-            self.checkpoint().await?;
-        }
+        let serving = self.shared.stopped.borrow().is_none();
+        let saved = match serving {
+            true => self.checkpoint().await.map(drop),
+            false => Ok(()),
+        };
         if let Some(session) = self.session.take() {
             session.close().await?;
         }
-        Ok(step)
+        saved.map(|()| step)
     }
 }
 
@@ -508,6 +533,10 @@ impl Drop for Pserver {
         self.background.iter().for_each(|t| t.abort());
     }
 }
+
+/// How long a graceful stop keeps serving for a sync step that is underway,
+/// or a push in parts, to complete.
+pub const DRAIN_WAIT: Duration = Duration::from_secs(5);
 
 /// How long a checkpoint waits for a sync step that is underway to complete.
 const CHECKPOINT_STEP_WAIT: Duration = Duration::from_secs(30);
@@ -540,9 +569,13 @@ async fn save_checkpoint(
             taken => break taken?,
         }
     };
-    let info = tokio::task::spawn_blocking(move || dir.save(&snapshot, keep))
-        .await
-        .map_err(|e| ServiceError::Protocol(format!("checkpoint task failed: {e}")))??;
+    let saver = shared.clone();
+    let info = tokio::task::spawn_blocking(move || {
+        let _one_at_a_time = saver.saving.lock().unwrap_or_else(PoisonError::into_inner);
+        dir.save(&snapshot, keep)
+    })
+    .await
+    .map_err(|e| ServiceError::Protocol(format!("checkpoint task failed: {e}")))??;
     metrics().checkpoint.observe(started.elapsed().as_secs_f64());
     metrics().checkpoint_time.set(info.unix_time_ms as f64 / 1000.0);
     Ok(info)
@@ -883,6 +916,7 @@ mod tests {
             index: OnceLock::from(0),
             lease: session.guard(),
             draining: AtomicBool::new(false),
+            saving: Mutex::new(()),
             discovery: discovery.clone(),
             lease_id: session.lease(),
         });

@@ -420,6 +420,13 @@ impl ParamStore {
         self.step
     }
 
+    /// Some trainer's push has come in part (some of its parts taken, not
+    /// all): a graceful stop waits for it to complete, since a checkpoint
+    /// taken now would hold half of it.
+    pub fn push_in_parts_underway(&self) -> bool {
+        !self.partial.is_empty()
+    }
+
     /// Sync: some blocks are updated for the current step and some are not,
     /// so the parameters mix two steps. A checkpoint waits for this to end
     /// (a restart from a mixed state would apply those blocks' step twice).
@@ -432,10 +439,14 @@ impl ParamStore {
     /// trainer. Cheap: see [`StoreSnapshot`] for how the blocks are shared
     /// and what that costs in memory.
     ///
-    /// [`Error::CheckpointStepUnderway`] while a sync step is underway: its
-    /// parameters mix two steps (the caller waits for the step to end).
+    /// [`Error::CheckpointStepUnderway`] while a sync step is underway (its
+    /// parameters mix two steps) or a push in parts is half taken (the
+    /// dedup table would call it whole after a restore, and its other
+    /// parts would never be applied): the caller waits for it to end. A
+    /// trainer that leaves drops its half-taken push, so a dead trainer
+    /// cannot hold checkpoints back.
     pub fn snapshot(&self) -> Result<StoreSnapshot> {
-        if self.step_underway() {
+        if self.step_underway() || self.push_in_parts_underway() {
             return Err(Error::CheckpointStepUnderway { step: self.step });
         }
         let mut last_seqs: Vec<(String, u64)> = self.last_seq.iter().map(|(t, &s)| (t.clone(), s)).collect();
@@ -475,6 +486,9 @@ impl ParamStore {
     pub fn leave(&mut self, trainer: &str) -> Option<u64> {
         self.members.remove(trainer);
         self.joining.remove(trainer);
+        // A push it left half taken will not be completed: forget which
+        // parts came, so that checkpoints need not wait for it.
+        self.partial.remove(trainer);
         if self.mode == Mode::Sync && self.settle(0..self.held.len()) {
             Some(self.step)
         } else {
@@ -1165,9 +1179,11 @@ mod tests {
         for k in 1..3 {
             assert!(before[k].iter().zip(&after[k]).all(|(x, y)| x - 1.0 == *y));
         }
-        // Its late part is for a step that is over.
+        // Its late part belongs to a push it left half taken, which leaving
+        // forgot: it is answered as done and changes nothing.
         let late = part(push_for(&st, "b", 0, 0, 1.0, |_, _| 3.0), 1..3);
-        assert!(matches!(st.push(late), Err(Error::StaleStep { got: 0, current: 1, .. })));
+        assert_eq!(st.push(late).unwrap(), PushOutcome::Duplicate);
+        assert_eq!(snapshot(&st), after, "nothing of the late part applied");
     }
 
     #[test]
@@ -1195,6 +1211,27 @@ mod tests {
         st.push(part(s4.clone(), 0..1)).unwrap();
         st.restore_last_seq("u", 4);
         assert_eq!(st.push(part(s4, 1..4)).unwrap(), PushOutcome::Duplicate);
+    }
+
+    /// A checkpoint never holds half a push: its snapshot waits until the
+    /// push is whole, and a trainer that leaves (or dies) mid-push releases
+    /// it.
+    #[test]
+    fn a_snapshot_waits_for_a_push_in_parts_and_a_departure_ends_the_wait() {
+        let pl = Placement::new(&specs(), 1, 4).unwrap();
+        let mut st = ParamStore::new(&pl, 0, 1, Box::new(Sgd { lr: 1.0 }), Mode::Async).unwrap();
+        assert!(st.snapshot().is_ok());
+        let p = push_for(&st, "t", 1, 0, 1.0, |_, _| 1.0);
+        st.push(part(p.clone(), 0..2)).unwrap();
+        assert!(st.push_in_parts_underway());
+        assert!(matches!(st.snapshot(), Err(Error::CheckpointStepUnderway { .. })));
+        st.push(part(p, 2..4)).unwrap();
+        assert_eq!(st.snapshot().unwrap().step(), 1, "whole: the snapshot holds it");
+        let q = push_for(&st, "u", 1, 0, 1.0, |_, _| 1.0);
+        st.push(part(q, 0..1)).unwrap();
+        assert!(st.snapshot().is_err());
+        st.leave("u");
+        assert!(!st.push_in_parts_underway() && st.snapshot().is_ok(), "u is gone: nothing to wait for");
     }
 
     #[test]
@@ -1271,6 +1308,9 @@ mod tests {
         assert!(st.held.iter().all(|h| Arc::strong_count(&h.data) == 1));
         assert_eq!(st.spares.lock().unwrap().len(), 3);
         // The next copy reuses one of them, and copies the values exactly.
+        // (Push 2 never sent block 0: it is half taken until "t" leaves.)
+        assert!(st.snapshot().is_err());
+        st.leave("t");
         let snap = st.snapshot().unwrap();
         let before: Vec<(Vec<f32>, OptimizerState)> =
             snap.blocks().map(|(_, p, s)| (p.to_vec(), s.clone())).collect();

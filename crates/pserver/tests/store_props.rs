@@ -165,6 +165,8 @@ impl Model {
     fn leave(&mut self, t: &str) -> Option<u64> {
         self.members.remove(t);
         self.joining.remove(t);
+        // A push left half taken is forgotten: its later parts are duplicates.
+        self.partial.remove(t);
         (self.mode == Mode::Sync && self.settle()).then_some(self.step)
     }
 

@@ -248,6 +248,10 @@ pub async fn run_trainer(
     result.map(|()| state.report)
 }
 
+/// At the stop signal, how long the trainer tries to push what it trained,
+/// send its reports and hand its tasks back before it gives up and stops.
+pub const STOP_CALLS_FOR: Duration = Duration::from_secs(5);
+
 /// Models up to this size overlap their async exchanges with training (see
 /// [`TrainerOptions::overlap`]); larger ones exchange in place. Overlapping
 /// costs two more copies of the model (the parameters arriving and the
@@ -321,14 +325,27 @@ impl Loop {
                 return Err(Error::LeaseLost);
             }
             if self.stopping() {
+                self.report.shut_down = true;
+                // What was trained goes out first; then the task fetched
+                // ahead goes back. Both are bounded and best effort: the job
+                // may be stopping too, and what is not acknowledged was
+                // never promised (its lease's end returns the task anyway).
+                match tokio::time::timeout(STOP_CALLS_FOR, self.drain(master)).await {
+                    Ok(Ok(())) => {}
+                    Ok(Err(e)) => {
+                        tracing::warn!(trainer = id, error = %e, "could not push or report at the stop")
+                    }
+                    Err(_) => tracing::warn!(trainer = id, "gave up pushing and reporting at the stop"),
+                }
                 if let Some(next) = ahead.take() {
-                    if let Fetched::Task { task_ref, .. } = joined(next).await?? {
-                        self.hand_back(master, task_ref).await?;
+                    if let Ok(Ok(Ok(Fetched::Task { task_ref, .. }))) =
+                        tokio::time::timeout(STOP_CALLS_FOR, joined(next)).await
+                    {
+                        self.hand_back(master, task_ref).await;
                     }
                 }
-                self.report.shut_down = true;
                 tracing::info!(trainer = id, "stopped at the stop signal");
-                return self.drain(master).await;
+                return Ok(());
             }
             let fetched = match ahead.take() {
                 Some(next) => match joined(next).await?? {
@@ -357,8 +374,11 @@ impl Loop {
                         Trained::Failed | Trained::Diverged(_) => {}
                         Trained::Interrupted => {
                             // Its gradients so far are pushed; the task goes back whole.
-                            self.drain(master).await?;
-                            self.hand_back(master, task_ref).await?;
+                            match tokio::time::timeout(STOP_CALLS_FOR, self.drain(master)).await {
+                                Ok(drained) => drained?,
+                                Err(_) => tracing::warn!(trainer = id, "gave up pushing at the stop"),
+                            }
+                            self.hand_back(master, task_ref).await;
                         }
                     }
                     self.send_reports(master, !self.options.prefetch).await?;
@@ -396,13 +416,23 @@ impl Loop {
         self.stop_by.is_some()
     }
 
-    /// Give a task back to the master unfinished.
-    async fn hand_back(&mut self, master: &MasterClient, task_ref: TaskRef) -> Result<()> {
-        let reply = master.task_returned(&self.options.id, task_ref).await?;
+    /// Give a task back to the master unfinished, best effort and bounded
+    /// (the master may be stopping too; the trainer's lease ending returns
+    /// the task anyway).
+    async fn hand_back(&mut self, master: &MasterClient, task_ref: TaskRef) {
         let (task, pass) = (task_ref.task.0, task_ref.pass);
-        tracing::info!(trainer = self.options.id, task, pass, ?reply, "task handed back");
-        self.report.tasks_returned += 1;
-        Ok(())
+        match tokio::time::timeout(STOP_CALLS_FOR, master.task_returned(&self.options.id, task_ref)).await {
+            Ok(Ok(reply)) => {
+                tracing::info!(trainer = self.options.id, task, pass, ?reply, "task handed back");
+                if reply == ReportReply::Accepted {
+                    self.report.tasks_returned += 1;
+                }
+            }
+            Ok(Err(e)) => {
+                tracing::warn!(trainer = self.options.id, task, error = %e, "could not hand a task back")
+            }
+            Err(_) => tracing::warn!(trainer = self.options.id, task, "gave up handing a task back"),
+        }
     }
 
     /// A task is trained on: its report is ready once its gradients are
@@ -707,7 +737,10 @@ impl Loop {
     /// become the ones trained on, and the tasks it pushed the last
     /// gradients of become ready to report.
     async fn join(&mut self) -> Result<()> {
-        let Some(InFlight { done, started, pulls, reports }) = self.in_flight.take() else { return Ok(()) };
+        let Some(InFlight { done, started, pulls, reports }) = self.in_flight.take() else {
+            // The schedule and the loop disagree: a bug, not a reason to spin.
+            return Err(Error::Panicked("the schedule waits for an exchange that is not in flight".into()));
+        };
         let (mut sum, params, result, ended) = joined(done).await?;
         result?;
         metrics().exchange.observe(ended.saturating_duration_since(started).as_secs_f64());

@@ -274,8 +274,10 @@ fn diverged(pass: &PassReport, params: &ParamBuf, initial_loss: f32, config: &Jo
     let n = pass.pass + 1;
     let what = if let Some(i) = params.as_slice().iter().position(|x| !x.is_finite()) {
         format!("parameter {i} is {}", params.as_slice()[i])
-    } else if !pass.test_loss.is_finite() || !pass.train_loss.is_finite() {
-        format!("the loss is {} (train {})", pass.test_loss, pass.train_loss)
+    } else if !pass.test_loss.is_finite() {
+        // (Not the train loss: a pass whose tasks hold no example has none.
+        // A trainer fails a task whose loss is not finite.)
+        format!("the test loss is {}", pass.test_loss)
     } else if initial_loss.is_finite()
         && pass.test_loss > DIVERGED_FACTOR * initial_loss.max(f32::MIN_POSITIVE)
     {
@@ -302,8 +304,15 @@ fn learning_rate(optimizer: &OptimizerConfig) -> f32 {
     }
 }
 
-/// Why a job failed that was not aborted: a pass ended with every task discarded.
+/// Why a job failed that this master did not abort: aborted by the master
+/// before it (the reason is in the discarded tasks), or a pass ended with
+/// every task discarded.
 fn failure_reason(status: &MasterStatus, config: &JobConfig) -> String {
+    const ABORTED: &str = "the job was aborted: ";
+    if status.queue.state == JobState::Aborted {
+        let why = status.discarded.iter().find_map(|(_, why)| why.strip_prefix(ABORTED));
+        return why.unwrap_or("the job was aborted").to_string();
+    }
     let pass = status.queue.pass + 1;
     let Some((task, why)) = status.discarded.first() else {
         return format!("every task of pass {pass} was discarded");

@@ -107,9 +107,11 @@ async fn run_trainer_role(
         }
     };
     // Deregister: the master and the pservers see this trainer leave now,
-    // not a lease ttl later.
-    session.close().await?;
-    result
+    // not a lease ttl later. The trainer's own error, if any, comes first.
+    let closed = session.close().await;
+    let report = result?;
+    closed?;
+    Ok(report)
 }
 
 /// How the job ended, once its report is written.
