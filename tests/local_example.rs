@@ -5,6 +5,10 @@ mod support;
 
 use std::{path::PathBuf, process::Command};
 
+/// The flags of a job on a1a, scored on a1a.t.
+const A1A: [&str; 8] =
+    ["--data", "testdata/a1a", "--test-data", "testdata/a1a.t", "--features", "123", "--classes", "2"];
+
 fn example() -> PathBuf {
     support::example("local")
 }
@@ -106,8 +110,7 @@ fn a_job_of_garbage_lines_fails_naming_the_file_line_and_the_way_out() {
 
 #[test]
 fn a_wrong_feature_count_discards_every_task_and_says_why() {
-    let args =
-        ["--data", "testdata/a1a", "--test-data", "testdata/a1a.t", "--features", "10", "--classes", "2"];
+    let args = [&A1A[..4], &["--features", "10", "--classes", "2"]].concat();
     let report = fails_as_a_job(&args, &["feature index", "out of range 1..=10"]);
     let discarded = report["discarded"].as_array().unwrap();
     assert!(!discarded.is_empty(), "{report}");
@@ -122,18 +125,7 @@ fn a_wrong_feature_count_discards_every_task_and_says_why() {
 #[test]
 fn a_diverging_job_ends_failed_naming_the_learning_rate() {
     for lr in ["1e9", "1e38"] {
-        let args = [
-            "--data",
-            "testdata/a1a",
-            "--test-data",
-            "testdata/a1a.t",
-            "--features",
-            "123",
-            "--classes",
-            "2",
-            "--lr",
-            lr,
-        ];
+        let args = [&A1A[..], &["--lr", lr]].concat();
         // Scoring runs beside training: on data this small the job may have
         // trained to its end before the divergence is seen; it fails anyway.
         fails_as_a_job(&args, &["diverged", "learning rate"]);
@@ -146,20 +138,7 @@ fn a_diverging_job_ends_failed_naming_the_learning_rate() {
 #[test]
 fn ctrl_c_stops_a_running_job_gracefully() {
     let mut command = Command::new(example());
-    command.current_dir(env!("CARGO_MANIFEST_DIR")).args([
-        "--data",
-        "testdata/a1a",
-        "--test-data",
-        "testdata/a1a.t",
-        "--features",
-        "123",
-        "--classes",
-        "2",
-        "--passes",
-        "100000",
-        "--mode",
-        "async",
-    ]);
+    command.current_dir(env!("CARGO_MANIFEST_DIR")).args(A1A).args(["--passes", "100000", "--mode", "async"]);
     let mut local = support::Proc::spawn("local", command);
     let started = local.wait_for_line(std::time::Duration::from_secs(60), |l| l.starts_with("pass 2/"));
     assert!(started.is_some(), "{}", local.dump());
