@@ -291,6 +291,9 @@ pub enum Error {
         /// Every file tried, newest first, with why it was refused.
         tried: Vec<(std::path::PathBuf, String)>,
     },
+    /// A stored shard map that does not decode or breaks its rules.
+    #[error("bad shard map: {0}")]
+    BadShardMap(String),
     /// A recorded `CheckpointInfo` (e.g. read back from discovery) did not decode.
     #[error("bad checkpoint record: {0}")]
     BadCheckpointRecord(String),

@@ -107,6 +107,7 @@ pub mod protocol;
 pub mod rng;
 #[cfg(feature = "service")]
 pub mod service;
+pub mod shard_map;
 pub mod spec;
 pub mod store;
 
@@ -123,5 +124,6 @@ pub use placement::{BlockInfo, Placement};
 pub use rng::{hash_str, SplitMix64};
 #[cfg(feature = "service")]
 pub use service::{OptimizerFactory, Pserver, PserverKeys, PserverOptions};
+pub use shard_map::{Health, PserverId, Role, ShardMap};
 pub use spec::{init_values, validate_specs, Init, ParamBuf, ParamSpec};
 pub use store::{Grad, Mode, ParamStore, Push, PushOutcome, StoreSnapshot};

@@ -1,0 +1,190 @@
+//! Property tests of the shard map over random sequences of changes: what
+//! each change must do to the replica sets, and what every map keeps.
+
+use oar_pserver::{Health, Role, ShardMap};
+use proptest::prelude::*;
+
+const PSERVERS: usize = 6;
+
+fn id(i: usize) -> String {
+    format!("ps-{i}")
+}
+
+#[derive(Clone, Debug)]
+enum Change {
+    /// Pserver `p` dies; replicas report the applied sequences `seed` gives.
+    Gone {
+        p: usize,
+        seed: u64,
+    },
+    AddFollower {
+        shard: u32,
+        p: usize,
+    },
+    MakePrimary {
+        shard: u32,
+        p: usize,
+    },
+    DropFollower {
+        shard: u32,
+        p: usize,
+    },
+}
+
+fn change(shards: u32) -> impl Strategy<Value = Change> {
+    let p = 0..PSERVERS;
+    prop_oneof![
+        (p.clone(), any::<u64>()).prop_map(|(p, seed)| Change::Gone { p, seed }),
+        (0..shards, p.clone()).prop_map(|(shard, p)| Change::AddFollower { shard, p }),
+        (0..shards, p.clone()).prop_map(|(shard, p)| Change::MakePrimary { shard, p }),
+        (0..shards, p).prop_map(|(shard, p)| Change::DropFollower { shard, p }),
+    ]
+}
+
+/// The applied sequence a replica reports, from a seed: few distinct values,
+/// so that ties happen.
+fn applied(seed: u64, shard: u32, p: &str) -> u64 {
+    let h = seed ^ u64::from(shard).wrapping_mul(0x9E37_79B9_7F4A_7C15) ^ (p.len() as u64 * 31);
+    let last = p.bytes().last().unwrap_or(0) as u64;
+    (h.rotate_left(last as u32 % 64)) % 3
+}
+
+fn sorted(set: &[String]) -> Vec<String> {
+    let mut v = set.to_vec();
+    v.sort();
+    v
+}
+
+/// What every map keeps, and what its queries agree on.
+fn check(map: &ShardMap) -> Result<(), TestCaseError> {
+    prop_assert!(map.validate().is_ok(), "{:?}", map.validate());
+    prop_assert_eq!(ShardMap::decode(&map.encode()).unwrap(), map.clone());
+    let (mut under, mut none) = (Vec::new(), Vec::new());
+    for s in 0..map.shard_count() {
+        let set = map.replica_set(s);
+        prop_assert_eq!(map.primary(s), set.first().map(String::as_str));
+        match set.len() {
+            0 => none.push(s),
+            n if n < map.replicas() as usize => under.push(s),
+            _ => {}
+        }
+    }
+    let health = if under.is_empty() && none.is_empty() {
+        Health::Ok
+    } else {
+        Health::Unhealthy { under_replicated: under, unavailable: none }
+    };
+    prop_assert_eq!(map.health(), health);
+    for p in (0..PSERVERS).map(id) {
+        for (s, role) in map.shards_of(&p) {
+            let at = map.replica_set(s).iter().position(|q| *q == p);
+            prop_assert_eq!(at.map(|i| i == 0), Some(role == Role::Primary));
+        }
+        let holds = (0..map.shard_count()).filter(|&s| map.replica_set(s).contains(&p)).count();
+        prop_assert_eq!(map.shards_of(&p).len(), holds);
+    }
+    Ok(())
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(512))]
+
+    #[test]
+    fn every_change_does_what_it_says_and_keeps_the_rules(
+        shards in 1u32..12,
+        replicas in 1u32..4,
+        changes in prop::collection::vec(change(12), 0..40),
+    ) {
+        let pservers: Vec<String> = (0..PSERVERS).map(id).collect();
+        let mut map = ShardMap::initial(shards, replicas, &pservers).unwrap();
+        check(&map)?;
+        for c in changes {
+            let before = map.clone();
+            let next = match c {
+                Change::Gone { p, seed } => {
+                    let gone = id(p);
+                    let next = before.without(&gone, |s, q| applied(seed, s, q));
+                    let held = !before.shards_of(&gone).is_empty();
+                    prop_assert_eq!(next.is_some(), held, "a change iff it held a shard");
+                    if let Some(next) = &next {
+                        prop_assert!(next.shards_of(&gone).is_empty());
+                        for s in 0..shards {
+                            let (old, new) = (before.replica_set(s), next.replica_set(s));
+                            let rest: Vec<String> = old.iter().filter(|q| **q != gone).cloned().collect();
+                            prop_assert_eq!(sorted(new), sorted(&rest), "shard {} keeps the others", s);
+                            if before.primary(s) == Some(gone.as_str()) {
+                                if let Some(new_primary) = next.primary(s) {
+                                    let best = rest.iter().map(|q| applied(seed, s, q)).max().unwrap_or(0);
+                                    prop_assert_eq!(applied(seed, s, new_primary), best, "shard {}: the most advanced", s);
+                                    let first_best = rest.iter().find(|q| applied(seed, s, q) == best);
+                                    prop_assert_eq!(Some(new_primary), first_best.map(String::as_str), "ties: first listed");
+                                }
+                            } else {
+                                prop_assert_eq!(new, rest.as_slice(), "shard {}: order kept", s);
+                            }
+                        }
+                    }
+                    next
+                }
+                Change::AddFollower { shard, p } => {
+                    let added = before.with_follower(shard, &id(p));
+                    let listed = shard >= shards || before.replica_set(shard).contains(&id(p));
+                    prop_assert_eq!(added.is_err(), listed);
+                    if let Ok(next) = &added {
+                        let mut want = before.replica_set(shard).to_vec();
+                        want.push(id(p));
+                        prop_assert_eq!(next.replica_set(shard), want.as_slice());
+                    }
+                    added.ok()
+                }
+                Change::MakePrimary { shard, p } => match before.with_primary(shard, &id(p)) {
+                    Err(_) => {
+                        prop_assert!(shard >= shards || !before.replica_set(shard).contains(&id(p)));
+                        None
+                    }
+                    Ok(None) => {
+                        prop_assert_eq!(before.primary(shard).map(str::to_string), Some(id(p)));
+                        None
+                    }
+                    Ok(Some(next)) => {
+                        let old = before.replica_set(shard);
+                        let mut want = vec![id(p)];
+                        want.extend(old.iter().filter(|q| **q != id(p)).cloned());
+                        prop_assert_eq!(next.replica_set(shard), want.as_slice());
+                        Some(next)
+                    }
+                },
+                Change::DropFollower { shard, p } => {
+                    let dropped = before.without_follower(shard, &id(p));
+                    let at = (shard < shards).then(|| before.replica_set(shard).iter().position(|q| *q == id(p))).flatten();
+                    prop_assert_eq!(dropped.is_ok(), at.is_some_and(|i| i > 0), "only a follower can be dropped");
+                    if let Ok(next) = &dropped {
+                        let want: Vec<String> =
+                            before.replica_set(shard).iter().filter(|q| **q != id(p)).cloned().collect();
+                        prop_assert_eq!(next.replica_set(shard), want.as_slice());
+                    }
+                    dropped.ok()
+                }
+            };
+            match next {
+                Some(next) => {
+                    prop_assert_eq!(next.version(), before.version() + 1, "one version per change");
+                    for s in 0..shards {
+                        let touched = next.replica_set(s) != before.replica_set(s);
+                        // Only a failure touches more than one shard.
+                        let target = match c {
+                            Change::Gone { .. } => None,
+                            Change::AddFollower { shard, .. }
+                            | Change::MakePrimary { shard, .. }
+                            | Change::DropFollower { shard, .. } => Some(shard),
+                        };
+                        prop_assert!(!touched || target.is_none_or(|t| t == s), "shard {} changed", s);
+                    }
+                    check(&next)?;
+                    map = next;
+                }
+                None => prop_assert_eq!(&map, &before),
+            }
+        }
+    }
+}
