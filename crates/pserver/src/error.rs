@@ -291,6 +291,10 @@ pub enum Error {
         /// Every file tried, newest first, with why it was refused.
         tried: Vec<(std::path::PathBuf, String)>,
     },
+    /// A replication message that does not fit the replica (wrong shard,
+    /// old map, a gap in its sequence, a step out of order): nothing applied.
+    #[error("replication: {0}")]
+    Replication(String),
     /// A stored shard map that does not decode or breaks its rules.
     #[error("bad shard map: {0}")]
     BadShardMap(String),

@@ -104,6 +104,7 @@ pub mod optimizer;
 pub mod placement;
 #[cfg(feature = "service")]
 pub mod protocol;
+pub mod replica;
 pub mod rng;
 #[cfg(feature = "service")]
 pub mod service;
@@ -126,4 +127,4 @@ pub use rng::{hash_str, SplitMix64};
 pub use service::{OptimizerFactory, Pserver, PserverKeys, PserverOptions};
 pub use shard_map::{Health, PserverId, Role, ShardMap};
 pub use spec::{init_values, validate_specs, Init, ParamBuf, ParamSpec};
-pub use store::{Grad, Mode, ParamStore, Push, PushOutcome, StoreSnapshot};
+pub use store::{CompletedStep, Grad, Mode, ParamStore, Push, PushOutcome, StoreSnapshot};

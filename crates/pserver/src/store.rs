@@ -332,6 +332,26 @@ pub struct ParamStore {
     scratch: Vec<f32>,
     /// Buffers for copies of blocks that snapshots share.
     spares: Spares,
+    /// Sync, on a primary with followers: the combined gradients of the
+    /// step underway and of the steps completed but not yet taken.
+    recording: Option<Recording>,
+}
+
+/// A sync step as a primary forwards it to its followers: replication
+/// after aggregation, each block's combined gradient, applied once.
+#[derive(Clone, Debug, PartialEq)]
+pub struct CompletedStep {
+    /// The step it completed (the store's step before it).
+    pub step: u64,
+    /// Each updated block's combined gradient, in block order. A step
+    /// completed by its last members leaving may leave blocks out.
+    pub grads: Vec<(BlockId, Vec<f32>)>,
+}
+
+#[derive(Debug, Default)]
+struct Recording {
+    current: Vec<(usize, Vec<f32>)>,
+    completed: Vec<CompletedStep>,
 }
 
 impl std::fmt::Debug for ParamStore {
@@ -392,6 +412,7 @@ impl ParamStore {
             partial: HashMap::new(),
             scratch: Vec::new(),
             spares: Spares::default(),
+            recording: None,
         })
     }
 
@@ -575,6 +596,48 @@ impl ParamStore {
         }
     }
 
+    /// Sync, on a primary with followers: keep each completed step's
+    /// combined gradients ([`take_completed_steps`](Self::take_completed_steps)),
+    /// so that the followers apply the step the primary applied, not each
+    /// trainer's push. Costs one copy of a shard's gradient while a step is
+    /// underway.
+    pub fn record_steps(&mut self) {
+        self.recording.get_or_insert_with(Recording::default);
+    }
+
+    /// The steps completed since the last call, in order (empty unless
+    /// [`record_steps`](Self::record_steps) was called).
+    pub fn take_completed_steps(&mut self) -> Vec<CompletedStep> {
+        self.recording.as_mut().map(|r| std::mem::take(&mut r.completed)).unwrap_or_default()
+    }
+
+    /// Sync, on a follower: apply a step its primary completed, block by
+    /// block, and move to the next step. The step must be the store's, no
+    /// step may be underway, and every gradient must be for a held block,
+    /// once, of the right length and finite; else nothing changes.
+    pub fn apply_step(&mut self, completed: CompletedStep) -> Result<()> {
+        let CompletedStep { step, grads } = completed;
+        if self.mode != Mode::Sync {
+            return Err(Error::Replication(format!("step {step}: an async store takes pushes, not steps")));
+        }
+        if step != self.step || self.step_underway() {
+            return Err(Error::Replication(format!(
+                "step {step} does not follow this replica's step {} (underway: {})",
+                self.step,
+                self.step_underway()
+            )));
+        }
+        let grads = grads.into_iter().map(|(id, g)| (id, Grad::Floats(g))).collect();
+        let grads = self.check_grads("the primary", 1.0, grads)?;
+        let mut scratch = Vec::new();
+        for (i, g) in &grads {
+            let d = Self::block_mut(&mut self.held, &self.spares, *i);
+            self.optimizer.apply(&mut d.params, g.floats(&mut scratch), &mut d.state);
+        }
+        self.step += 1;
+        Ok(())
+    }
+
     /// The parameters of a held block.
     pub fn block(&self, id: BlockId) -> Result<&[f32]> {
         self.index(id)
@@ -623,6 +686,9 @@ impl ParamStore {
         self.updated_count = 0;
         self.step_seqs.clear();
         self.members.append(&mut self.joining);
+        if let Some(r) = &mut self.recording {
+            r.current.clear();
+        }
     }
 
     /// The last accepted seq of every trainer seen (for checkpoints, so
@@ -765,6 +831,12 @@ impl ParamStore {
             self.updated_count > 0 && (self.updated_count == self.held.len() || self.members.is_empty())
         };
         if complete {
+            if let Some(r) = &mut self.recording {
+                let mut grads: Vec<(usize, Vec<f32>)> = std::mem::take(&mut r.current);
+                grads.sort_unstable_by_key(|(i, _)| *i);
+                let grads = grads.into_iter().map(|(i, g)| (self.held[i].id, g)).collect();
+                r.completed.push(CompletedStep { step: self.step, grads });
+            }
             self.step += 1;
             self.updated.iter_mut().for_each(|u| *u = false);
             self.updated_count = 0;
@@ -796,6 +868,9 @@ impl ParamStore {
         }
         let d = Self::block_mut(&mut self.held, &self.spares, i);
         self.optimizer.apply(&mut d.params, &self.scratch, &mut d.state);
+        if let Some(r) = &mut self.recording {
+            r.current.push((i, self.scratch.clone()));
+        }
         self.updated[i] = true;
         self.updated_count += 1;
     }
