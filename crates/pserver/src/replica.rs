@@ -1,51 +1,125 @@
-//! Replication's core, without I/O (`docs/DESIGN.md` §6): what a follower
-//! does with what its primary forwards, and how a new replica catches up.
+//! Replication's core, without I/O (`docs/DESIGN.md` §6): what a primary
+//! keeps for each follower ([`Links`]), what a follower does with what its
+//! primary forwards ([`Follower`]), and how a new replica catches up
+//! ([`CatchUp`]).
 //!
 //! **Forwarding.** The primary numbers the updates it applies to a shard,
 //! 1, 2, 3, ..., and forwards each ([`Forwarded`]) to every follower in that
 //! order: in async mode each push as it applied it (so the followers keep
 //! the same deduplication table, and a push retried to a new primary is
-//! applied once) and each trainer it let go, in sync mode each completed step's combined gradient
-//! (replication after aggregation: one message a step, not one a trainer).
-//! A [`Follower`] applies update `n` only after `n - 1`: an update it has
-//! is a duplicate (no change), a gap, a wrong shard or an older map is an
-//! error that names it, and changes nothing. Applying the same updates in
-//! the same order with the same optimizer gives the same state, bit for
-//! bit, so a follower can become primary at any update it has.
+//! applied once), in sync mode each completed step's combined gradient
+//! (replication after aggregation: one message a step, not one a trainer),
+//! and in both each trainer that joined or left. A [`Follower`] applies
+//! update `n` only after `n - 1`: an update it has is a duplicate (no
+//! change); a gap, a wrong shard, an older map or another primary's epoch
+//! is an error that names it, and changes nothing. Applying the same
+//! updates in the same order with the same optimizer gives the same state,
+//! bit for bit, so a follower can become primary at any update it has.
 //!
-//! **Catching up.** A new or restarted replica ([`CatchUp`]) starts from a
-//! snapshot the primary takes at update `upto` (copy-on-write: pushes go on
-//! meanwhile), sent in [`SnapshotPart`]s in any order, while the updates
-//! after `upto` keep coming and are kept aside. Once every block has come,
-//! [`CatchUp::finish`] applies the kept updates in order and the replica is
-//! a follower, caught up. The same path moves a shard to another pserver.
+//! **Acknowledging.** [`Links::replicated`] is the last update every
+//! follower of the map holds; the shell answers a client only once it
+//! covers what the answer depends on (strong mode). A follower that has not
+//! synced yet holds nothing, so it holds acknowledgements back until it
+//! has: a replica set never acknowledges an update one of its members may
+//! lack, and so any follower can take over without losing one.
+//!
+//! **Epochs.** Each primary has an epoch, the shard map version that made
+//! it primary. Every replica keeps its [`History`]: the epochs its updates
+//! came from, with the first update of each. A follower applies only its
+//! own primary's updates, so two replicas that hold updates up to `n` of
+//! the same epoch hold the same updates; after a failover the new primary
+//! tells from a follower's last epoch and applied count whether it holds a
+//! prefix of the new primary's updates ([`Links::sync`]) and can go on from
+//! there, or must catch up from a snapshot.
+//!
+//! **Catching up.** A new, restarted or diverged replica ([`CatchUp`])
+//! starts from a snapshot the primary takes at update `upto`
+//! (copy-on-write: pushes go on meanwhile), sent in [`SnapshotPart`]s in any
+//! order, while the updates after `upto` keep coming and are kept aside.
+//! Once every block has come, [`CatchUp::finish`] applies the kept updates
+//! in order and the replica is a follower. The same path moves a shard to
+//! another pserver.
 
-use std::collections::{BTreeMap, BTreeSet};
+use std::collections::{BTreeMap, BTreeSet, VecDeque};
+use std::sync::Arc;
+
+use serde::{Deserialize, Serialize};
 
 use crate::block::BlockId;
 use crate::error::{Error, Result};
 use crate::optimizer::OptimizerState;
+use crate::shard_map::PserverId;
 use crate::store::{CompletedStep, Mode, ParamStore, Push, PushOutcome, StoreSnapshot};
+
+/// The epochs a replica's updates came from: `(epoch, first update)` pairs,
+/// both rising. Update `n` came from the last epoch whose first update is
+/// at most `n`.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct History(Vec<(u64, u64)>);
+
+impl History {
+    /// A history whose updates from `first` on come from `epoch`.
+    pub fn starting(epoch: u64, first: u64) -> History {
+        History(vec![(epoch, first)])
+    }
+
+    /// The epoch of the primary this replica follows or is (0: none yet).
+    pub fn last_epoch(&self) -> u64 {
+        self.0.last().map_or(0, |&(epoch, _)| epoch)
+    }
+
+    /// The `(epoch, first update)` pairs.
+    pub fn epochs(&self) -> &[(u64, u64)] {
+        &self.0
+    }
+
+    /// From update `first` on, updates come from `epoch` (a newer one).
+    /// Entries of later updates (undone by this one) are dropped.
+    pub fn begin(&mut self, epoch: u64, first: u64) {
+        self.0.retain(|&(_, f)| f < first);
+        if self.last_epoch() != epoch {
+            self.0.push((epoch, first));
+        }
+    }
+
+    /// Whether a replica holding updates `1..=applied`, the last of them
+    /// from epoch `epoch` (or synced with that epoch's primary), holds a
+    /// prefix of the updates `1..=seq` this history describes. Never for a
+    /// replica without an epoch: it catches up from a snapshot, whatever
+    /// its store holds.
+    pub fn holds_prefix(&self, epoch: u64, applied: u64, seq: u64) -> bool {
+        let Some(at) = self.0.iter().position(|&(e, _)| e == epoch) else { return false };
+        let first = self.0[at].1;
+        let end = self.0.get(at + 1).map_or(seq, |&(_, next)| next - 1);
+        first.saturating_sub(1) <= applied && applied <= end.min(seq)
+    }
+}
 
 /// One update as a primary forwards it.
 #[derive(Clone, Debug, PartialEq)]
 pub enum Update {
     /// Async: a push the primary applied, as it came.
     Push(Push),
-    /// Async: a trainer the primary let go. A leave drops the trainer's
-    /// half-taken push, which changes how a retry of it is deduplicated.
+    /// A trainer joined the barrier.
+    Join(String),
+    /// A trainer left: sync, the barrier stops waiting for it; async, its
+    /// half-taken push is dropped, which changes how a retry of it is
+    /// deduplicated.
     Leave(String),
     /// Sync: a step the primary completed.
     Step(CompletedStep),
 }
 
-/// Update number `seq` of shard `shard`, under shard map `map_version`.
+/// Update number `seq` of shard `shard`, from the primary of epoch `epoch`,
+/// under shard map `map_version`.
 #[derive(Clone, Debug, PartialEq)]
 pub struct Forwarded {
     /// The logical shard.
     pub shard: u32,
     /// The version of the shard map the primary serves under.
     pub map_version: u64,
+    /// The primary's epoch.
+    pub epoch: u64,
     /// The update's number in the shard's sequence, from 1.
     pub seq: u64,
     /// The update.
@@ -61,19 +135,44 @@ pub enum Applied {
     Duplicate,
 }
 
+/// Apply `update` to `store`: what a primary does with a join or leave, and
+/// a follower with any update. Errors leave the store unchanged.
+pub fn apply_update(store: &mut ParamStore, update: Update) -> Result<()> {
+    match update {
+        Update::Push(push) => match store.push(push)? {
+            PushOutcome::Applied { .. } | PushOutcome::Buffered { .. } => Ok(()),
+            PushOutcome::Duplicate => Err(Error::Replication(
+                "a forwarded push was one the replica had already taken: it has drifted from its primary"
+                    .into(),
+            )),
+        },
+        Update::Join(trainer) => {
+            store.join(&trainer);
+            Ok(())
+        }
+        Update::Leave(trainer) => {
+            store.leave(&trainer);
+            Ok(())
+        }
+        Update::Step(step) => store.apply_step(step),
+    }
+}
+
 /// A replica kept up to date by its primary.
 #[derive(Debug)]
 pub struct Follower {
     shard: u32,
     map_version: u64,
     applied: u64,
+    history: History,
     store: ParamStore,
 }
 
 impl Follower {
-    /// A follower of `shard` whose `store` holds updates `1..=applied`.
-    pub fn new(shard: u32, map_version: u64, applied: u64, store: ParamStore) -> Follower {
-        Follower { shard, map_version, applied, store }
+    /// A follower of `shard` whose `store` holds updates `1..=applied`, which
+    /// came from the epochs of `history`.
+    pub fn new(shard: u32, map_version: u64, applied: u64, history: History, store: ParamStore) -> Follower {
+        Follower { shard, map_version, applied, history, store }
     }
 
     /// The shard.
@@ -91,20 +190,39 @@ impl Follower {
         self.map_version
     }
 
+    /// The epochs its updates came from.
+    pub fn history(&self) -> &History {
+        &self.history
+    }
+
     /// The replica's store.
     pub fn store(&self) -> &ParamStore {
         &self.store
     }
 
-    /// The store, to serve as the shard's primary (after an election).
-    pub fn into_store(self) -> ParamStore {
-        self.store
+    /// A newer shard map was seen: updates under older ones are refused
+    /// from now on (a primary that did not see it may have been deposed).
+    pub fn saw_map(&mut self, map_version: u64) {
+        self.map_version = self.map_version.max(map_version);
+    }
+
+    /// The primary of `epoch` found this replica holds a prefix of its
+    /// updates ([`Links::sync`]): follow it from the next update on.
+    pub fn resume(&mut self, epoch: u64) {
+        self.history.begin(epoch, self.applied + 1);
+    }
+
+    /// The store and history, to serve as the shard's primary of `epoch`
+    /// (after an election): its own updates start after the last applied.
+    pub fn promote(mut self, epoch: u64) -> (ParamStore, u64, History) {
+        self.history.begin(epoch, self.applied + 1);
+        (self.store, self.applied, self.history)
     }
 
     /// Apply update `forwarded.seq` if it is the next one; see the
     /// [module docs](self) for the checks. Nothing changes on an error.
     pub fn apply(&mut self, forwarded: Forwarded) -> Result<Applied> {
-        let Forwarded { shard, map_version, seq, update } = forwarded;
+        let Forwarded { shard, map_version, epoch, seq, update } = forwarded;
         if shard != self.shard {
             return Err(Error::Replication(format!(
                 "update {seq} is for shard {shard}, this replica holds shard {}",
@@ -118,35 +236,25 @@ impl Follower {
                 self.map_version
             )));
         }
+        if epoch != self.history.last_epoch() {
+            return Err(Error::Replication(format!(
+                "update {seq} of shard {shard} comes from the primary of epoch {epoch}, but this replica \
+                 follows epoch {}: it must sync with a new primary first",
+                self.history.last_epoch()
+            )));
+        }
         if seq <= self.applied {
             return Ok(Applied::Duplicate);
         }
+        check_mode(self.store.mode(), &update)?;
         if seq != self.applied + 1 {
             return Err(Error::Replication(format!(
                 "update {seq} of shard {shard} leaves a gap: this replica has applied up to {}",
                 self.applied
             )));
         }
-        match update {
-            Update::Push(push) => match self.store.push(push)? {
-                PushOutcome::Applied { .. } | PushOutcome::Buffered { .. } => {}
-                PushOutcome::Duplicate => {
-                    return Err(Error::Replication(format!(
-                        "update {seq} of shard {shard} is a push this replica had already taken: \
-                         it has drifted from its primary"
-                    )))
-                }
-            },
-            Update::Leave(trainer) => {
-                if self.store.mode() != Mode::Async {
-                    return Err(Error::Replication(format!(
-                        "update {seq} of shard {shard} is a leave, forwarded in async mode only"
-                    )));
-                }
-                self.store.leave(&trainer);
-            }
-            Update::Step(step) => self.store.apply_step(step)?,
-        }
+        apply_update(&mut self.store, update)
+            .map_err(|e| Error::Replication(format!("update {seq} of shard {shard} does not apply: {e}")))?;
         self.applied = seq;
         self.map_version = map_version;
         Ok(Applied::Applied)
@@ -214,6 +322,7 @@ pub struct CatchUp {
     /// The newest map seen since.
     map_version: u64,
     upto: u64,
+    history: History,
     store: ParamStore,
     missing: BTreeSet<BlockId>,
     step: Option<u64>,
@@ -226,19 +335,36 @@ pub const MAX_KEPT_UPDATES: usize = 10_000;
 
 impl CatchUp {
     /// Catch up shard `shard` from a snapshot at update `upto` (under map
-    /// `map_version`) into `store`, a fresh store of that shard.
-    pub fn new(shard: u32, map_version: u64, upto: u64, store: ParamStore) -> CatchUp {
+    /// `map_version`) into `store`, a fresh store of that shard; `history`
+    /// is the primary's, which the replica takes on.
+    pub fn new(shard: u32, map_version: u64, upto: u64, history: History, store: ParamStore) -> CatchUp {
         let missing = store.block_ids().collect();
         CatchUp {
             shard,
             snapshot_map: map_version,
             map_version,
             upto,
+            history,
             store,
             missing,
             step: None,
             kept: BTreeMap::new(),
         }
+    }
+
+    /// The shard.
+    pub fn shard(&self) -> u32 {
+        self.shard
+    }
+
+    /// The update the snapshot was taken at.
+    pub fn upto(&self) -> u64 {
+        self.upto
+    }
+
+    /// The epoch of the primary it catches up from.
+    pub fn epoch(&self) -> u64 {
+        self.history.last_epoch()
     }
 
     /// Blocks still to come.
@@ -298,8 +424,8 @@ impl CatchUp {
 
     /// An update the primary forwarded meanwhile: kept if it is after the
     /// snapshot, ignored if the snapshot holds it or it is kept already.
-    /// Errors, like [`Follower::apply`], for another shard or a map older
-    /// than one seen, and past [`MAX_KEPT_UPDATES`] kept.
+    /// Errors, like [`Follower::apply`], for another shard, a map older
+    /// than one seen or another epoch, and past [`MAX_KEPT_UPDATES`] kept.
     pub fn forwarded(&mut self, update: Forwarded) -> Result<()> {
         if update.shard != self.shard {
             return Err(Error::Replication(format!(
@@ -311,6 +437,15 @@ impl CatchUp {
             return Err(Error::Replication(format!(
                 "update {} of shard {} comes under shard map version {}, older than {} (from a deposed primary?)",
                 update.seq, self.shard, update.map_version, self.map_version
+            )));
+        }
+        if update.epoch != self.history.last_epoch() {
+            return Err(Error::Replication(format!(
+                "update {} of shard {} comes from the primary of epoch {}, but the snapshot is from epoch {}",
+                update.seq,
+                self.shard,
+                update.epoch,
+                self.history.last_epoch()
             )));
         }
         self.map_version = update.map_version;
@@ -347,8 +482,8 @@ impl CatchUp {
         if let Some(what) = self.waiting_for() {
             return Err(Error::Replication(format!("the catch-up still waits for {what}")));
         }
-        let CatchUp { shard, map_version, upto, store, kept, .. } = self;
-        let mut follower = Follower::new(shard, map_version, upto, store);
+        let CatchUp { shard, map_version, upto, history, store, kept, .. } = self;
+        let mut follower = Follower::new(shard, map_version, upto, history, store);
         // Each was checked against the newest map when it came.
         for (_, update) in kept {
             follower.apply(Forwarded { map_version, ..update }).map_err(|e| {
@@ -358,5 +493,236 @@ impl CatchUp {
             })?;
         }
         Ok(follower)
+    }
+}
+
+/// How a follower that asked to sync goes on ([`Links::sync`]).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum SyncFrom {
+    /// It holds a prefix of the primary's updates: the updates after
+    /// `applied` follow.
+    Resume {
+        /// The follower's last update, where forwarding resumes.
+        applied: u64,
+    },
+    /// It must catch up from a snapshot at update `upto` (taken now, by the
+    /// caller, under the same lock), whose epochs are `history`.
+    Snapshot {
+        /// The update the snapshot holds up to.
+        upto: u64,
+        /// The primary's history, which the replica takes on.
+        history: History,
+    },
+}
+
+/// What a primary keeps for one follower.
+#[derive(Debug)]
+struct Link {
+    /// The follower holds (has applied) every update up to this one; `None`
+    /// until it synced: it then holds nothing the primary could count on.
+    acked: Option<u64>,
+    /// It synced: forwards go to it (kept aside while it catches up).
+    synced: bool,
+    /// The follower took (applied or kept aside) every update up to this one.
+    sent: u64,
+    /// Forwards not yet acknowledged: updates `base + 1 ..`.
+    queue: VecDeque<Arc<Forwarded>>,
+    base: u64,
+    /// The queue overflowed: the follower must catch up from a snapshot.
+    overflowed: bool,
+}
+
+/// The primary's side of a shard's replication: its sequence, its epochs,
+/// and per follower what was sent and what it holds. The shell forwards
+/// [`batch`](Self::batch)es, reports the answers ([`taken`](Self::taken)),
+/// and answers clients once [`replicated`](Self::replicated) covers them.
+#[derive(Debug)]
+pub struct Links {
+    shard: u32,
+    epoch: u64,
+    seq: u64,
+    history: History,
+    links: BTreeMap<PserverId, Link>,
+    max_queued: usize,
+}
+
+/// The most updates a primary queues for one follower before it gives up
+/// on forwarding them: the follower then catches up from a snapshot.
+pub const MAX_QUEUED_UPDATES: usize = 4096;
+
+impl Links {
+    /// The primary of `shard` for `epoch`, whose store holds updates
+    /// `1..=seq` (from the epochs of `history`), with no follower yet.
+    pub fn new(shard: u32, epoch: u64, seq: u64, mut history: History) -> Links {
+        history.begin(epoch, seq + 1);
+        Links { shard, epoch, seq, history, links: BTreeMap::new(), max_queued: MAX_QUEUED_UPDATES }
+    }
+
+    /// The same with at most `max_queued` updates queued per follower.
+    pub fn with_max_queued(mut self, max_queued: usize) -> Links {
+        self.max_queued = max_queued.max(1);
+        self
+    }
+
+    /// The shard.
+    pub fn shard(&self) -> u32 {
+        self.shard
+    }
+
+    /// The primary's epoch.
+    pub fn epoch(&self) -> u64 {
+        self.epoch
+    }
+
+    /// The last update applied.
+    pub fn seq(&self) -> u64 {
+        self.seq
+    }
+
+    /// The epochs of the updates `1..=seq`.
+    pub fn history(&self) -> &History {
+        &self.history
+    }
+
+    /// The followers, in order.
+    pub fn followers(&self) -> impl Iterator<Item = &str> + '_ {
+        self.links.keys().map(String::as_str)
+    }
+
+    /// What `follower` holds for sure (`None`: not synced yet).
+    pub fn acked(&self, follower: &str) -> Option<u64> {
+        self.links.get(follower).and_then(|l| l.acked)
+    }
+
+    /// The shard map's followers now: new ones start unsynced (they hold
+    /// nothing the primary counts on until they [`sync`](Self::sync)),
+    /// and forwarding to ones no longer listed stops.
+    pub fn set_followers<'a>(&mut self, followers: impl IntoIterator<Item = &'a str>) {
+        let wanted: BTreeSet<&str> = followers.into_iter().collect();
+        self.links.retain(|f, _| wanted.contains(f.as_str()));
+        for f in wanted {
+            self.links.entry(f.to_string()).or_insert_with(|| Link {
+                acked: None,
+                synced: false,
+                sent: self.seq,
+                queue: VecDeque::new(),
+                base: self.seq,
+                overflowed: false,
+            });
+        }
+    }
+
+    /// The primary applied `update` under map `map_version`: it is update
+    /// `seq() + 1`, queued for every follower. Returns its number.
+    pub fn record(&mut self, map_version: u64, update: Update) -> u64 {
+        self.seq += 1;
+        let forwarded =
+            Arc::new(Forwarded { shard: self.shard, map_version, epoch: self.epoch, seq: self.seq, update });
+        for link in self.links.values_mut() {
+            if link.overflowed {
+                continue;
+            }
+            if link.queue.len() >= self.max_queued {
+                // Too far behind to keep up by forwards: it resyncs.
+                link.queue.clear();
+                link.overflowed = true;
+                continue;
+            }
+            link.queue.push_back(forwarded.clone());
+        }
+        self.seq
+    }
+
+    /// The last update every follower holds: what may be acknowledged.
+    pub fn replicated(&self) -> u64 {
+        self.links.values().map(|l| l.acked.unwrap_or(0)).fold(self.seq, u64::min)
+    }
+
+    /// Whether `follower`, holding updates `1..=applied`, the last from
+    /// epoch `epoch`, can resume from there ([`sync`](Self::sync) would
+    /// answer [`SyncFrom::Resume`]). Changes nothing: the shell asks first
+    /// so as to take a snapshot only when one is needed, and to leave the
+    /// link as it is when none can be taken now.
+    pub fn can_resume(&self, follower: &str, epoch: u64, applied: u64) -> bool {
+        self.links.get(follower).is_some_and(|link| {
+            self.history.holds_prefix(epoch, applied, self.seq) && !link.overflowed && link.base <= applied
+        })
+    }
+
+    /// `follower` asks to sync, holding updates `1..=applied`, the last
+    /// from epoch `epoch`. Errors if it is not a follower of this shard.
+    pub fn sync(&mut self, follower: &str, epoch: u64, applied: u64) -> Result<SyncFrom> {
+        let resume = self.can_resume(follower, epoch, applied);
+        let seq = self.seq;
+        let link = self.links.get_mut(follower).ok_or_else(|| {
+            Error::Replication(format!(
+                "{follower} is not a follower of shard {} in this primary's map",
+                self.shard
+            ))
+        })?;
+        if resume {
+            link.queue.retain(|f| f.seq > applied);
+            link.base = applied;
+            link.acked = Some(applied);
+            link.sent = applied;
+            link.synced = true;
+            return Ok(SyncFrom::Resume { applied });
+        }
+        link.queue.clear();
+        link.base = seq;
+        link.sent = seq;
+        link.acked = None;
+        link.overflowed = false;
+        link.synced = true;
+        Ok(SyncFrom::Snapshot { upto: seq, history: self.history.clone() })
+    }
+
+    /// The next forwards for `follower`: at most `max` of those it has not
+    /// taken, in order. Empty if it is up to date, gone, or must resync.
+    pub fn batch(&self, follower: &str, max: usize) -> Vec<Arc<Forwarded>> {
+        let Some(link) = self.links.get(follower).filter(|l| l.synced && !l.overflowed) else {
+            return Vec::new();
+        };
+        link.queue.iter().filter(|f| f.seq > link.sent).take(max).cloned().collect()
+    }
+
+    /// Whether `follower` must sync (again) before anything is forwarded:
+    /// it never synced, or fell too far behind.
+    pub fn needs_sync(&self, follower: &str) -> bool {
+        self.links.get(follower).is_some_and(|l| l.overflowed || !l.synced)
+    }
+
+    /// `follower` took every update up to `taken` (kept aside while it
+    /// catches up) and holds (applied) every update up to `applied`.
+    pub fn taken(&mut self, follower: &str, taken: u64, applied: Option<u64>) {
+        let Some(link) = self.links.get_mut(follower) else { return };
+        link.sent = link.sent.max(taken.min(self.seq));
+        if let Some(applied) = applied.map(|a| a.min(self.seq)) {
+            link.acked = Some(link.acked.map_or(applied, |a| a.max(applied)));
+            link.queue.retain(|f| f.seq > applied);
+            link.base = link.base.max(applied);
+        }
+    }
+
+    /// `follower` refused what was sent: send from its last acknowledged
+    /// update again (after it resyncs, if it must).
+    pub fn rewind(&mut self, follower: &str) {
+        if let Some(link) = self.links.get_mut(follower) {
+            link.sent = link.acked.unwrap_or(link.base).max(link.base);
+        }
+    }
+}
+
+/// Check that `mode` matches a forwarded update's kind (a sync store takes
+/// steps, an async one pushes).
+pub fn check_mode(mode: Mode, update: &Update) -> Result<()> {
+    match (mode, update) {
+        (Mode::Sync, Update::Push(_)) => {
+            Err(Error::Replication("a sync replica takes completed steps, not pushes".into()))
+        }
+        (Mode::Async, Update::Step(_)) => {
+            Err(Error::Replication("an async replica takes pushes, not completed steps".into()))
+        }
+        _ => Ok(()),
     }
 }

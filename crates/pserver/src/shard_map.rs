@@ -13,7 +13,9 @@
 //! - a replica set never names a pserver twice;
 //! - a shard may have no replica at all (every holder died): it is
 //!   unavailable, and [`ShardMap::health`] says so;
-//! - the version only rises, by one per change.
+//! - the version only rises, by one per change;
+//! - each shard's primary epoch (the version that made its primary
+//!   primary) is a version of the map, at most the current one.
 
 use serde::{Deserialize, Serialize};
 use std::fmt;
@@ -40,6 +42,10 @@ pub struct ShardMap {
     replicas: u32,
     /// Per shard: its replica set, primary first.
     shards: Vec<Vec<PserverId>>,
+    /// Per shard: the version of the map that made its primary primary
+    /// (the primary's *epoch*): updates it numbers carry it, so a replica
+    /// can tell whose updates it holds (see [`crate::replica`]).
+    epochs: Vec<u64>,
 }
 
 /// Whether every shard has all its replicas.
@@ -77,7 +83,7 @@ impl ShardMap {
         let sets = (0..shards as usize)
             .map(|s| (0..replicas as usize).map(|r| pservers[(s + r) % p].clone()).collect())
             .collect();
-        let map = ShardMap { version: 1, replicas, shards: sets };
+        let map = ShardMap { version: 1, replicas, shards: sets, epochs: vec![1; shards as usize] };
         map.validate()?;
         Ok(map)
     }
@@ -105,6 +111,18 @@ impl ShardMap {
     /// Shard `shard`'s primary, if it has any replica.
     pub fn primary(&self, shard: u32) -> Option<&str> {
         self.replica_set(shard).first().map(String::as_str)
+    }
+
+    /// The epoch of shard `shard`'s primary: the map version that made it
+    /// primary (0 for a shard that does not exist).
+    pub fn epoch(&self, shard: u32) -> u64 {
+        self.epochs.get(shard as usize).copied().unwrap_or(0)
+    }
+
+    /// Shard `shard`'s role for `pserver`, if it holds a replica of it.
+    pub fn role(&self, shard: u32, pserver: &str) -> Option<Role> {
+        let at = self.replica_set(shard).iter().position(|p| p == pserver)?;
+        Some(if at == 0 { Role::Primary } else { Role::Follower })
     }
 
     /// The shards `pserver` holds, with its role in each, in shard order.
@@ -143,35 +161,54 @@ impl ShardMap {
     }
 
     /// The map after `gone` left (its lease expired): it leaves every
-    /// replica set, and where it was primary, the replica with the highest
+    /// replica set, and where it was primary, the follower with the highest
     /// `applied` sequence (the shard's, as that replica reports it) becomes
-    /// primary; ties go to the replica listed first. `None` if `gone` held
-    /// no shard (nothing changes).
-    pub fn without(&self, gone: &str, applied: impl Fn(u32, &str) -> u64) -> Option<ShardMap> {
+    /// primary; ties go to the replica listed first. `applied` is `None`
+    /// for a replica that cannot take over (it is still catching up, or did
+    /// not answer): where no follower can, the shard is left with no
+    /// replica (unavailable, to be [restored](Self::with_restored)), since a
+    /// replica that has not caught up holds nothing to serve. `None` if
+    /// `gone` held no shard (nothing changes).
+    pub fn without(&self, gone: &str, applied: impl Fn(u32, &str) -> Option<u64>) -> Option<ShardMap> {
         let mut next = self.clone();
         let mut changed = false;
         for (s, set) in next.shards.iter_mut().enumerate() {
             let Some(at) = set.iter().position(|p| p == gone) else { continue };
             changed = true;
             set.remove(at);
-            if at == 0 && !set.is_empty() {
+            if at == 0 {
                 // The most advanced follower: a stable max keeps the first of equals.
-                let best = (0..set.len()).rev().max_by_key(|&i| applied(s as u32, &set[i])).unwrap_or(0);
-                let promoted = set.remove(best);
-                set.insert(0, promoted);
+                let best = (0..set.len())
+                    .rev()
+                    .filter_map(|i| applied(s as u32, &set[i]).map(|a| (a, i)))
+                    .max_by_key(|&(a, _)| a);
+                match best {
+                    Some((_, best)) => {
+                        let promoted = set.remove(best);
+                        set.insert(0, promoted);
+                        next.epochs[s] = self.version + 1;
+                    }
+                    None => set.clear(),
+                }
             }
         }
         changed.then(|| next.bumped())
     }
 
     /// The map with `pserver` added to shard `shard`'s replica set as a
-    /// follower (once it has caught up). Errors if the shard does not exist
-    /// or already lists it.
+    /// follower: it catches up from the primary. Errors if the shard does
+    /// not exist, already lists it, or has no primary to catch up from
+    /// (see [`with_restored`](Self::with_restored)).
     pub fn with_follower(&self, shard: u32, pserver: &str) -> Result<ShardMap> {
         let mut next = self.clone();
         let set = next.set_mut(shard)?;
         if set.iter().any(|p| p == pserver) {
             return Err(Error::Config(format!("shard {shard} already has a replica on {pserver}")));
+        }
+        if set.is_empty() {
+            return Err(Error::Config(format!(
+                "shard {shard} has no replica for a follower on {pserver} to catch up from: restore it"
+            )));
         }
         set.push(pserver.to_string());
         Ok(next.bumped())
@@ -190,7 +227,24 @@ impl ShardMap {
         }
         let promoted = set.remove(at);
         set.insert(0, promoted);
+        next.epochs[shard as usize] = self.version + 1;
         Ok(Some(next.bumped()))
+    }
+
+    /// The map with shard `shard`, which has no replica left, given to
+    /// `pserver` as its primary: it starts from the shard's last checkpoint.
+    /// Errors if the shard does not exist or still has a replica.
+    pub fn with_restored(&self, shard: u32, pserver: &str) -> Result<ShardMap> {
+        let mut next = self.clone();
+        let set = next.set_mut(shard)?;
+        if let Some(holder) = set.first() {
+            return Err(Error::Config(format!(
+                "shard {shard} still has a replica on {holder}: only a shard with none is restored"
+            )));
+        }
+        set.push(pserver.to_string());
+        next.epochs[shard as usize] = self.version + 1;
+        Ok(next.bumped())
     }
 
     /// The map with `pserver` dropped from shard `shard`'s replica set (a
@@ -226,6 +280,21 @@ impl ShardMap {
 
     /// Checks the rules of the [module docs](self), naming what is wrong.
     pub fn validate(&self) -> Result<()> {
+        if self.epochs.len() != self.shards.len() {
+            return Err(Error::BadShardMap(format!(
+                "{} shards but {} primary epochs",
+                self.shards.len(),
+                self.epochs.len()
+            )));
+        }
+        if let Some(s) =
+            (0..self.shards.len()).find(|&s| self.epochs[s] == 0 || self.epochs[s] > self.version)
+        {
+            return Err(Error::BadShardMap(format!(
+                "shard {s}'s primary epoch {} is not a version from 1 to the map's {}",
+                self.epochs[s], self.version
+            )));
+        }
         if self.shards.is_empty() || self.replicas == 0 || self.version == 0 {
             return Err(Error::BadShardMap(format!(
                 "{} shards, {} replicas, version {}: each must be at least 1",
@@ -331,7 +400,7 @@ mod tests {
         let map = ShardMap::initial(4, 3, &ids(3)).unwrap();
         assert_eq!(map.replica_set(0), ["ps-0", "ps-1", "ps-2"]);
         // ps-2 has applied more of shard 0 than ps-1.
-        let next = map.without("ps-0", |_, p| if p == "ps-2" { 9 } else { 7 }).unwrap();
+        let next = map.without("ps-0", |_, p| Some(if p == "ps-2" { 9 } else { 7 })).unwrap();
         assert_eq!(next.version(), 2);
         assert_eq!(next.replica_set(0), ["ps-2", "ps-1"]);
         assert!(next.shards_of("ps-0").is_empty());
@@ -339,20 +408,26 @@ mod tests {
             next.health(),
             Health::Unhealthy { under_replicated: vec![0, 1, 2, 3], unavailable: vec![] }
         );
-        assert!(next.without("ps-0", |_, _| 0).is_none(), "gone already: no change");
+        assert!(next.without("ps-0", |_, _| Some(0)).is_none(), "gone already: no change");
+        // No follower that can take over: the shard is left unavailable.
+        let next = next.without("ps-2", |_, _| None).unwrap();
+        assert_eq!(next.replica_set(0), Vec::<String>::new().as_slice());
+        assert_eq!(next.replica_set(1), ["ps-1"]);
     }
 
     #[test]
     fn bad_bytes_are_errors_that_say_why() {
         let map = ShardMap::initial(3, 1, &ids(2)).unwrap();
         assert_eq!(ShardMap::decode(&map.encode()).unwrap(), map);
-        let twice = ShardMap { shards: vec![vec!["a".into(), "a".into()]], ..map.clone() };
+        let twice = ShardMap { shards: vec![vec!["a".into(), "a".into()]], epochs: vec![1], ..map.clone() };
+        let future = ShardMap { epochs: vec![1, 2, 1], ..map.clone() };
         for (bytes, why) in [
             (b"nope".to_vec(), "expected magic"),
             (b"OARS".to_vec(), "truncated"),
             (b"OARS\x07".to_vec(), "unsupported format 7"),
             (b"OARS\x01\xff".to_vec(), "corrupt body"),
             (twice.encode(), "lists a twice"),
+            (future.encode(), "shard 1's primary epoch 2 is not a version from 1 to the map's 1"),
         ] {
             let err = ShardMap::decode(&bytes).unwrap_err().to_string();
             assert!(err.contains(why), "{err:?} should say {why:?}");

@@ -6,7 +6,9 @@
 //! `n` holds exactly, bit for bit, what the primary held after update `n`,
 //! and a bad input is refused and changes nothing.
 
-use oar_pserver::replica::{snapshot_parts, Applied, CatchUp, Follower, Forwarded, SnapshotPart, Update};
+use oar_pserver::replica::{
+    snapshot_parts, Applied, CatchUp, Follower, Forwarded, History, SnapshotPart, Update,
+};
 use oar_pserver::{
     Adam, BlockId, Error, Grad, Init, Mode, ParamSpec, ParamStore, Placement, Push, PushOutcome, SplitMix64,
 };
@@ -15,6 +17,8 @@ use proptest::prelude::*;
 const TRAINERS: [&str; 3] = ["a", "b", "c"];
 const REPLICAS: usize = 3;
 const SHARD: u32 = 0;
+/// The epoch of the one primary here.
+const EPOCH: u64 = 1;
 
 #[derive(Clone, Debug)]
 enum Event {
@@ -169,6 +173,7 @@ impl Job {
                         SHARD,
                         1,
                         0,
+                        History::starting(EPOCH, 1),
                         ParamStore::new(&placement, SHARD, 5, adam(), mode).unwrap(),
                     ),
                     next: 0,
@@ -195,8 +200,14 @@ impl Job {
     /// Number and keep what the primary did.
     fn record(&mut self, update: Update) {
         let seq = self.log.len() as u64 + 1;
-        self.log.push(Forwarded { shard: SHARD, map_version: self.map_version, seq, update });
-        self.history.push(frozen(&self.primary));
+        // Sync, a join or leave changes no value (mid-step, the primary's
+        // partly updated blocks are its own until the step completes).
+        let state = match (&update, self.mode) {
+            (Update::Join(_) | Update::Leave(_), Mode::Sync) => self.history[self.history.len() - 1].clone(),
+            _ => frozen(&self.primary),
+        };
+        self.log.push(Forwarded { shard: SHARD, map_version: self.map_version, epoch: EPOCH, seq, update });
+        self.history.push(state);
     }
 
     fn record_steps(&mut self) -> Result<(), TestCaseError> {
@@ -301,13 +312,13 @@ impl Job {
             Event::Push { trainer, fresh, retry, seed } => self.push(trainer, fresh, retry, seed)?,
             Event::Join(t) => {
                 self.primary.join(TRAINERS[t]);
+                self.record(Update::Join(TRAINERS[t].into()));
             }
             Event::Leave(t) => {
+                // A leave may complete a sync step: the step goes first.
                 self.primary.leave(TRAINERS[t]);
-                match self.mode {
-                    Mode::Async => self.record(Update::Leave(TRAINERS[t].into())),
-                    Mode::Sync => self.record_steps()?,
-                }
+                self.record_steps()?;
+                self.record(Update::Leave(TRAINERS[t].into()));
             }
             Event::NewMap => self.map_version += 1,
             Event::CatchUp { r, max_floats } => {
@@ -332,7 +343,8 @@ impl Job {
                 // A fresh store, initialised differently: what it ends with
                 // comes from the snapshot and the updates, not from its seed.
                 let store = ParamStore::new(&self.placement, SHARD, 77, adam(), self.mode).map_err(fail)?;
-                let catch_up = CatchUp::new(SHARD, self.map_version, upto, store);
+                let catch_up =
+                    CatchUp::new(SHARD, self.map_version, upto, History::starting(EPOCH, 1), store);
                 self.replicas[r] =
                     Replica::CatchingUp { catch_up, parts, delivered: Vec::new(), next: upto as usize };
             }
@@ -421,9 +433,9 @@ impl Job {
                         bad.seq += 1 + (pick % 3) as u64;
                         "gap"
                     }
-                    3 if mode == Mode::Sync => {
-                        bad.update = Update::Leave("a".into());
-                        "async mode only"
+                    3 => {
+                        bad.epoch = EPOCH + 1 + (pick % 2) as u64;
+                        "epoch"
                     }
                     _ => {
                         // A gradient of the wrong length for the update due.
@@ -549,7 +561,7 @@ impl Job {
         else {
             return Err(TestCaseError::fail("replica 0 does not follow"));
         };
-        let mut promoted = follower.into_store();
+        let (mut promoted, _, _) = follower.promote(EPOCH + 1);
         for t in 0..TRAINERS.len() {
             if let Some(push) = self.last_push[t].clone() {
                 let on_old = format!("{:?}", self.primary.push(push.clone()));

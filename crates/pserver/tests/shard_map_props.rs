@@ -29,6 +29,11 @@ enum Change {
         shard: u32,
         p: usize,
     },
+    /// A shard without replicas is given to `p`, from its checkpoint.
+    Restore {
+        shard: u32,
+        p: usize,
+    },
 }
 
 fn change(shards: u32) -> impl Strategy<Value = Change> {
@@ -37,16 +42,18 @@ fn change(shards: u32) -> impl Strategy<Value = Change> {
         (p.clone(), any::<u64>()).prop_map(|(p, seed)| Change::Gone { p, seed }),
         (0..shards, p.clone()).prop_map(|(shard, p)| Change::AddFollower { shard, p }),
         (0..shards, p.clone()).prop_map(|(shard, p)| Change::MakePrimary { shard, p }),
-        (0..shards, p).prop_map(|(shard, p)| Change::DropFollower { shard, p }),
+        (0..shards, p.clone()).prop_map(|(shard, p)| Change::DropFollower { shard, p }),
+        (0..shards, p).prop_map(|(shard, p)| Change::Restore { shard, p }),
     ]
 }
 
 /// The applied sequence a replica reports, from a seed: few distinct values,
-/// so that ties happen.
-fn applied(seed: u64, shard: u32, p: &str) -> u64 {
+/// so that ties happen, and `None` (cannot take over) now and then.
+fn applied(seed: u64, shard: u32, p: &str) -> Option<u64> {
     let h = seed ^ u64::from(shard).wrapping_mul(0x9E37_79B9_7F4A_7C15) ^ (p.len() as u64 * 31);
     let last = p.bytes().last().unwrap_or(0) as u64;
-    (h.rotate_left(last as u32 % 64)) % 3
+    let v = (h.rotate_left(last as u32 % 64)) % 4;
+    (v < 3).then_some(v)
 }
 
 fn sorted(set: &[String]) -> Vec<String> {
@@ -58,6 +65,13 @@ fn sorted(set: &[String]) -> Vec<String> {
 /// What every map keeps, and what its queries agree on.
 fn check(map: &ShardMap) -> Result<(), TestCaseError> {
     prop_assert!(map.validate().is_ok(), "{:?}", map.validate());
+    for s in 0..map.shard_count() {
+        prop_assert!((1..=map.version()).contains(&map.epoch(s)));
+        for (r, p) in map.replica_set(s).iter().enumerate() {
+            let want = if r == 0 { Role::Primary } else { Role::Follower };
+            prop_assert_eq!(map.role(s, p), Some(want));
+        }
+    }
     prop_assert_eq!(ShardMap::decode(&map.encode()).unwrap(), map.clone());
     let (mut under, mut none) = (Vec::new(), Vec::new());
     for s in 0..map.shard_count() {
@@ -111,13 +125,19 @@ proptest! {
                         for s in 0..shards {
                             let (old, new) = (before.replica_set(s), next.replica_set(s));
                             let rest: Vec<String> = old.iter().filter(|q| **q != gone).cloned().collect();
-                            prop_assert_eq!(sorted(new), sorted(&rest), "shard {} keeps the others", s);
+                            let emptied = new.is_empty() && before.primary(s) == Some(gone.as_str());
+                            if !emptied {
+                                prop_assert_eq!(sorted(new), sorted(&rest), "shard {} keeps the others", s);
+                            }
                             if before.primary(s) == Some(gone.as_str()) {
-                                if let Some(new_primary) = next.primary(s) {
-                                    let best = rest.iter().map(|q| applied(seed, s, q)).max().unwrap_or(0);
-                                    prop_assert_eq!(applied(seed, s, new_primary), best, "shard {}: the most advanced", s);
-                                    let first_best = rest.iter().find(|q| applied(seed, s, q) == best);
-                                    prop_assert_eq!(Some(new_primary), first_best.map(String::as_str), "ties: first listed");
+                                let best = rest.iter().filter_map(|q| applied(seed, s, q)).max();
+                                match next.primary(s) {
+                                    Some(new_primary) => {
+                                        prop_assert_eq!(applied(seed, s, new_primary), best, "shard {}: the most advanced", s);
+                                        let first_best = rest.iter().find(|q| applied(seed, s, q) == best);
+                                        prop_assert_eq!(Some(new_primary), first_best.map(String::as_str), "ties: first listed");
+                                    }
+                                    None => prop_assert!(best.is_none(), "shard {}: a follower could take over", s),
                                 }
                             } else {
                                 prop_assert_eq!(new, rest.as_slice(), "shard {}: order kept", s);
@@ -128,8 +148,10 @@ proptest! {
                 }
                 Change::AddFollower { shard, p } => {
                     let added = before.with_follower(shard, &id(p));
-                    let listed = shard >= shards || before.replica_set(shard).contains(&id(p));
-                    prop_assert_eq!(added.is_err(), listed);
+                    let refused = shard >= shards
+                        || before.replica_set(shard).contains(&id(p))
+                        || before.replica_set(shard).is_empty();
+                    prop_assert_eq!(added.is_err(), refused);
                     if let Ok(next) = &added {
                         let mut want = before.replica_set(shard).to_vec();
                         want.push(id(p));
@@ -165,6 +187,16 @@ proptest! {
                     }
                     dropped.ok()
                 }
+                Change::Restore { shard, p } => {
+                    let restored = before.with_restored(shard, &id(p));
+                    let empty = shard < shards && before.replica_set(shard).is_empty();
+                    prop_assert_eq!(restored.is_ok(), empty, "only a shard without replicas is restored");
+                    if let Ok(next) = &restored {
+                        let want = [id(p)];
+                        prop_assert_eq!(next.replica_set(shard), want.as_slice());
+                    }
+                    restored.ok()
+                }
             };
             match next {
                 Some(next) => {
@@ -176,9 +208,17 @@ proptest! {
                             Change::Gone { .. } => None,
                             Change::AddFollower { shard, .. }
                             | Change::MakePrimary { shard, .. }
-                            | Change::DropFollower { shard, .. } => Some(shard),
+                            | Change::DropFollower { shard, .. }
+                            | Change::Restore { shard, .. } => Some(shard),
                         };
                         prop_assert!(!touched || target.is_none_or(|t| t == s), "shard {} changed", s);
+                        // A new primary gets a new epoch; nothing else does.
+                        let (old, new) = (before.primary(s), next.primary(s));
+                        if new.is_some() && new != old {
+                            prop_assert_eq!(next.epoch(s), next.version(), "shard {}: a new primary's epoch", s);
+                        } else {
+                            prop_assert_eq!(next.epoch(s), before.epoch(s), "shard {}: same primary, same epoch", s);
+                        }
                     }
                     check(&next)?;
                     map = next;
