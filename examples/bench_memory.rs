@@ -50,8 +50,8 @@ use oar::{
     discovery::{Discovery, MemDiscovery},
     job::keys::JobKeys,
     pserver::{
-        Init, Mode, OptimizerConfig, ParamBuf, ParamSpec, Placement, Pserver, PserverClient,
-        PserverClientOptions, PserverOptions,
+        Coordinator, CoordinatorOptions, Init, Mode, OptimizerConfig, ParamBuf, ParamSpec, Placement,
+        Pserver, PserverClient, PserverClientOptions, PserverOptions, ShardMap,
     },
     transport::{DevCa, QuicTransport, RetryPolicy, TlsConfig},
 };
@@ -233,8 +233,14 @@ fn pserver_child(args: &Args) -> Result<(), BoxError> {
             block_size: args.block_size,
             ..PserverOptions::default()
         };
+        // One pserver, one shard: it maps itself (the coordinator runs here).
+        let lease = discovery.grant_lease(Duration::from_secs(3600)).await?;
+        let fence = discovery.lock("/bench/coordinator", Vec::new(), lease, Duration::from_secs(5)).await?;
+        let coordinator = CoordinatorOptions { keys: options.keys.clone(), ..CoordinatorOptions::default() };
+        let _coordinator =
+            Coordinator::start(discovery.clone(), transport.clone(), fence, coordinator).await?;
         let server = Pserver::start(discovery, transport, "127.0.0.1:0", options).await?;
-        println!("addr {}", server.addr());
+        println!("addr {}={}", server.name(), server.addr());
         report("started");
         while let Some(command) = next_command(&mut commands).await? {
             if let Some(stage) = command.strip_prefix("report ") {
@@ -261,13 +267,18 @@ fn trainer_child(args: &Args) -> Result<(), BoxError> {
         let transport = Arc::new(QuicTransport::new(tls(&dir, &id)?)?);
         let discovery = Arc::new(MemDiscovery::new());
         let keys = JobKeys::new(JOB)?;
-        discovery.put(&keys.ps(0), addr.into_bytes(), None).await?;
+        // The pserver's registration and the map it serves under, as in its process.
+        let (name, addr) = addr.split_once('=').ok_or("--addr is name=address")?;
+        discovery.put(&keys.ps(name), addr.as_bytes().to_vec(), None).await?;
+        discovery
+            .put(&keys.shard_map(), ShardMap::initial(1, 1, &[name.to_string()])?.encode(), None)
+            .await?;
         let specs = specs(args.params);
         let placement = Arc::new(Placement::new(&specs, 1, args.block_size)?);
         let options = PserverClientOptions {
             call_timeout: STEP_TIMEOUT,
             retry: RetryPolicy { give_up_after: STEP_TIMEOUT, ..RetryPolicy::default() },
-            ..PserverClientOptions::new(keys.ps_prefix(), id.clone())
+            ..PserverClientOptions::new(keys.pserver(), id.clone())
         };
         let mut client = PserverClient::new(discovery, transport, placement, options);
         client.wait_for_servers(Duration::from_secs(60)).await?;

@@ -1,16 +1,17 @@
-//! A parameter server of a job: reads the job's options from etcd, claims
-//! the lowest free shard index, loads that shard's newest verified
-//! checkpoint, serves until the job ends, and checkpoints periodically and
-//! at the end.
+//! A parameter server of a job: reads the job's options from etcd,
+//! registers, serves the shards the job's shard map gives it (as primary:
+//! trainers' pushes and pulls, forwarded to the followers, checkpointed;
+//! as follower: its primary's updates) until the job ends.
 //!
 //!     cargo run --release --features etcd --example pserver -- \
 //!         --etcd http://127.0.0.1:2379 --job a1a \
 //!         --ca certs/ca.pem --cert certs/ps.pem --key certs/ps.key --checkpoint-dir /var/lib/oar
 //!
 //! Exits 0 when the job ends, 2 on an error (for example a lost lease: the
-//! job has given this pserver up and a replacement may take its index).
-//! SIGTERM or ctrl-c stops it gracefully: it stops taking pushes, writes a
-//! last checkpoint of everything it applied, releases its index, and exits
+//! job has given this pserver up and its shards to others). SIGTERM or
+//! ctrl-c stops it gracefully: it stops taking pushes, writes a last
+//! checkpoint of the shards it is primary of, releases its registration
+//! (their followers, or other pservers, take them over at once), and exits
 //! 0. Prints what it did as one JSON line.
 
 #[path = "common/mod.rs"]
@@ -26,17 +27,13 @@ use std::{path::PathBuf, process::ExitCode, time::Duration};
 struct Args {
     #[command(flatten)]
     conn: ConnArgs,
-    /// Where checkpoints go (<dir>/ps-<index>/); without it, no checkpoints.
+    /// Where checkpoints go (<dir>/shard-<s>/), a directory every pserver
+    /// of the job sees (a shared volume); without it, no checkpoints.
     #[arg(long)]
     checkpoint_dir: Option<PathBuf>,
     /// Seconds between checkpoints: a crash loses at most this much training.
     #[arg(long, default_value_t = 60.0)]
     checkpoint_interval: f64,
-    /// Serve exactly this shard (waiting for it to be free) instead of the
-    /// lowest free one: give each pserver with its own checkpoint volume its
-    /// own index (a StatefulSet pod's ordinal).
-    #[arg(long)]
-    index: Option<u32>,
 }
 
 #[tokio::main]
@@ -58,7 +55,6 @@ async fn run(args: Args) -> Result<ExitCode, BoxError> {
     let mut options = args.conn.role_options("pserver");
     options.checkpoint_dir = args.checkpoint_dir;
     options.checkpoint_interval = interval;
-    options.pserver_index = args.index;
     let shutdown = common::shutdown_on_signals()?;
     let report = role::pserver(&ctx, &options, shutdown).await?;
     common::print_json(&report)?;

@@ -52,19 +52,28 @@ fn a_job_of_separate_processes_trains_a1a() {
         }
     }
     assert_eq!(Some(trained), report["tasks_done"].as_u64(), "the trainers' tasks add up to the job's");
-    let mut indexes = Vec::new();
+    // The shards are spread over both pservers, each primary of its own.
+    let mut primaries: Vec<u64> = Vec::new();
     for pserver in &mut pservers {
         let name = pserver.name.clone();
         assert!(exits(pserver, LONG, &[]), "{name} failed\n{}", pserver.dump());
-        indexes.push(pserver.last_json()["index"].as_u64().unwrap());
+        let out = pserver.last_json();
+        let held = out["primaries"].as_object().unwrap_or_else(|| panic!("{out}"));
+        assert!(!held.is_empty(), "{name} is primary of no shard: {out}");
+        primaries.extend(held.keys().map(|k| k.parse::<u64>().unwrap()));
     }
-    indexes.sort();
-    assert_eq!(indexes, [0, 1], "each pserver claimed its own index");
+    primaries.sort();
+    assert_eq!(primaries, (0..64).collect::<Vec<_>>(), "each of the 64 shards has one primary");
 
     let status = cluster.status();
-    for wanted in
-        ["job a1a", "ended: done", "ps/0:", "ps/1:", "checkpoint at step", "pass 5: 8 tasks finished"]
-    {
+    for wanted in [
+        "job a1a",
+        "ended: done",
+        "shard map version",
+        "shard 0: pserver-",
+        "checkpoint at step",
+        "pass 5: 8 tasks finished",
+    ] {
         assert!(status.contains(wanted), "status lacks {wanted:?}:\n{status}");
     }
 

@@ -3,7 +3,8 @@
 //! the API schemas and so runs offline; `scripts/test.sh` installs it), and
 //! they agree with each other and with the binaries: every flag exists,
 //! every `$(VAR)` is defined, the master and the pservers bind to the pod's
-//! IP (the address they publish in etcd), and so on.
+//! IP (the address they publish in etcd), the pservers share one
+//! ReadWriteMany checkpoint volume, and so on.
 //!
 //! A missing validator fails the test rather than skipping it.
 
@@ -188,7 +189,7 @@ fn every_manifest_is_valid_and_the_kinds_are_the_expected_ones() {
     let kinds: BTreeSet<&str> =
         passed.values().flatten().filter_map(|resource| resource.split('/').next()).collect();
     let expected: BTreeSet<&str> =
-        ["configmap", "secret", "deployment", "statefulset", "service", "job"].into_iter().collect();
+        ["configmap", "secret", "deployment", "persistentvolumeclaim", "job"].into_iter().collect();
     assert_eq!(kinds, expected);
 }
 
@@ -219,7 +220,7 @@ fn the_validator_rejects_broken_manifests() {
 #[test]
 fn master_and_pservers_listen_on_the_pod_ip() {
     let objects = objects();
-    for (kind, name) in [("Deployment", "oar-master"), ("StatefulSet", "oar-pserver")] {
+    for (kind, name) in [("Deployment", "oar-master"), ("Deployment", "oar-pserver")] {
         let c = container(object(&objects, kind, name));
         // The address bound is the one published in etcd: it must be reachable from other pods.
         assert_eq!(flag(&args(c), "--listen"), Some("$(POD_IP):7000"), "{kind} {name}");
@@ -278,7 +279,7 @@ fn the_manifests_agree_with_each_other_and_with_the_binaries() {
     let config = object(&objects, "ConfigMap", "oar-job");
     let secret = object(&objects, "Secret", "oar-certs");
     let dockerfile = read(&root().join("deploy/Dockerfile"));
-    let workloads = [("Deployment", "oar-master"), ("StatefulSet", "oar-pserver"), ("Job", "oar-trainer")];
+    let workloads = [("Deployment", "oar-master"), ("Deployment", "oar-pserver"), ("Job", "oar-trainer")];
     for (kind, name) in workloads {
         let workload = object(&objects, kind, name);
         let c = container(workload);
@@ -323,20 +324,50 @@ fn the_manifests_agree_with_each_other_and_with_the_binaries() {
     }
 
     // One active master and one standby.
-    assert_eq!(at(object(&objects, "Deployment", "oar-master"), "/spec/replicas"), 2);
-    // One pod per pserver of the job, each with its checkpoint volume.
-    let pservers = object(&objects, "StatefulSet", "oar-pserver");
+    let master = object(&objects, "Deployment", "oar-master");
+    assert_eq!(at(master, "/spec/replicas"), 2);
+    // One pod per pserver of the job: the first shard map waits for the
+    // master's --pservers of them.
+    assert_eq!(flag(&args(container(master)), "--pservers"), Some("$(PSERVERS)"));
+    let pservers = object(&objects, "Deployment", "oar-pserver");
     let wanted: u64 = str_at(config, "/data/PSERVERS").parse().expect("PSERVERS is a number");
-    assert_eq!(at(pservers, "/spec/replicas"), wanted, "StatefulSet replicas != PSERVERS");
-    assert_eq!(str_at(pservers, "/spec/serviceName"), "oar-pserver");
-    assert_eq!(at(object(&objects, "Service", "oar-pserver"), "/spec/clusterIP"), "None", "headless");
+    assert_eq!(at(pservers, "/spec/replicas"), wanted, "pserver Deployment replicas != PSERVERS");
+    // Each shard's replicas are on distinct pservers: at most PSERVERS of them.
+    assert_eq!(flag(&args(container(master)), "--replicas"), Some("$(REPLICAS)"));
+    let replicas: u64 = str_at(config, "/data/REPLICAS").parse().expect("REPLICAS is a number");
+    assert!((1..=wanted).contains(&replicas), "REPLICAS {replicas} is not from 1 to PSERVERS {wanted}");
+    assert_eq!(flag(&args(container(master)), "--shards"), Some("$(SHARDS)"));
+    let shards: u64 = str_at(config, "/data/SHARDS").parse().expect("SHARDS is a number");
+    assert!(shards >= 1, "no shards");
+    // Pods are not tied to a shard: nothing passes a pod's ordinal.
     let c = container(pservers);
-    assert_eq!(flag(&args(c), "--checkpoint-dir"), Some("/var/lib/oar"));
-    let claim = str_at(pservers, "/spec/volumeClaimTemplates/0/metadata/name");
+    for env in list_at(c, "/env") {
+        let field = env.pointer("/valueFrom/fieldRef/fieldPath").and_then(Value::as_str).unwrap_or("");
+        assert!(!field.contains("pod-index"), "the pservers get a pod index: {env}");
+    }
+    // Every pserver reads and writes the same checkpoint directory: a shard's
+    // checkpoints are restored by whichever pserver takes the shard over.
+    let dir = flag(&args(c), "--checkpoint-dir").expect("the pservers have a --checkpoint-dir");
+    assert_eq!(dir, "/var/lib/oar");
+    let mounts: Vec<&Value> = list_at(c, "/volumeMounts").iter().filter(|m| m["mountPath"] == dir).collect();
+    assert_eq!(mounts.len(), 1, "one volume mounted at the pservers' --checkpoint-dir {dir}: {mounts:?}");
+    assert_ne!(mounts[0].get("readOnly"), Some(&Value::Bool(true)), "{dir} is mounted read-only");
     assert!(
-        list_at(c, "/volumeMounts").iter().any(|m| m["name"] == claim && m["mountPath"] == "/var/lib/oar"),
-        "the pservers' claim {claim} is not mounted at /var/lib/oar"
+        mounts[0].get("subPath").is_none() && mounts[0].get("subPathExpr").is_none(),
+        "{dir}: a subpath, which can differ between pods"
     );
+    let volume_name = str_at(mounts[0], "/name");
+    let volume = list_at(pservers, "/spec/template/spec/volumes")
+        .iter()
+        .find(|v| v["name"] == volume_name)
+        .unwrap_or_else(|| panic!("no volume {volume_name} in the pservers' pod"));
+    let claim = volume
+        .pointer("/persistentVolumeClaim/claimName")
+        .and_then(Value::as_str)
+        .unwrap_or_else(|| panic!("the pservers' {dir} is not a PersistentVolumeClaim: {volume}"));
+    // Mounted by every pserver pod at once, wherever it runs.
+    let claim = object(&objects, "PersistentVolumeClaim", claim);
+    assert_eq!(at(claim, "/spec/accessModes"), &serde_json::json!(["ReadWriteMany"]), "{claim}");
     // Trainers run to completion.
     let trainers = object(&objects, "Job", "oar-trainer");
     assert_eq!(

@@ -69,7 +69,7 @@ fn a_scraped_master_pserver_and_trainer_report_numbers_that_move() {
         ("oar_ps_pushes_total", &p1, &p2),
         ("oar_ps_push_bytes_total", &p1, &p2),
         ("oar_ps_pulls_total", &p1, &p2),
-        ("oar_ps_step", &p1, &p2),
+        ("oar_ps_step{shard=\"0\"}", &p1, &p2),
         ("oar_ps_apply_seconds_count", &p1, &p2),
         ("oar_ps_barrier_wait_seconds_count", &p1, &p2),
         ("oar_ps_checkpoint_seconds_count", &p1, &p2),

@@ -8,11 +8,11 @@
 //! reference applies the same optimizer to the mean gradient of the union.
 
 use oar::{
-    discovery::MemDiscovery,
+    discovery::{Discovery, MemDiscovery},
     job::keys::JobKeys,
     pserver::{
-        Mode, OptimizerConfig, ParamBuf, Placement, Pserver, PserverClient, PserverClientOptions,
-        PserverOptions,
+        Coordinator, CoordinatorOptions, Mode, OptimizerConfig, ParamBuf, Placement, Pserver, PserverClient,
+        PserverClientOptions, PserverOptions,
     },
     trainer::{
         model::{Example, Model},
@@ -55,12 +55,20 @@ async fn check(model_config: ModelConfig, optimizer: OptimizerConfig) {
     let discovery = Arc::new(MemDiscovery::new());
     let transport = Arc::new(MemTransport::new(MemNetwork::new()));
     let keys = JobKeys::new("equivalence").unwrap();
+    // The shard map's writer, as the master runs it.
+    let lease = discovery.grant_lease(Duration::from_secs(600)).await.unwrap();
+    let fence =
+        discovery.lock(&keys.master_lock(), b"test".to_vec(), lease, Duration::from_secs(5)).await.unwrap();
+    let coordinator =
+        CoordinatorOptions { keys: keys.pserver(), shards: servers, pservers: servers, ..Default::default() };
+    let _coordinator =
+        Coordinator::start(discovery.clone(), transport.clone(), fence, coordinator).await.unwrap();
     let mut pservers = Vec::new();
     for _ in 0..servers {
         let options = PserverOptions {
             keys: keys.pserver(),
             specs: specs.clone(),
-            servers,
+            shards: servers,
             mode: Mode::Sync,
             optimizer: optimizer.clone(),
             block_size,
@@ -73,7 +81,7 @@ async fn check(model_config: ModelConfig, optimizer: OptimizerConfig) {
     // Every trainer joins before anyone pushes, so every step has all K.
     let mut clients = Vec::new();
     for k in 0..K {
-        let options = PserverClientOptions::new(keys.ps_prefix(), format!("trainer-{k}"));
+        let options = PserverClientOptions::new(keys.pserver(), format!("trainer-{k}"));
         let mut client = PserverClient::new(discovery.clone(), transport.clone(), placement.clone(), options);
         client.wait_for_servers(Duration::from_secs(5)).await.unwrap();
         client.join().await.unwrap();
@@ -123,8 +131,9 @@ async fn check(model_config: ModelConfig, optimizer: OptimizerConfig) {
         relative_error(ParamBuf::init(&specs, SEED).as_slice(), params.as_slice()) > 1e-3,
         "the parameters must actually have moved for the comparison to mean something"
     );
-    for p in &pservers {
-        assert_eq!(p.step(), STEPS as u64, "one combined update per step on every pserver");
+    for shard in 0..servers {
+        let steps: Vec<u64> = pservers.iter().filter_map(|p| p.step(shard)).collect();
+        assert_eq!(steps, [STEPS as u64], "one combined update per step on shard {shard}");
     }
 }
 

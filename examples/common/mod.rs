@@ -45,9 +45,19 @@ pub struct JobArgs {
     /// Hidden units of the MLP.
     #[arg(long, default_value_t = 32)]
     pub hidden: usize,
-    /// Parameter servers.
+    /// Parameter servers (the first shard map waits for this many).
     #[arg(long, default_value_t = 2)]
     pub pservers: u32,
+    /// Logical shards the model is cut into (fixed for the job).
+    #[arg(long, default_value_t = oar::job::config::DEFAULT_SHARDS)]
+    pub shards: u32,
+    /// Replicas of each shard on distinct pservers: with 2 or more, a
+    /// pserver's death loses no acknowledged update.
+    #[arg(long, default_value_t = 1)]
+    pub replicas: u32,
+    /// Largest parameter block, in floats.
+    #[arg(long, default_value_t = 1 << 16)]
+    pub block_size: usize,
     /// Passes over the data.
     #[arg(long, default_value_t = 5)]
     pub passes: u32,
@@ -155,6 +165,9 @@ impl JobArgs {
         config.push_every = self.push_every;
         config.pull_every = self.pull_every;
         config.pservers = self.pservers;
+        config.shards = self.shards;
+        config.replicas = self.replicas;
+        config.block_size = self.block_size;
         config.seed = self.seed;
         config.chunk_bytes = self.chunk_bytes;
         config.task_timeout = Duration::from_secs(self.task_timeout);
@@ -429,7 +442,7 @@ mod cluster {
         /// Seconds of this process's lease: how soon the job notices it is gone.
         #[arg(long, default_value_t = 5)]
         pub lease_ttl: u64,
-        /// Seconds to wait at start for the job's config, a free index, the pservers.
+        /// Seconds to wait at start for the job's config, the pservers, a trainer id held by a dead process.
         #[arg(long, default_value_t = 120)]
         pub startup_timeout: u64,
         /// Seconds a master or pserver that is away is retried before giving up.

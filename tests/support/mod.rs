@@ -334,16 +334,23 @@ mod cluster {
             self.pserver_via(name, checkpoint_interval, &self.etcd.endpoint())
         }
 
-        /// The checkpoint directory of shard `index`.
-        pub fn checkpoints(&self, index: u32) -> std::path::PathBuf {
-            self.dir.path().join("checkpoints").join(format!("ps-{index}"))
+        /// The checkpoint directory of shard `shard`.
+        pub fn checkpoints(&self, shard: u32) -> std::path::PathBuf {
+            self.dir.path().join("checkpoints").join(format!("shard-{shard}"))
         }
 
         /// A pserver reaching etcd at `etcd` (a [`Proxy`], say).
         pub fn pserver_via(&self, name: &str, checkpoint_interval: f64, etcd: &str) -> Proc {
             let dir = self.dir.path().join("checkpoints").display().to_string();
             let interval = checkpoint_interval.to_string();
-            let extra = ["--checkpoint-dir".to_string(), dir, "--checkpoint-interval".into(), interval];
+            let extra = [
+                "--id".to_string(),
+                name.to_string(),
+                "--checkpoint-dir".into(),
+                dir,
+                "--checkpoint-interval".into(),
+                interval,
+            ];
             self.spawn_via(name, "pserver", "pserver", etcd, &extra)
         }
 
@@ -358,6 +365,21 @@ mod cluster {
             self.spawn(id, "trainer", "trainer", &extra)
         }
 
+        /// The name of shard `shard`'s primary as `status` prints it now:
+        /// the registered name, `<id>.<lease>`.
+        /// The name of shard `shard`'s primary, once a pserver has
+        /// published that it serves it (waits up to 30 s).
+        pub fn primary_of(&self, shard: u32) -> String {
+            let mut status = String::new();
+            let mut primary = None;
+            super::wait_until(Duration::from_secs(30), || {
+                status = self.status();
+                primary = primary_in(&status, shard);
+                primary.is_some()
+            });
+            primary.unwrap_or_else(|| panic!("shard {shard} has no primary in:\n{status}"))
+        }
+
         /// What `status` prints now.
         pub fn status(&self) -> String {
             let out = Command::new(example("status"))
@@ -367,6 +389,20 @@ mod cluster {
             assert!(out.status.code().is_some_and(|c| c <= 1), "status failed: {out:?}");
             String::from_utf8_lossy(&out.stdout).into_owned()
         }
+    }
+
+    /// Shard `shard`'s primary in a `status` output.
+    pub fn primary_in(status: &str, shard: u32) -> Option<String> {
+        let prefix = format!("shard {shard}:");
+        let line = status.lines().map(str::trim_start).find(|l| l.starts_with(&prefix))?;
+        let mut words = line[prefix.len()..].split_whitespace();
+        let name = words.next()?;
+        (words.next() == Some("primary")).then(|| name.to_string())
+    }
+
+    /// Whether `proc` is the pserver registered as `name` (`<id>.<lease>`).
+    pub fn is_named(proc: &Proc, name: &str) -> bool {
+        name.strip_prefix(proc.name.as_str()).is_some_and(|rest| rest.starts_with('.'))
     }
 
     /// A TCP proxy in front of etcd that a test can cut: a network

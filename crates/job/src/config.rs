@@ -11,6 +11,10 @@ use oar_trainer::{
 use serde::{Deserialize, Serialize};
 use std::time::Duration;
 
+/// The default number of logical shards: well above any pserver count a
+/// job is likely to use, small enough that a shard's calls stay large.
+pub const DEFAULT_SHARDS: u32 = 64;
+
 /// The options of one training job.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub struct JobConfig {
@@ -46,8 +50,14 @@ pub struct JobConfig {
     /// exactly; with momentum, off trains a little better (each batch then
     /// trains on parameters one exchange fresher).
     pub overlap: bool,
-    /// Number of pservers (shards).
+    /// Number of pservers: the first shard map waits for this many.
     pub pservers: u32,
+    /// Logical shards the model is cut into (fixed for the job's life;
+    /// well above the pserver count, so shards can be spread and moved).
+    pub shards: u32,
+    /// Replicas of each shard, on distinct pservers (1: no replication;
+    /// at most `pservers`).
+    pub replicas: u32,
     /// Largest parameter block, in floats.
     pub block_size: usize,
     /// Bytes of data per chunk; 0 (the default) sizes chunks from the
@@ -81,6 +91,8 @@ impl JobConfig {
             pull_every: 1,
             overlap: true,
             pservers: 2,
+            shards: DEFAULT_SHARDS,
+            replicas: 1,
             block_size: 1 << 16,
             chunk_bytes: 0,
             chunks_per_task: 1,
@@ -110,6 +122,15 @@ impl JobConfig {
         }
         if self.pservers == 0 {
             return bad("pservers must be at least 1");
+        }
+        if self.shards == 0 {
+            return bad("shards must be at least 1");
+        }
+        if self.replicas == 0 || self.replicas > self.pservers {
+            return bad(&format!(
+                "replicas must be from 1 to the pserver count ({}), got {}",
+                self.pservers, self.replicas
+            ));
         }
         if self.chunks_per_task == 0 {
             return bad("chunks per task must be at least 1");
@@ -145,7 +166,7 @@ impl JobConfig {
     /// Where each parameter block lives; the same on every process.
     pub fn placement(&self) -> Result<Placement> {
         let specs = self.model.build()?.param_specs();
-        Ok(Placement::new(&specs, self.pservers, self.block_size)?)
+        Ok(Placement::new(&specs, self.shards, self.block_size)?)
     }
 
     /// The options that differ between `self` (published) and `other`
@@ -175,6 +196,8 @@ impl JobConfig {
             pull_every,
             overlap,
             pservers,
+            shards,
+            replicas,
             block_size,
             chunk_bytes,
             chunks_per_task,
@@ -218,11 +241,13 @@ mod tests {
     #[test]
     fn each_bad_option_is_named() {
         type Change = fn(&mut JobConfig);
-        let cases: [(Change, &str); 5] = [
+        let cases: [(Change, &str); 7] = [
             (|c| c.passes = 0, "passes"),
             (|c| c.batch_size = 0, "batch size"),
             (|c| c.push_every = 2, "async mode only"),
             (|c| c.pservers = 0, "pservers"),
+            (|c| c.shards = 0, "shards"),
+            (|c| c.replicas = 3, "replicas must be from 1 to the pserver count (2), got 3"),
             (|c| c.data.clear(), "data"),
         ];
         for (change, word) in cases {

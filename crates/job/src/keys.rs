@@ -10,9 +10,11 @@
 //! | `config` | the job's options, published once by the master | none |
 //! | `result` | the job's report, once it ended (fenced) | none |
 //! | `trainer/<id>` | trainer id | trainer's |
-//! | `ps_desired` | number of pservers | none |
-//! | `ps/<index>` | pserver address, claimed by create-if-absent | pserver's |
-//! | `ps/<index>/checkpoint` | latest checkpoint: path, step, checksum, time | none |
+//! | `ps/<name>` | pserver `<name>`'s address (`<name>` is its id and lease) | pserver's |
+//! | `shard_map` | the shard map: version, each shard's replicas, primary first (fenced) | none |
+//! | `pshards/<shard>/<name>` | a replica's state: role, applied update, epoch, step (JSON) | pserver's |
+//! | `shard_checkpoint/<shard>` | latest checkpoint: path, step, checksum, time | none |
+//! | `pserver_cluster_status` | `OK`, `UNHEALTHY` or `UNKNOWN`, why, the pservers (JSON, fenced) | none |
 
 use oar_pserver::PserverKeys;
 use oar_task_queue::MasterKeys;
@@ -77,21 +79,29 @@ impl JobKeys {
     pub fn trainer(&self, id: &str) -> String {
         format!("{}trainer/{id}", self.prefix)
     }
-    /// The number of pservers the job wants.
-    pub fn ps_desired(&self) -> String {
-        format!("{}ps_desired", self.prefix)
-    }
-    /// Every pserver's keys: their addresses and checkpoints.
+    /// Prefix of the pservers' registrations.
     pub fn ps_prefix(&self) -> String {
         format!("{}ps/", self.prefix)
     }
-    /// Pserver `index`'s address, claimed by create-if-absent under its lease.
-    pub fn ps(&self, index: u32) -> String {
-        format!("{}ps/{index}", self.prefix)
+    /// Pserver `name`'s registration (its address, under its lease).
+    pub fn ps(&self, name: &str) -> String {
+        format!("{}ps/{name}", self.prefix)
     }
-    /// The latest checkpoint of pserver `index`.
-    pub fn ps_checkpoint(&self, index: u32) -> String {
-        format!("{}ps/{index}/checkpoint", self.prefix)
+    /// The shard map, written by the master's coordinator through its fence.
+    pub fn shard_map(&self) -> String {
+        format!("{}shard_map", self.prefix)
+    }
+    /// Prefix of the replicas' states, `pshards/<shard>/<name>`.
+    pub fn pshards(&self) -> String {
+        format!("{}pshards/", self.prefix)
+    }
+    /// Prefix of the shards' latest checkpoint records.
+    pub fn shard_checkpoints(&self) -> String {
+        format!("{}shard_checkpoint/", self.prefix)
+    }
+    /// The pservers' health, written by the master's coordinator.
+    pub fn pserver_cluster_status(&self) -> String {
+        format!("{}pserver_cluster_status", self.prefix)
     }
     /// The trainer id in a key under [`JobKeys::trainers`], if it is one.
     pub fn trainer_id<'a>(&self, key: &'a str) -> Option<&'a str> {
@@ -112,7 +122,14 @@ impl JobKeys {
 
     /// The keys of the job's pservers.
     pub fn pserver(&self) -> PserverKeys {
-        PserverKeys { claims: self.ps_prefix(), desired: self.ps_desired(), members: self.trainers() }
+        PserverKeys {
+            pservers: self.ps_prefix(),
+            shard_map: self.shard_map(),
+            replicas: self.pshards(),
+            checkpoints: self.shard_checkpoints(),
+            cluster_status: self.pserver_cluster_status(),
+            members: self.trainers(),
+        }
     }
 }
 
@@ -129,14 +146,17 @@ mod tests {
         assert!(k.master_journal_record(42).starts_with(&k.master_journal()));
         assert_eq!(k.result(), "/oar/mnist/result");
         assert_eq!(k.trainer("t1"), "/oar/mnist/trainer/t1");
-        assert_eq!(k.ps(3), "/oar/mnist/ps/3");
-        assert_eq!(k.ps_checkpoint(3), "/oar/mnist/ps/3/checkpoint");
+        assert_eq!(k.ps("ps-a.1f"), "/oar/mnist/ps/ps-a.1f");
+        assert_eq!(k.shard_map(), "/oar/mnist/shard_map");
+        assert_eq!(k.pserver_cluster_status(), "/oar/mnist/pserver_cluster_status");
         assert_eq!(k.trainer_id("/oar/mnist/trainer/t1"), Some("t1"));
         assert_eq!(k.trainer_id("/oar/mnist/ps/1"), None);
         let (master, pserver) = (k.master(), k.pserver());
         assert_eq!(master.journal_record(42), k.master_journal_record(42));
         assert_eq!((master.lock, master.members), (k.master_lock(), k.trainers()));
-        assert_eq!((pserver.claim(3), pserver.checkpoint(3)), (k.ps(3), k.ps_checkpoint(3)));
+        assert_eq!(pserver.pserver("ps-a.1f"), k.ps("ps-a.1f"));
+        assert_eq!(pserver.checkpoint(3), "/oar/mnist/shard_checkpoint/3");
+        assert_eq!(pserver.replica(3, "ps-a.1f"), "/oar/mnist/pshards/3/ps-a.1f");
     }
 
     #[test]

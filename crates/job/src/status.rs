@@ -3,9 +3,9 @@
 
 use crate::{config::JobConfig, keys::JobKeys, report::JobReport, Result};
 use oar_discovery::Discovery;
-use oar_pserver::checkpoint::CheckpointInfo;
+use oar_pserver::{checkpoint::CheckpointInfo, ShardMap};
 use oar_task_queue::{MasterStatus, StoredState};
-use std::fmt;
+use std::{collections::BTreeMap, fmt};
 
 /// Everything discovery knows about one job.
 #[derive(Clone, Debug)]
@@ -18,27 +18,23 @@ pub struct JobView {
     pub master_holder: Option<String>,
     /// Where the master serves, if it does.
     pub master_addr: Option<String>,
-    /// Pservers wanted.
-    pub pservers_desired: Option<u32>,
-    /// Pservers up, by index.
-    pub pservers: Vec<PserverView>,
+    /// Registered pservers: name and address, by name.
+    pub pservers: BTreeMap<String, String>,
+    /// The shard map, once the master's coordinator wrote one.
+    pub shard_map: Option<ShardMap>,
+    /// Each replica's state as it published it: `(shard, pserver)` to its
+    /// JSON (role, applied update, epoch, step).
+    pub replicas: BTreeMap<(u32, String), serde_json::Value>,
+    /// Each shard's last checkpoint.
+    pub checkpoints: BTreeMap<u32, CheckpointInfo>,
+    /// The pservers' health as the coordinator wrote it (JSON).
+    pub cluster_status: Option<serde_json::Value>,
     /// Registered trainers.
     pub trainers: Vec<String>,
     /// The task queue and per-pass statistics as the master last stored them.
     pub tasks: Option<MasterStatus>,
     /// The job's report, once it ended.
     pub result: Option<JobReport>,
-}
-
-/// One pserver index: who serves it and its last checkpoint.
-#[derive(Clone, Debug)]
-pub struct PserverView {
-    /// The shard index.
-    pub index: u32,
-    /// The address of the pserver holding it (none: nobody holds it now).
-    pub addr: Option<String>,
-    /// The last checkpoint recorded for it.
-    pub checkpoint: Option<CheckpointInfo>,
 }
 
 impl JobView {
@@ -56,15 +52,21 @@ impl JobView {
             config: None,
             master_holder: None,
             master_addr: None,
-            pservers_desired: None,
-            pservers: Vec::new(),
+            pservers: BTreeMap::new(),
+            shard_map: None,
+            replicas: BTreeMap::new(),
+            checkpoints: BTreeMap::new(),
+            cluster_status: None,
             trainers: Vec::new(),
             tasks: None,
             result: None,
         };
         let listing = all.kvs.iter().map(|kv| (kv.key.as_str(), &kv.value[..]));
         let state = StoredState::from_listing(listing, &keys.master_state(), &keys.master_journal())?;
-        let ps_prefix = format!("{}ps/", keys.prefix());
+        let json = |key: &str, v: &[u8]| {
+            serde_json::from_slice::<serde_json::Value>(v)
+                .map_err(|e| crate::Error::BadConfig(format!("{key} is not JSON: {e}")))
+        };
         for kv in &all.kvs {
             let key = kv.key.as_str();
             if key == keys.config() {
@@ -73,37 +75,37 @@ impl JobView {
                 view.master_holder = Some(text(&kv.value));
             } else if key == keys.master_addr() {
                 view.master_addr = Some(text(&kv.value));
-            } else if key == keys.ps_desired() {
-                view.pservers_desired = text(&kv.value).trim().parse().ok();
             } else if key == keys.result() {
                 view.result = Some(JobReport::from_json(key, &kv.value)?);
+            } else if key == keys.shard_map() {
+                view.shard_map = Some(ShardMap::decode(&kv.value)?);
+            } else if key == keys.pserver_cluster_status() {
+                view.cluster_status = Some(json(key, &kv.value)?);
             } else if let Some(id) = keys.trainer_id(key) {
                 view.trainers.push(id.to_string());
-            } else if let Some(rest) = key.strip_prefix(&ps_prefix) {
-                let (index, checkpoint) = match rest.split_once('/') {
-                    Some((index, "checkpoint")) => (index, true),
-                    _ => (rest, false),
-                };
-                let Ok(index) = index.parse::<u32>() else { continue };
-                let at = match view.pservers.iter().position(|p| p.index == index) {
-                    Some(at) => at,
-                    None => {
-                        view.pservers.push(PserverView { index, addr: None, checkpoint: None });
-                        view.pservers.len() - 1
-                    }
-                };
-                if checkpoint {
-                    view.pservers[at].checkpoint = Some(CheckpointInfo::decode(&kv.value)?);
-                } else {
-                    view.pservers[at].addr = Some(text(&kv.value));
-                }
+            } else if let Some(name) = oar_discovery::member_name(&keys.ps_prefix(), key) {
+                view.pservers.insert(name.to_string(), text(&kv.value));
+            } else if let Some(shard) = key.strip_prefix(&keys.shard_checkpoints()) {
+                let Ok(shard) = shard.parse::<u32>() else { continue };
+                view.checkpoints.insert(shard, CheckpointInfo::decode(&kv.value)?);
+            } else if let Some(rest) = key.strip_prefix(&keys.pshards()) {
+                let Some((shard, name)) = rest.split_once('/') else { continue };
+                let Ok(shard) = shard.parse::<u32>() else { continue };
+                view.replicas.insert((shard, name.to_string()), json(key, &kv.value)?);
             }
         }
-        view.pservers.sort_by_key(|p| p.index);
         if let (Some(state), Some(config)) = (state, &view.config) {
             view.tasks = Some(state.status(config.queue())?);
         }
         Ok(Some(view))
+    }
+}
+
+fn or<'a>(s: &'a str, default: &'a str) -> &'a str {
+    if s.is_empty() {
+        default
+    } else {
+        s
     }
 }
 
@@ -123,28 +125,63 @@ impl fmt::Display for JobView {
             }
             (None, _) => writeln!(f, "  master: none holds the lock")?,
         }
-        let desired = self.pservers_desired.map(|d| d.to_string()).unwrap_or_else(|| "?".into());
+        let health = self.cluster_status.as_ref();
+        let said = |field: &str| health.and_then(|h| h.get(field)).and_then(|v| v.as_str()).unwrap_or("");
         writeln!(
             f,
-            "  pservers: {} up of {desired}",
-            self.pservers.iter().filter(|p| p.addr.is_some()).count()
+            "  pservers: {} registered; cluster {} {}",
+            self.pservers.len(),
+            or(said("status"), "UNKNOWN"),
+            said("reason")
         )?;
+        for (name, addr) in &self.pservers {
+            writeln!(f, "    {name} at {addr}")?;
+        }
         let now_ms = std::time::SystemTime::now()
             .duration_since(std::time::UNIX_EPOCH)
             .map(|d| d.as_millis() as u64)
             .unwrap_or(0);
-        for p in &self.pservers {
-            write!(f, "    ps/{}: {}", p.index, p.addr.as_deref().unwrap_or("down"))?;
-            match &p.checkpoint {
-                Some(c) => writeln!(
+        match &self.shard_map {
+            None => writeln!(f, "  shard map: none yet")?,
+            Some(map) => {
+                writeln!(
                     f,
-                    ", checkpoint at step {} ({:.1} s ago, {} bytes, {})",
-                    c.step,
-                    now_ms.saturating_sub(c.unix_time_ms) as f64 / 1000.0,
-                    c.bytes,
-                    c.path
-                )?,
-                None => writeln!(f, ", no checkpoint")?,
+                    "  shard map version {}, {} shards, {} replicas each",
+                    map.version(),
+                    map.shard_count(),
+                    map.replicas()
+                )?;
+                for shard in 0..map.shard_count() {
+                    write!(f, "    shard {shard}:")?;
+                    let set = map.replica_set(shard);
+                    if set.is_empty() {
+                        write!(f, " no replica")?;
+                    }
+                    let primary_applied = set
+                        .first()
+                        .and_then(|p| self.replicas.get(&(shard, p.clone())))
+                        .and_then(|v| v["applied"].as_u64());
+                    for name in set {
+                        let state = self.replicas.get(&(shard, name.clone()));
+                        let status = state.and_then(|v| v["status"].as_str()).unwrap_or("unknown");
+                        let applied = state.and_then(|v| v["applied"].as_u64());
+                        write!(f, " {name} {status}")?;
+                        match (status, applied, primary_applied) {
+                            ("follower", Some(a), Some(p)) => write!(f, " (lag {})", p.saturating_sub(a))?,
+                            (_, Some(a), _) => write!(f, " (applied {a})")?,
+                            _ => {}
+                        }
+                    }
+                    match self.checkpoints.get(&shard) {
+                        Some(c) => writeln!(
+                            f,
+                            "; checkpoint at step {} ({:.1} s ago)",
+                            c.step,
+                            now_ms.saturating_sub(c.unix_time_ms) as f64 / 1000.0
+                        )?,
+                        None => writeln!(f)?,
+                    }
+                }
             }
         }
         writeln!(f, "  trainers: {}", self.trainers.len())?;

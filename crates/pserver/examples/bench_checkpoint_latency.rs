@@ -33,7 +33,7 @@ use bytes::Bytes;
 use oar_discovery::MemDiscovery;
 use oar_pserver::{
     protocol::{BlockSpan, PsReply, PsRequest, PSERVER_METHOD},
-    Init, Mode, OptimizerConfig, ParamSpec, Placement, Pserver, PserverKeys, PserverOptions,
+    Init, Mode, OptimizerConfig, ParamSpec, Placement, Pserver, PserverOptions,
 };
 use oar_transport::{call, Connection, DevCa, QuicTransport, Transport};
 use std::{
@@ -41,14 +41,6 @@ use std::{
     sync::Arc,
     time::{Duration, Instant},
 };
-
-fn keys() -> PserverKeys {
-    PserverKeys {
-        claims: "/bench/ps/".into(),
-        desired: "/bench/ps_desired".into(),
-        members: "/bench/trainer/".into(),
-    }
-}
 
 /// p50, p99 and max of `v`, in ms.
 fn percentiles(v: &mut [f64]) -> [f64; 3] {
@@ -82,6 +74,7 @@ impl Pusher {
             let blocks = self.lens.len() as u64;
             let block = (self.sent % blocks) as usize;
             let request = PsRequest::Push {
+                shard: 0,
                 fingerprint: self.fingerprint,
                 blocks: BlockSpan::new(block as u32, block as u32 + 1),
                 trainer: "bench".into(),
@@ -149,12 +142,13 @@ async fn main() {
 
     let ca = DevCa::new().expect("CA");
     let transport = Arc::new(QuicTransport::new(ca.tls_config("bench").expect("tls")).expect("quic"));
-    let discovery = Arc::new(MemDiscovery::new());
+    let discovery: Arc<dyn oar_discovery::Discovery> = Arc::new(MemDiscovery::new());
+    let _coordinator = common::coordinator(discovery.clone(), transport.clone(), 1, 1, 1).await;
     let specs = vec![ParamSpec::new("w", vec![n], Init::Zeros)];
     let options = PserverOptions {
-        keys: keys(),
+        keys: common::keys(),
         specs: specs.clone(),
-        servers: 1,
+        shards: 1,
         mode: Mode::Async,
         optimizer: OptimizerConfig::parse("adam", 1e-3).expect("adam"),
         block_size: block,
@@ -165,6 +159,9 @@ async fn main() {
         ..Default::default()
     };
     let ps = Pserver::start(discovery, transport.clone(), "127.0.0.1:0", options).await.expect("pserver");
+    while ps.step(0).is_none() {
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
     let placement = Placement::new(&specs, 1, block).expect("placement");
     let lens: Vec<usize> = placement.blocks_on(0).map(|b| b.len).collect();
     let blocks = lens.len();
@@ -204,7 +201,7 @@ async fn main() {
         while !task.is_finished() {
             let t = Instant::now();
             match ps.checkpoint().await {
-                Ok(Some(_)) => took.push(t.elapsed().as_secs_f64()),
+                Ok(written) if written.len() == 1 => took.push(t.elapsed().as_secs_f64()),
                 other => {
                     eprintln!("checkpoint failed: {other:?}");
                     std::process::exit(1);

@@ -19,10 +19,12 @@
 //! protocol, no optimizer. Both use one tokio runtime with a worker per core
 //! and reuse their connections. Medians of `--reps` (default 5).
 
+mod common;
+
 use oar_discovery::MemDiscovery;
 use oar_pserver::{
     Init, Mode, OptimizerConfig, ParamBuf, ParamSpec, Placement, Pserver, PserverClient,
-    PserverClientOptions, PserverKeys, PserverOptions,
+    PserverClientOptions, PserverOptions,
 };
 use oar_transport::{DevCa, QuicTransport, RetryPolicy};
 use std::{
@@ -33,15 +35,6 @@ use tokio::{
     io::{AsyncReadExt, AsyncWriteExt},
     net::{TcpListener, TcpStream},
 };
-
-/// Where the bench's pservers claim their shards.
-fn keys() -> PserverKeys {
-    PserverKeys {
-        claims: "/bench/ps/".into(),
-        desired: "/bench/ps_desired".into(),
-        members: "/bench/trainer/".into(),
-    }
-}
 
 fn median(v: &mut [f64]) -> f64 {
     v.sort_by(f64::total_cmp);
@@ -132,14 +125,16 @@ async fn main() {
     for &millions in &sizes {
         let n = millions * 1_000_000;
         for servers in [1u32, 2] {
-            let discovery = Arc::new(MemDiscovery::new());
+            let discovery: Arc<dyn oar_discovery::Discovery> = Arc::new(MemDiscovery::new());
             let specs = vec![ParamSpec::new("w", vec![n], Init::Zeros)];
+            let _coordinator =
+                common::coordinator(discovery.clone(), transport.clone(), servers, 1, servers).await;
             let mut pservers = Vec::new();
             for _ in 0..servers {
                 let o = PserverOptions {
-                    keys: keys(),
+                    keys: common::keys(),
                     specs: specs.clone(),
-                    servers,
+                    shards: servers,
                     mode: Mode::Async,
                     optimizer: OptimizerConfig::Sgd { lr: 1e-3 },
                     block_size: 1 << 20,
@@ -156,7 +151,7 @@ async fn main() {
                 call_timeout: Duration::from_secs(120),
                 retry: RetryPolicy { give_up_after: Duration::from_secs(60), ..RetryPolicy::default() },
                 max_part_bytes: part_bytes,
-                ..PserverClientOptions::new(keys().claims, "trainer")
+                ..PserverClientOptions::new(common::keys(), "trainer")
             };
             let mut client =
                 PserverClient::new(discovery.clone(), transport.clone(), placement.clone(), options);

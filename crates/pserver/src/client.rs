@@ -1,10 +1,13 @@
 //! The trainers' side of the pserver protocol.
 //!
-//! The client addresses shards (indexes), not servers: it reads each
-//! shard's address from `ps/<index>` and reads it again after a failure, so
-//! it follows a pserver that was replaced. Calls to all shards run in
-//! parallel. A shard that is away is retried, with the same sequence number
-//! (so a push is applied once), until the retry policy's deadline.
+//! The client addresses logical shards, not servers: it follows the job's
+//! [`ShardMap`](crate::ShardMap) and the pservers' addresses
+//! ([`TopologyWatch`]) and calls each shard's primary. A primary that is
+//! not (any more) answers `NotPrimary`, and the client looks the shard up
+//! in a newer map; a shard that is away (its primary died and no map names
+//! another yet) is retried, with the same sequence number (so a push is
+//! applied once), until the retry policy's deadline. Calls to all shards
+//! run in parallel.
 //!
 //! No copies on the trainer's side: a push sends each block of the
 //! gradient from where it is in the trainer's buffer, and a pull writes
@@ -17,32 +20,32 @@
 //! [`PserverClient::set_max_part_bytes`] bytes (8 MiB by default), each a
 //! call of its own, at most [`PARTS_IN_FLIGHT`] at a time per shard, so a
 //! pserver holds a few parts in flight, not a message as large as its
-//! shard (peak memory 1.07x its parameters and optimizer state for a
-//! 100M-float model with Adam, where whole messages cost 1.36x), and it
-//! applies or copies out one part while the next one travels. A push's
-//! parts share its sequence number; each is deduplicated on its own.
+//! shard, and it applies or copies out one part while the next one
+//! travels. A push's parts share its sequence number; each is
+//! deduplicated on its own.
 //!
-//! A shard whose pserver was replaced (a new claim of `ps/<index>`, seen by
-//! its create revision) restarted from its last checkpoint, possibly at an
-//! earlier step, and without the gradients buffered for the current sync
-//! step. The client then stops waiting for a step of the old pserver: the
-//! next pull takes the new one's parameters as they are, and a push for a
-//! step that shard is not at comes back `Stale` (the trainer rejoins, pulls
-//! and computes again). The replacement's barrier rebuilds its membership
-//! from the pushes, so its first step may combine fewer trainers than the
-//! others; no gradient is applied twice (the checkpoint carries the
-//! deduplication table) and nothing waits for a step that cannot come.
+//! A shard whose primary changed (a new *epoch* in the map) may be at an
+//! earlier sync step than the old primary was (the gradients buffered for
+//! the step underway are not replicated: only completed steps are), or,
+//! with one replica per shard, restored from its last checkpoint. The
+//! client then stops waiting for a step of the old primary: the next pull
+//! takes the new one's parameters as they are, and a push for a step that
+//! shard is not at comes back `Stale` (the trainer rejoins, pulls and
+//! computes again). No gradient is applied twice: followers keep the
+//! deduplication table of async pushes, and a checkpoint carries it.
 
 use crate::{
     error::{ServiceError as Error, ServiceResult as Result},
     protocol::{BlockSpan, PsReply, PsRequest, PSERVER_METHOD},
-    ParamBuf, Placement, PushOutcome,
+    topology::TopologyWatch,
+    ParamBuf, Placement, PserverKeys, PushOutcome,
 };
-use oar_discovery::{ChangeSignal, Discovery};
+use oar_discovery::Discovery;
 use oar_transport::{Connection, RetryPolicy, Transport};
 use std::{
+    collections::HashMap,
     sync::{
-        atomic::{AtomicI64, Ordering},
+        atomic::{AtomicU64, Ordering},
         Arc, Mutex, PoisonError,
     },
     time::Duration,
@@ -70,9 +73,9 @@ pub struct PserverClient {
 /// How a [`PserverClient`] finds and calls the pservers.
 #[derive(Clone, Debug)]
 pub struct PserverClientOptions {
-    /// Prefix of the shard claims ([`PserverKeys::claims`](crate::PserverKeys::claims)):
-    /// shard `i`'s address is at `<claims><i>`.
-    pub claims: String,
+    /// Where the shard map and the pservers' registrations are (only
+    /// `shard_map` and `pservers` are read).
+    pub keys: PserverKeys,
     /// Who calls: the trainer id its pushes carry (for deduplication and
     /// the sync barrier's order).
     pub trainer: String,
@@ -87,12 +90,12 @@ pub struct PserverClientOptions {
 }
 
 impl PserverClientOptions {
-    /// Options for `trainer` calling the shards claimed under `claims`:
+    /// Options for `trainer` calling the shards mapped under `keys`:
     /// 10 s calls, the default retry policy, parts of
     /// [`DEFAULT_MAX_PART_BYTES`].
-    pub fn new(claims: impl Into<String>, trainer: impl Into<String>) -> Self {
+    pub fn new(keys: PserverKeys, trainer: impl Into<String>) -> Self {
         Self {
-            claims: claims.into(),
+            keys,
             trainer: trainer.into(),
             call_timeout: Duration::from_secs(10),
             retry: RetryPolicy::default(),
@@ -111,13 +114,16 @@ struct Part {
 struct Inner {
     discovery: Arc<dyn Discovery>,
     transport: Arc<dyn Transport>,
-    claims: String,
+    keys: PserverKeys,
     placement: Arc<Placement>,
     trainer: String,
-    conns: Vec<Mutex<Option<Arc<dyn Connection>>>>,
-    /// Per shard: the create revision of the `ps/<index>` claim last
-    /// connected to, which changes when a replacement pserver claims it.
-    incarnations: Vec<AtomicI64>,
+    /// Started on first use.
+    topology: tokio::sync::OnceCell<TopologyWatch>,
+    /// Connections to the pservers, by name.
+    conns: Mutex<HashMap<String, Arc<dyn Connection>>>,
+    /// Per shard: the epoch of the primary that last answered, which
+    /// changes when another replica takes over.
+    epochs: Vec<AtomicU64>,
     call_timeout: Duration,
     retry: RetryPolicy,
 }
@@ -130,8 +136,8 @@ struct ShardState {
     pulled_step: u64,
     /// Step a sync pull must wait for (one past the last step pushed to).
     next_step: Option<u64>,
-    /// The shard's incarnation when it last answered a pull.
-    incarnation: i64,
+    /// The shard's primary's epoch when it last answered a pull.
+    epoch: u64,
 }
 
 /// What a push did, over all shards.
@@ -145,7 +151,7 @@ pub enum PushResult {
 }
 
 impl PserverClient {
-    /// A client of the shards `placement` names, found under `options.claims`.
+    /// A client of the shards `placement` names, mapped under `options.keys`.
     pub fn new(
         discovery: Arc<dyn Discovery>,
         transport: Arc<dyn Transport>,
@@ -156,11 +162,12 @@ impl PserverClient {
         let inner = Inner {
             discovery,
             transport,
-            claims: options.claims,
+            keys: options.keys,
             placement,
             trainer: options.trainer,
-            conns: (0..servers).map(|_| Mutex::new(None)).collect(),
-            incarnations: (0..servers).map(|_| AtomicI64::new(0)).collect(),
+            topology: tokio::sync::OnceCell::new(),
+            conns: Mutex::new(HashMap::new()),
+            epochs: (0..servers).map(|_| AtomicU64::new(0)).collect(),
             call_timeout: options.call_timeout,
             retry: options.retry,
         };
@@ -186,24 +193,23 @@ impl PserverClient {
         &self.inner.placement
     }
 
-    /// Wait until every shard has published its address, at most `timeout`.
+    /// Wait until the shard map gives every shard that holds blocks a
+    /// registered primary, at most `timeout`.
     pub async fn wait_for_servers(&self, timeout: Duration) -> Result<()> {
         let deadline = tokio::time::Instant::now() + timeout;
-        let mut changed = ChangeSignal::new(&*self.inner.discovery, &self.inner.claims).await;
+        let topology = self.inner.topology().await?;
         loop {
-            let mut missing = Vec::new();
-            for index in 0..self.inner.placement.servers() {
-                if self.inner.discovery.get(&self.inner.claim(index)).await?.is_none() {
-                    missing.push(index);
-                }
-            }
+            let now = topology.current();
+            let missing: Vec<u32> =
+                self.inner.shards_with_blocks().filter(|&s| now.primary_addr(s).is_none()).collect();
             if missing.is_empty() {
                 return Ok(());
             }
             if tokio::time::Instant::now() >= deadline {
                 return Err(Error::ServersMissing { missing, waited: timeout });
             }
-            changed.wait(Duration::from_millis(50)).await;
+            let mut rx = topology.subscribe();
+            let _ = tokio::time::timeout(Duration::from_millis(200), rx.changed()).await;
         }
     }
 
@@ -221,14 +227,15 @@ impl PserverClient {
     /// for that step.
     pub async fn join(&mut self) -> Result<()> {
         let trainer = self.inner.trainer.clone();
-        for (index, reply) in self.on_all(|_| PsRequest::Join { trainer: trainer.clone() }).await? {
+        for (index, reply) in self.on_all(|shard| PsRequest::Join { shard, trainer: trainer.clone() }).await?
+        {
             let PsReply::Joined { step } = reply else {
                 return Err(Error::Protocol(format!("shard {index} answered a join with {reply:?}")));
             };
             // Pull from the step we count in: the barrier may have moved while we were out.
             let shard = &mut self.shards[index as usize];
             shard.next_step = Some(step);
-            shard.incarnation = self.inner.incarnations[index as usize].load(Ordering::SeqCst);
+            shard.epoch = self.inner.epochs[index as usize].load(Ordering::SeqCst);
         }
         Ok(())
     }
@@ -236,7 +243,7 @@ impl PserverClient {
     /// Leave the sync barrier of every shard (when idle), so others do not wait.
     pub async fn leave(&mut self) -> Result<()> {
         let trainer = self.inner.trainer.clone();
-        self.on_all(|_| PsRequest::Leave { trainer: trainer.clone() }).await?;
+        self.on_all(|shard| PsRequest::Leave { shard, trainer: trainer.clone() }).await?;
         Ok(())
     }
 
@@ -246,14 +253,17 @@ impl PserverClient {
     pub async fn pull(&mut self, params: &mut ParamBuf) -> Result<()> {
         let fingerprint = self.inner.placement.fingerprint();
         let deadline = tokio::time::Instant::now() + self.inner.retry.give_up_after;
-        let mut pending: Vec<u32> = (0..self.inner.placement.servers()).collect();
+        let mut pending: Vec<u32> = self.inner.shards_with_blocks().collect();
         while !pending.is_empty() {
             for &index in &pending {
                 let shard = &mut self.shards[index as usize];
-                let now = self.inner.incarnations[index as usize].load(Ordering::SeqCst);
-                if shard.next_step.is_some() && shard.incarnation != now {
-                    // A replacement will never reach the old pserver's step with our gradient.
-                    tracing::info!(index, "shard restarted; taking its parameters as they are");
+                let now = self.inner.epochs[index as usize].load(Ordering::SeqCst);
+                if shard.next_step.is_some() && shard.epoch != now {
+                    // A new primary may never reach the old one's step with our gradient.
+                    tracing::info!(
+                        shard = index,
+                        "shard has a new primary; taking its parameters as they are"
+                    );
                     shard.next_step = None;
                 }
             }
@@ -261,6 +271,7 @@ impl PserverClient {
             let calls = parts
                 .iter()
                 .map(|part| PsRequest::Pull {
+                    shard: part.index,
                     fingerprint,
                     blocks: part.blocks,
                     min_step: self.shards[part.index as usize].next_step,
@@ -310,13 +321,14 @@ impl PserverClient {
     /// where it is in `grads`.
     pub async fn push(&mut self, grads: &ParamBuf, weight: f32) -> Result<PushResult> {
         let fingerprint = self.inner.placement.fingerprint();
-        let all: Vec<u32> = (0..self.inner.placement.servers()).collect();
+        let all: Vec<u32> = self.inner.shards_with_blocks().collect();
         let parts = self.parts(&all);
         let calls = parts
             .iter()
             .map(|part| {
                 let state = self.shards[part.index as usize];
                 PsRequest::Push {
+                    shard: part.index,
                     fingerprint,
                     blocks: part.blocks,
                     trainer: self.inner.trainer.clone(),
@@ -369,11 +381,12 @@ impl PserverClient {
     /// Sync pservers refuse it.
     pub async fn push_pull(&mut self, grads: &ParamBuf, weight: f32, params: &mut ParamBuf) -> Result<()> {
         let fingerprint = self.inner.placement.fingerprint();
-        let all: Vec<u32> = (0..self.inner.placement.servers()).collect();
+        let all: Vec<u32> = self.inner.shards_with_blocks().collect();
         let parts = self.parts(&all);
         let calls = parts
             .iter()
             .map(|part| PsRequest::PushPull {
+                shard: part.index,
                 fingerprint,
                 blocks: part.blocks,
                 trainer: self.inner.trainer.clone(),
@@ -413,12 +426,14 @@ impl PserverClient {
     fn pulled(&mut self, index: u32, step: u64) {
         let shard = &mut self.shards[index as usize];
         shard.pulled_step = step;
-        shard.incarnation = self.inner.incarnations[index as usize].load(Ordering::SeqCst);
+        shard.epoch = self.inner.epochs[index as usize].load(Ordering::SeqCst);
     }
 
-    /// One call without blocks to every shard.
+    /// One call without blocks to every shard that holds blocks.
     async fn on_all(&self, make: impl FnMut(u32) -> PsRequest) -> Result<Vec<(u32, PsReply)>> {
-        let all: Vec<Part> = (0..self.inner.placement.servers())
+        let all: Vec<Part> = self
+            .inner
+            .shards_with_blocks()
             .map(|index| Part { index, blocks: BlockSpan::new(0, 0) })
             .collect();
         let calls = all.iter().map(|part| part.index).map(make).collect();
@@ -729,31 +744,49 @@ impl oar_transport::PayloadSink for ShardSink<'_> {
 }
 
 impl Inner {
-    fn claim(&self, index: u32) -> String {
-        crate::service::claim_key(&self.claims, index)
+    async fn topology(&self) -> Result<&TopologyWatch> {
+        self.topology.get_or_try_init(|| TopologyWatch::start(self.discovery.clone(), &self.keys)).await
     }
 
-    async fn connection(&self, index: u32) -> Result<Arc<dyn Connection>> {
-        let slot = &self.conns[index as usize];
-        if let Some(conn) = slot.lock().unwrap_or_else(PoisonError::into_inner).clone() {
-            return Ok(conn);
-        }
-        let key = self.claim(index);
-        let kv =
-            self.discovery.get(&key).await?.ok_or_else(|| Error::ShardAway { index, key: key.clone() })?;
-        let incarnation = kv.create_revision;
-        let addr = String::from_utf8(kv.value).map_err(|_| Error::ShardAway { index, key })?;
-        let conn = self.transport.connect(&addr).await?;
-        let before = self.incarnations[index as usize].swap(incarnation, Ordering::SeqCst);
-        if before != 0 && before != incarnation {
-            tracing::info!(index, addr, "following a replaced pserver");
-        }
-        *slot.lock().unwrap_or_else(PoisonError::into_inner) = Some(conn.clone());
-        Ok(conn)
+    /// The shards that hold at least one block (the others take no call).
+    fn shards_with_blocks(&self) -> impl Iterator<Item = u32> + '_ {
+        (0..self.placement.servers()).filter(|&s| self.placement.blocks_on(s).next().is_some())
     }
 
-    /// One call to shard `index`, retried while the shard is away: the
-    /// request's payload is `parts` joined; the reply's goes into `sink`.
+    /// A connection to shard `index`'s primary, with its name and the map's
+    /// version and the primary's epoch.
+    async fn connection(&self, index: u32) -> Result<(String, Arc<dyn Connection>, u64, u64)> {
+        let topology = self.topology().await?.current();
+        let map = topology.map.as_ref().ok_or_else(|| Error::ShardAway {
+            shard: index,
+            why: "no shard map yet (is the coordinator, in the master, running?)".into(),
+        })?;
+        let (name, addr) = topology.primary_addr(index).ok_or_else(|| Error::ShardAway {
+            shard: index,
+            why: match map.primary(index) {
+                None => format!("no replica in shard map version {}", map.version()),
+                Some(p) => format!("its primary {p} is not registered (gone?)"),
+            },
+        })?;
+        let (version, epoch) = (map.version(), map.epoch(index));
+        let cached = self.conns.lock().unwrap_or_else(PoisonError::into_inner).get(name).cloned();
+        let conn = match cached {
+            Some(conn) => conn,
+            None => {
+                let conn = self.transport.connect(addr).await?;
+                self.conns
+                    .lock()
+                    .unwrap_or_else(PoisonError::into_inner)
+                    .insert(name.to_string(), conn.clone());
+                conn
+            }
+        };
+        Ok((name.to_string(), conn, version, epoch))
+    }
+
+    /// One call to shard `index`'s primary, retried while the shard is
+    /// away or its primary changes: the request's payload is `parts`
+    /// joined; the reply's goes into `sink`.
     async fn call(
         &self,
         index: u32,
@@ -763,27 +796,54 @@ impl Inner {
     ) -> Result<PsReply> {
         let mut retrying = self.retry.start();
         loop {
-            let result = match self.connection(index).await {
-                Ok(conn) => oar_transport::call_parts(
-                    conn.as_ref(),
-                    PSERVER_METHOD,
-                    request,
-                    parts,
-                    sink,
-                    self.call_timeout,
-                )
-                .await
-                .map_err(Error::from),
-                Err(e) => Err(e),
+            let (name, result, version) = match self.connection(index).await {
+                Ok((name, conn, version, epoch)) => {
+                    let result = oar_transport::call_parts(
+                        conn.as_ref(),
+                        PSERVER_METHOD,
+                        request,
+                        parts,
+                        sink,
+                        self.call_timeout,
+                    )
+                    .await
+                    .map_err(Error::from);
+                    let before = self.epochs[index as usize].swap(epoch, Ordering::SeqCst);
+                    if before != 0 && before != epoch {
+                        tracing::info!(
+                            shard = index,
+                            primary = name,
+                            epoch,
+                            "following the shard's new primary"
+                        );
+                    }
+                    (Some(name), result, version)
+                }
+                Err(e) => (None, Err(e), 0),
             };
-            match result {
-                Ok(reply) => return Ok(reply),
-                Err(e) => {
-                    *self.conns[index as usize].lock().unwrap_or_else(PoisonError::into_inner) = None;
-                    if !retrying.again(&e).await {
-                        return Err(e);
+            let failed = match result {
+                Ok(PsReply::NotPrimary { map_version, .. }) => {
+                    // Its map or ours is behind: wait for a newer one (briefly).
+                    let topology = self.topology().await?;
+                    topology.newer_than(version, Duration::from_millis(100)).await;
+                    Error::ShardAway {
+                        shard: index,
+                        why: format!(
+                            "{} is not its primary (its map: version {map_version})",
+                            name.unwrap_or_default()
+                        ),
                     }
                 }
+                Ok(reply) => return Ok(reply),
+                Err(e) => {
+                    if let Some(name) = &name {
+                        self.conns.lock().unwrap_or_else(PoisonError::into_inner).remove(name);
+                    }
+                    e
+                }
+            };
+            if !retrying.again(&failed).await {
+                return Err(failed);
             }
         }
     }

@@ -318,29 +318,21 @@ pub enum ServiceError {
     /// The service's options do not fit the job.
     #[error("bad configuration: {0}")]
     Config(String),
-    /// No `ps/<index>` below the pserver count became free in time.
-    #[error("no free pserver index below {servers} after waiting {waited:?}: are {servers} pservers already running?")]
-    NoFreeIndex {
-        /// The job's pserver count.
-        servers: u32,
-        /// How long the pserver waited.
-        waited: std::time::Duration,
-    },
-    /// Some shards never published an address.
-    #[error("pserver shards {missing:?} did not come up within {waited:?}")]
+    /// Some shards have no registered primary.
+    #[error("pserver shards {missing:?} had no registered primary within {waited:?}")]
     ServersMissing {
-        /// The missing shard indexes.
+        /// The shards without one.
         missing: Vec<u32>,
         /// How long the client waited.
         waited: std::time::Duration,
     },
-    /// A shard has no address in discovery right now (it is restarting).
-    #[error("pserver shard {index} is away: {key} is not set")]
+    /// A shard cannot be called right now (no primary, or it moved).
+    #[error("pserver shard {shard} is away: {why}")]
     ShardAway {
         /// The shard.
-        index: u32,
-        /// Its discovery key.
-        key: String,
+        shard: u32,
+        /// Why.
+        why: String,
     },
     /// Sync mode: a shard did not reach the awaited step in time.
     #[error("shards {shards:?} did not complete the sync step within {waited:?}")]

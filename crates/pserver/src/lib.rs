@@ -99,6 +99,8 @@ pub mod block;
 pub mod checkpoint;
 #[cfg(feature = "service")]
 pub mod client;
+#[cfg(feature = "service")]
+pub mod coordinator;
 pub mod error;
 pub mod optimizer;
 pub mod placement;
@@ -111,10 +113,14 @@ pub mod service;
 pub mod shard_map;
 pub mod spec;
 pub mod store;
+#[cfg(feature = "service")]
+pub mod topology;
 
 pub use block::BlockId;
 #[cfg(feature = "service")]
 pub use client::{PserverClient, PserverClientOptions, PushResult};
+#[cfg(feature = "service")]
+pub use coordinator::{Coordinator, CoordinatorOptions};
 pub use error::{Error, Result};
 #[cfg(feature = "service")]
 pub use error::{ServiceError, ServiceResult};

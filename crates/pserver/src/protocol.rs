@@ -1,19 +1,32 @@
 //! The pserver's wire protocol: requests and replies as typed metadata,
 //! parameter and gradient values as the raw payload (blocks concatenated in
-//! [`crate::Placement`] order).
+//! [`crate::Placement`] order, little-endian `f32`).
 //!
-//! Pushes and pulls name a run of the server's blocks ([`BlockSpan`]), so a
-//! client can cut a large shard into messages of bounded size: neither the
-//! client nor the pserver then needs a buffer the size of the shard.
+//! Client calls name a logical shard and go to its primary (per the
+//! [`ShardMap`](crate::ShardMap)); a pserver that is not the shard's primary
+//! in its map answers [`PsReply::NotPrimary`] with its map's version, and
+//! the client looks the shard up again. Pushes and pulls name a run of the
+//! shard's blocks ([`BlockSpan`]), so a client can cut a large shard into
+//! messages of bounded size: neither the client nor the pserver then needs
+//! a buffer the size of the shard.
+//!
+//! Replication calls go between pservers: a primary forwards updates to a
+//! follower ([`PsRequest::Replicate`]), a follower asks to sync
+//! ([`PsRequest::Sync`]), fetches a snapshot's parts
+//! ([`PsRequest::SnapshotPart`]) and says when it has caught up
+//! ([`PsRequest::Caught`]). Every replication call carries the sender's
+//! shard map version: a pserver takes one only under the map it serves
+//! under itself, so a deposed primary (an older map) is refused, and one
+//! that is ahead is asked to wait until the other sees its map.
 
-use crate::{Mode, PushOutcome};
+use crate::{block::BlockId, Mode, PushOutcome};
 use serde::{Deserialize, Serialize};
 
 /// The transport method number of every pserver call (the request enum says which).
 pub const PSERVER_METHOD: u16 = 0x5000;
 
-/// A run of one server's blocks: positions `start..end` in
-/// [`crate::Placement::blocks_on`] of that server.
+/// A run of one shard's blocks: positions `start..end` in
+/// [`crate::Placement::blocks_on`] of that shard.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub struct BlockSpan {
     /// First block's position.
@@ -39,49 +52,62 @@ impl BlockSpan {
 /// loudly instead of mixing up blocks.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub enum PsRequest {
-    /// Who are you: index, layout and step.
-    Info,
-    /// Count `trainer` in the sync barrier from the current step on.
+    /// Who holds shard `shard`: its step and mode (primary only).
+    Info {
+        /// The logical shard.
+        shard: u32,
+    },
+    /// Count `trainer` in the sync barrier of `shard` from its current step on.
     Join {
+        /// The logical shard.
+        shard: u32,
         /// The trainer.
         trainer: String,
     },
-    /// Stop waiting for `trainer` in the sync barrier.
+    /// Stop waiting for `trainer` in the sync barrier of `shard`.
     Leave {
+        /// The logical shard.
+        shard: u32,
         /// The trainer.
         trainer: String,
     },
-    /// Gradients for the blocks `blocks` of this server, concatenated in
-    /// block order in the payload. A push cut in parts sends each part with
-    /// the same `seq`.
+    /// Gradients for the blocks `blocks` of `shard`, concatenated in block
+    /// order in the payload. A push cut in parts sends each part with the
+    /// same `seq`.
     Push {
+        /// The logical shard.
+        shard: u32,
         /// Placement fingerprint.
         fingerprint: u64,
         /// The blocks in the payload.
         blocks: BlockSpan,
         /// The pushing trainer.
         trainer: String,
-        /// Per trainer and server, increasing: a retried push carries the same number.
+        /// Per trainer and shard, increasing: a retried push carries the same number.
         seq: u64,
         /// Sync mode: the step of the parameters the gradient was computed at.
         step: u64,
         /// Examples behind the gradient (weights the sync combination).
         weight: f32,
     },
-    /// The parameters of the blocks `blocks` of this server.
+    /// The parameters of the blocks `blocks` of `shard`.
     Pull {
+        /// The logical shard.
+        shard: u32,
         /// Placement fingerprint.
         fingerprint: u64,
         /// The blocks wanted.
         blocks: BlockSpan,
-        /// Wait until the server reached this step (sync mode) before answering.
+        /// Wait until the shard reached this step (sync mode) before answering.
         min_step: Option<u64>,
         /// How long the server may wait for `min_step` before answering `ready: false`.
         max_wait_ms: u64,
     },
-    /// Async mode only: a push, answered with this server's parameters after
+    /// Async mode only: a push, answered with the shard's parameters after
     /// it, as a pull would: one round trip where a push and a pull take two.
     PushPull {
+        /// The logical shard.
+        shard: u32,
         /// Placement fingerprint.
         fingerprint: u64,
         /// The blocks pushed, and pulled back.
@@ -94,6 +120,146 @@ pub enum PsRequest {
         /// Examples behind the gradient.
         weight: f32,
     },
+    /// Primary to follower: updates of `shard`, in order, the first numbered
+    /// `updates[0].seq`. The payload holds their gradients, one after the
+    /// other, each block's values in the order its update names them.
+    Replicate {
+        /// The logical shard.
+        shard: u32,
+        /// The shard map version the sender serves under.
+        map_version: u64,
+        /// The sender's epoch as the shard's primary.
+        epoch: u64,
+        /// The updates.
+        updates: Vec<UpdateMeta>,
+    },
+    /// Follower to primary: `follower` holds updates `1..=applied` of
+    /// `shard`, the last from epoch `epoch` (0: none); how does it go on?
+    Sync {
+        /// The logical shard.
+        shard: u32,
+        /// The shard map version the follower serves under.
+        map_version: u64,
+        /// The follower's name.
+        follower: String,
+        /// The epoch of its last update.
+        epoch: u64,
+        /// Its last update.
+        applied: u64,
+    },
+    /// Follower to primary: part `part` of the snapshot at update `upto`
+    /// taken for `follower`'s catch-up.
+    SnapshotPart {
+        /// The logical shard.
+        shard: u32,
+        /// The follower's name.
+        follower: String,
+        /// The update the snapshot was taken at.
+        upto: u64,
+        /// Which part, from 0.
+        part: u32,
+    },
+    /// Follower to primary: `follower` caught up and holds updates
+    /// `1..=applied` of the primary's epoch `epoch`.
+    Caught {
+        /// The logical shard.
+        shard: u32,
+        /// The shard map version the follower serves under.
+        map_version: u64,
+        /// The follower's name.
+        follower: String,
+        /// The epoch it follows.
+        epoch: u64,
+        /// Its last update.
+        applied: u64,
+    },
+    /// Primary to follower: the primary cannot forward to it until it
+    /// syncs (it was added to the replica set, or fell too far behind).
+    SyncNeeded {
+        /// The logical shard.
+        shard: u32,
+        /// The shard map version the primary serves under.
+        map_version: u64,
+    },
+    /// What this pserver holds of every shard (for the coordinator's
+    /// elections and for `oar status`).
+    Status,
+}
+
+/// One forwarded update's description; its values are in the payload.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct UpdateMeta {
+    /// Its number in the shard's sequence.
+    pub seq: u64,
+    /// What it is.
+    pub kind: UpdateKind,
+}
+
+/// The kind of a forwarded update.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub enum UpdateKind {
+    /// Async: a trainer's push (or part of one), as the primary applied it;
+    /// its blocks' gradients are in the payload.
+    Push {
+        /// The trainer.
+        trainer: String,
+        /// The push's sequence number.
+        seq: u64,
+        /// The step it carried.
+        step: u64,
+        /// Its weight.
+        weight: f32,
+        /// Its blocks, in payload order.
+        blocks: Vec<BlockId>,
+    },
+    /// A trainer joined the barrier.
+    Join(String),
+    /// A trainer left.
+    Leave(String),
+    /// Sync: step `step` completed with these blocks' combined gradients
+    /// (in the payload, in this order).
+    Step {
+        /// The step it completed.
+        step: u64,
+        /// The updated blocks, in payload order.
+        blocks: Vec<BlockId>,
+    },
+}
+
+/// The role a pserver has for a shard, as it reports it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub enum ReplicaRole {
+    /// Applies updates and answers clients.
+    Primary,
+    /// Caught up: holds its primary's updates as they come.
+    Follower,
+    /// Catching up (or waiting to): holds nothing to serve yet.
+    Syncing,
+}
+
+impl std::fmt::Display for ReplicaRole {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            ReplicaRole::Primary => "primary",
+            ReplicaRole::Follower => "follower",
+            ReplicaRole::Syncing => "syncing",
+        })
+    }
+}
+
+/// What a pserver holds of one shard.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ReplicaState {
+    /// The logical shard.
+    pub shard: u32,
+    /// Its role.
+    pub role: ReplicaRole,
+    /// The last update it holds (a primary: applied; a follower: applied).
+    pub applied: u64,
+    /// The epoch of its last update (a primary: its own).
+    pub epoch: u64,
+    /// The store's step (sync steps completed, or async pushes applied).
+    pub step: u64,
 }
 
 /// A pserver's answer.
@@ -101,8 +267,8 @@ pub enum PsRequest {
 pub enum PsReply {
     /// Answer to [`PsRequest::Info`].
     Info {
-        /// The server's index (its shard).
-        index: u32,
+        /// The logical shard.
+        shard: u32,
         /// Placement fingerprint.
         fingerprint: u64,
         /// Updates applied so far.
@@ -120,10 +286,10 @@ pub enum PsReply {
     },
     /// What happened to a push.
     Pushed(PushOutcome),
-    /// A sync push for a step the server is not at (it moved on, or it
-    /// restarted from an earlier checkpoint): pull and compute again.
+    /// A sync push for a step the shard is not at (it moved on, or a new
+    /// primary took over at an earlier step): pull and compute again.
     Stale {
-        /// The server's step now.
+        /// The shard's step now.
         current: u64,
     },
     /// Parameters of the blocks asked for, in the payload, if `ready`.
@@ -140,5 +306,56 @@ pub enum PsReply {
         outcome: PushOutcome,
         /// The step of the parameters sent.
         step: u64,
+    },
+    /// This pserver is not the shard's primary in its shard map (version
+    /// `map_version`): look the shard up in a newer map.
+    NotPrimary {
+        /// The logical shard.
+        shard: u32,
+        /// The version of the map this pserver serves under.
+        map_version: u64,
+    },
+    /// Answer to [`PsRequest::Replicate`]: the follower took (applied or,
+    /// catching up, kept aside) every update up to `taken`, and holds
+    /// (applied) every update up to `applied`.
+    Replicated {
+        /// The last update taken.
+        taken: u64,
+        /// The last update applied, if it is a follower (not catching up).
+        applied: Option<u64>,
+    },
+    /// Answer to [`PsRequest::Sync`].
+    SyncFrom {
+        /// The primary's epoch.
+        epoch: u64,
+        /// True: the follower holds a prefix of the primary's updates and
+        /// the next ones follow; false: it catches up from the snapshot
+        /// at `upto`, in `parts` parts, and takes on `history`.
+        resume: bool,
+        /// The update the snapshot holds up to (resume: the follower's own).
+        upto: u64,
+        /// The number of snapshot parts.
+        parts: u32,
+        /// The primary's epochs: `(epoch, first update)` pairs.
+        history: Vec<(u64, u64)>,
+    },
+    /// Answer to [`PsRequest::SnapshotPart`]: per block, its parameters
+    /// then its optimizer state's slots in the payload.
+    SnapshotPart {
+        /// The store's step in the snapshot.
+        step: u64,
+        /// The part's blocks with their optimizer state's step, in payload order.
+        blocks: Vec<(BlockId, u64)>,
+        /// The deduplication table (trainer, last seq).
+        last_seqs: Vec<(String, u64)>,
+    },
+    /// Answer to [`PsRequest::Status`].
+    Status {
+        /// The pserver's name.
+        name: String,
+        /// The shard map version it serves under (0: none yet).
+        map_version: u64,
+        /// Every shard it holds.
+        shards: Vec<ReplicaState>,
     },
 }

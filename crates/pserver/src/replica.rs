@@ -63,6 +63,18 @@ impl History {
         History(vec![(epoch, first)])
     }
 
+    /// A history from its `(epoch, first update)` pairs, as a primary sent
+    /// them; errors unless both rise.
+    pub fn from_epochs(epochs: Vec<(u64, u64)>) -> Result<History> {
+        if let Some(w) = epochs.windows(2).find(|w| w[1].0 <= w[0].0 || w[1].1 <= w[0].1) {
+            return Err(Error::Replication(format!(
+                "a history's epochs and first updates must rise: ({}, {}) then ({}, {})",
+                w[0].0, w[0].1, w[1].0, w[1].1
+            )));
+        }
+        Ok(History(epochs))
+    }
+
     /// The epoch of the primary this replica follows or is (0: none yet).
     pub fn last_epoch(&self) -> u64 {
         self.0.last().map_or(0, |&(epoch, _)| epoch)

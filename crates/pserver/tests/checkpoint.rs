@@ -155,7 +155,7 @@ fn no_checkpoint_is_none_and_lists_are_newest_first() {
     let (_pl, mut st) = trained(1);
     assert_eq!(dir.list().unwrap(), Vec::<PathBuf>::new());
     assert!(dir.load_latest(&mut st).unwrap().is_none());
-    assert_eq!(dir.path(), tmp.path().join("not-yet").join("ps-1"));
+    assert_eq!(dir.path(), tmp.path().join("not-yet").join("shard-1"));
     assert_eq!(dir.index(), 1);
     let mut steps = Vec::new();
     for k in 0..3 {
@@ -350,7 +350,7 @@ fn keep_prunes_older_checkpoints_only() {
 #[test]
 fn info_records_round_trip() {
     let info = CheckpointInfo {
-        path: "/ckpt/ps-0/ckpt-00000000000000000042.oarckpt".into(),
+        path: "/ckpt/shard-0/ckpt-00000000000000000042.oarckpt".into(),
         step: 42,
         checksum: 0xdead_beef,
         bytes: 1234,
@@ -359,7 +359,7 @@ fn info_records_round_trip() {
     let b = info.encode().unwrap();
     assert_eq!(CheckpointInfo::decode(&b).unwrap(), info);
     let text = info.to_string();
-    assert!(text.contains("step 42") && text.contains("deadbeef") && text.contains("ps-0"), "{text}");
+    assert!(text.contains("step 42") && text.contains("deadbeef") && text.contains("shard-0"), "{text}");
     assert!(matches!(CheckpointInfo::decode(&b[..b.len() - 1]), Err(Error::BadCheckpointRecord(_))));
     let mut longer = b.clone();
     longer.push(0);

@@ -1,6 +1,12 @@
-//! The pserver shell end to end on the in-memory discovery and transport:
-//! bad pushes, retried pushes, a trainer dying inside a sync step, a lost
-//! lease, and a user optimizer panicking midway through a push.
+//! The pserver shell end to end on the in-memory discovery and transport
+//! (and QUIC), with one replica per shard: bad pushes, retried pushes, a
+//! trainer dying inside a sync step, a lost lease, a restart from a
+//! checkpoint, and a user optimizer panicking midway through a push.
+//! Replication is `tests/replication.rs`'s subject.
+
+mod common;
+
+use common::{keys, Cluster};
 
 use bytes::Bytes;
 use oar_discovery::{Discovery, MemDiscovery};
@@ -8,8 +14,7 @@ use oar_pserver::{
     checkpoint::CheckpointDir,
     protocol::{BlockSpan, PsReply, PsRequest, PSERVER_METHOD},
     Init, Mode, Optimizer, OptimizerConfig, OptimizerFactory, OptimizerState, ParamBuf, ParamSpec, Placement,
-    Pserver, PserverClient, PserverClientOptions, PserverKeys, PserverOptions, PushOutcome, PushResult,
-    ServiceError, Sgd,
+    Pserver, PserverClient, PserverClientOptions, PserverOptions, PushOutcome, PushResult, ServiceError, Sgd,
 };
 use oar_transport::{call, f32s_to_bytes, MemNetwork, MemTransport, RemoteErrorKind, RetryPolicy, Transport};
 use std::{
@@ -20,21 +25,12 @@ use std::{
     time::Duration,
 };
 
-/// The pservers' keys, under `/ps-test/`.
-fn keys() -> PserverKeys {
-    PserverKeys {
-        claims: "/ps-test/ps/".into(),
-        desired: "/ps-test/ps_desired".into(),
-        members: "/ps-test/trainer/".into(),
-    }
-}
-
-/// A pserver of `servers` applying SGD at `lr` to `specs`.
-fn options(specs: Vec<ParamSpec>, servers: u32, mode: Mode, lr: f32) -> PserverOptions {
+/// A pserver of a job of `shards` shards applying SGD at `lr` to `specs`.
+fn options(specs: Vec<ParamSpec>, shards: u32, mode: Mode, lr: f32) -> PserverOptions {
     PserverOptions {
         keys: keys(),
         specs,
-        servers,
+        shards,
         mode,
         optimizer: OptimizerConfig::Sgd { lr },
         ..Default::default()
@@ -46,7 +42,7 @@ fn client_options(trainer: &str, give_up: Duration) -> PserverClientOptions {
     PserverClientOptions {
         call_timeout: Duration::from_secs(10),
         retry: RetryPolicy { give_up_after: give_up, ..RetryPolicy::default() },
-        ..PserverClientOptions::new(keys().claims, trainer)
+        ..PserverClientOptions::new(keys(), trainer)
     }
 }
 
@@ -57,25 +53,30 @@ fn specs() -> Vec<ParamSpec> {
     ]
 }
 
+/// One shard of `specs()` in blocks of 8, a coordinator wanting one pserver
+/// (and one replica).
 struct Env {
     discovery: Arc<dyn Discovery>,
     transport: Arc<dyn Transport>,
     placement: Arc<Placement>,
+    cluster: Cluster,
 }
 
 impl Env {
-    fn new() -> Self {
-        Env {
-            discovery: Arc::new(MemDiscovery::new()),
-            transport: Arc::new(MemTransport::new(MemNetwork::new())),
-            placement: Arc::new(Placement::new(&specs(), 1, 8).unwrap()),
-        }
+    async fn new() -> Self {
+        let discovery: Arc<dyn Discovery> = Arc::new(MemDiscovery::new());
+        let transport: Arc<dyn Transport> = Arc::new(MemTransport::new(MemNetwork::new()));
+        let cluster = Cluster::start(discovery.clone(), transport.clone(), 1, 1, 1).await;
+        Env { discovery, transport, placement: Arc::new(Placement::new(&specs(), 1, 8).unwrap()), cluster }
     }
+    /// A pserver, serving shard 0 once the coordinator mapped it.
     async fn pserver(&self, mode: Mode) -> Pserver {
         let mut o = options(specs(), 1, mode, 0.5);
         o.block_size = 8;
         o.lease_ttl = Duration::from_secs(1);
-        Pserver::start(self.discovery.clone(), self.transport.clone(), "mem:0", o).await.unwrap()
+        let ps = Pserver::start(self.discovery.clone(), self.transport.clone(), "mem:0", o).await.unwrap();
+        self.cluster.wait_serving(&[&ps]).await;
+        ps
     }
     fn client(&self, trainer: &str, give_up: Duration) -> PserverClient {
         let options =
@@ -112,7 +113,8 @@ async fn raw_push_blocks(
     blocks: BlockSpan,
 ) -> Result<PsReply, oar_transport::Error> {
     let conn = env.transport.connect(ps.addr()).await.unwrap();
-    let request = PsRequest::Push { fingerprint, blocks, trainer: "t1".into(), seq, step: 0, weight: 1.0 };
+    let request =
+        PsRequest::Push { shard: 0, fingerprint, blocks, trainer: "t1".into(), seq, step: 0, weight: 1.0 };
     call(conn.as_ref(), PSERVER_METHOD, &request, f32s_to_bytes(&grad), Duration::from_secs(1))
         .await
         .map(|(r, _): (PsReply, Bytes)| r)
@@ -130,7 +132,7 @@ fn assert_bad_request(result: Result<PsReply, oar_transport::Error>, words: &str
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn bad_pushes_are_refused_by_name_and_change_nothing() {
-    let env = Env::new();
+    let env = Env::new().await;
     let ps = env.pserver(Mode::Async).await;
     let fp = env.placement.fingerprint();
     let mut reader = env.client("reader", Duration::from_secs(2));
@@ -146,6 +148,21 @@ async fn bad_pushes_are_refused_by_name_and_change_nothing() {
     for span in [BlockSpan::new(0, blocks + 1), BlockSpan::new(2, 2), BlockSpan::new(3, 1)] {
         assert_bad_request(raw_push_blocks(&env, &ps, 2, vec![0.0; total()], fp, span).await, "block span");
     }
+    let conn = env.transport.connect(ps.addr()).await.unwrap();
+    let elsewhere = PsRequest::Push {
+        shard: 1,
+        fingerprint: fp,
+        blocks: all_blocks(&env),
+        trainer: "t1".into(),
+        seq: 2,
+        step: 0,
+        weight: 1.0,
+    };
+    let payload = f32s_to_bytes(&vec![0.0; total()]);
+    let result = call(conn.as_ref(), PSERVER_METHOD, &elsewhere, payload, Duration::from_secs(1))
+        .await
+        .map(|(r, _): (PsReply, Bytes)| r);
+    assert_bad_request(result, "shard 1 does not exist");
     // A part's payload must match its blocks, not the whole shard's.
     assert_bad_request(
         raw_push_blocks(&env, &ps, 2, vec![0.0; total()], fp, BlockSpan::new(0, 1)).await,
@@ -155,7 +172,7 @@ async fn bad_pushes_are_refused_by_name_and_change_nothing() {
     let mut after = ParamBuf::zeros(&specs());
     reader.pull(&mut after).await.unwrap();
     assert_eq!(before.as_slice(), after.as_slice(), "refused pushes must not touch the parameters");
-    assert_eq!(ps.step(), 0);
+    assert_eq!(ps.step(0), Some(0));
 
     // A good push still works, and the same push retried is applied once.
     let good = vec![1.0; total()];
@@ -172,7 +189,7 @@ async fn bad_pushes_are_refused_by_name_and_change_nothing() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_trainer_that_dies_inside_a_sync_step_does_not_hang_the_others() {
-    let env = Env::new();
+    let env = Env::new().await;
     let ps = env.pserver(Mode::Sync).await;
     let keys = keys();
     let doomed = env.discovery.grant_lease(Duration::from_secs(60)).await.unwrap();
@@ -186,7 +203,7 @@ async fn a_trainer_that_dies_inside_a_sync_step_does_not_hang_the_others() {
     alive.pull(&mut params).await.unwrap();
     let grads = ParamBuf::zeros(&specs());
     alive.push(&grads, 4.0).await.unwrap();
-    assert_eq!(ps.step(), 0, "the step waits for t2");
+    assert_eq!(ps.step(0), Some(0), "the step waits for t2");
 
     // t1 waits for the step; t2's lease ends instead of its push arriving.
     let waiting = tokio::spawn(async move {
@@ -199,16 +216,16 @@ async fn a_trainer_that_dies_inside_a_sync_step_does_not_hang_the_others() {
         .await
         .expect("the pull completes once t2 is gone")
         .unwrap();
-    assert_eq!(ps.step(), 1);
+    assert_eq!(ps.step(0), Some(1));
     drop(dead);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_pserver_that_lost_its_lease_stops_serving() {
-    let env = Env::new();
+    let env = Env::new().await;
     let ps = env.pserver(Mode::Async).await;
     let keys = keys();
-    let lease = env.discovery.get(&keys.claim(0)).await.unwrap().unwrap().lease.unwrap();
+    let lease = env.discovery.get(&keys.pserver(ps.name())).await.unwrap().unwrap().lease.unwrap();
     env.discovery.revoke_lease(lease).await.unwrap();
     tokio::time::timeout(Duration::from_secs(5), async {
         while ps.stopped().is_none() {
@@ -224,8 +241,8 @@ async fn a_pserver_that_lost_its_lease_stops_serving() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_restarted_pserver_resumes_from_its_checkpoint_and_still_knows_applied_pushes() {
-    let env = Env::new();
+async fn a_shard_whose_only_replica_stopped_is_restored_from_its_checkpoint_elsewhere() {
+    let env = Env::new().await;
     let dir = tempfile::tempdir().unwrap();
     let start = |env: &Env| {
         let mut o = options(specs(), 1, Mode::Async, 0.5);
@@ -235,6 +252,7 @@ async fn a_restarted_pserver_resumes_from_its_checkpoint_and_still_knows_applied
         Pserver::start(env.discovery.clone(), env.transport.clone(), "mem:0", o)
     };
     let ps = start(&env).await.unwrap();
+    env.cluster.wait_serving(&[&ps]).await;
     let fp = env.placement.fingerprint();
     raw_push(&env, &ps, 0, vec![1.0; total()], fp).await.unwrap();
     raw_push(&env, &ps, 1, vec![2.0; total()], fp).await.unwrap();
@@ -242,7 +260,7 @@ async fn a_restarted_pserver_resumes_from_its_checkpoint_and_still_knows_applied
     let mut before = ParamBuf::zeros(&specs());
     reader.pull(&mut before).await.unwrap();
 
-    // The periodic checkpointer records the latest checkpoint in discovery.
+    // The periodic checkpointer records the shard's latest checkpoint in discovery.
     let key = keys().checkpoint(0);
     tokio::time::timeout(Duration::from_secs(5), async {
         loop {
@@ -256,11 +274,15 @@ async fn a_restarted_pserver_resumes_from_its_checkpoint_and_still_knows_applied
         }
     })
     .await
-    .expect("a checkpoint of step 2 is recorded under ps/0/checkpoint");
+    .expect("a checkpoint of step 2 is recorded under shard_checkpoint/0");
 
-    ps.shutdown().await.unwrap();
+    // The shard has one replica: when it goes, the coordinator gives the
+    // shard to another pserver, which restores the checkpoint.
+    let steps = ps.shutdown().await.unwrap();
+    assert_eq!(steps.get(&0), Some(&2));
     let again = start(&env).await.unwrap();
-    assert_eq!(again.step(), 2, "the step comes back from the checkpoint");
+    env.cluster.wait_serving(&[&again]).await;
+    assert_eq!(again.step(0), Some(2), "the step comes back from the checkpoint");
     let mut after = ParamBuf::zeros(&specs());
     reader.pull(&mut after).await.unwrap();
     assert_eq!(before.as_slice(), after.as_slice(), "the parameters come back exactly");
@@ -272,27 +294,8 @@ async fn a_restarted_pserver_resumes_from_its_checkpoint_and_still_knows_applied
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_pserver_told_its_index_claims_that_one_and_an_index_out_of_range_is_refused() {
-    let env = Env::new();
-    let start = |index: Option<u32>| {
-        let mut o = options(specs(), 3, Mode::Async, 0.5);
-        o.block_size = 8;
-        o.index = index;
-        o.claim_timeout = Duration::from_millis(300);
-        Pserver::start(env.discovery.clone(), env.transport.clone(), "mem:0", o)
-    };
-    let second = start(Some(2)).await.unwrap();
-    assert_eq!(second.index(), 2, "index 0 is free, but this one was told 2");
-    let err = start(Some(2)).await.err().expect("index 2 is held");
-    assert!(err.to_string().contains("no free"), "{err}");
-    let err = start(Some(3)).await.err().expect("only 3 pservers");
-    assert!(err.to_string().contains("index 3 is out of range"), "{err}");
-    assert_eq!(start(None).await.unwrap().index(), 0);
-}
-
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_push_pull_applies_once_and_answers_the_parameters_after_it() {
-    let env = Env::new();
+    let env = Env::new().await;
     let _ps = env.pserver(Mode::Async).await;
     let mut trainer = env.client("t1", Duration::from_secs(2));
     let mut reader = env.client("reader", Duration::from_secs(2));
@@ -315,6 +318,7 @@ async fn a_push_pull_applies_once_and_answers_the_parameters_after_it() {
     let ps_addr = _ps.addr().to_string();
     let conn = env.transport.connect(&ps_addr).await.unwrap();
     let retry = PsRequest::PushPull {
+        shard: 0,
         fingerprint: env.placement.fingerprint(),
         blocks: all_blocks(&env),
         trainer: "t1".into(),
@@ -336,10 +340,11 @@ async fn a_push_pull_applies_once_and_answers_the_parameters_after_it() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_sync_pserver_refuses_a_push_pull_by_name() {
-    let env = Env::new();
+    let env = Env::new().await;
     let ps = env.pserver(Mode::Sync).await;
     let conn = env.transport.connect(ps.addr()).await.unwrap();
     let request = PsRequest::PushPull {
+        shard: 0,
         fingerprint: env.placement.fingerprint(),
         blocks: all_blocks(&env),
         trainer: "t1".into(),
@@ -356,7 +361,7 @@ async fn a_sync_pserver_refuses_a_push_pull_by_name() {
     .await
     .map(|(r, _): (PsReply, Bytes)| r);
     assert_bad_request(result, "only async pservers");
-    assert_eq!(ps.step(), 0);
+    assert_eq!(ps.step(0), Some(0));
 }
 
 /// Messages above the client's small-message threshold are sent from the
@@ -380,12 +385,14 @@ async fn quic_round_trips(max_part_bytes: usize) {
     let transport: Arc<dyn Transport> =
         Arc::new(oar_transport::QuicTransport::new(ca.tls_config("ps-test").unwrap()).unwrap());
     let discovery: Arc<dyn Discovery> = Arc::new(MemDiscovery::new());
+    let cluster = Cluster::start(discovery.clone(), transport.clone(), 2, 1, 2).await;
     let mut servers = Vec::new();
     for _ in 0..2 {
         let mut o = options(specs.clone(), 2, Mode::Async, 0.5);
         o.block_size = 10_000;
         servers.push(Pserver::start(discovery.clone(), transport.clone(), "127.0.0.1:0", o).await.unwrap());
     }
+    cluster.wait_serving(&servers.iter().collect::<Vec<_>>()).await;
     let placement = Arc::new(Placement::new(&specs, 2, 10_000).unwrap());
     let mut client = PserverClient::new(
         discovery.clone(),
@@ -426,9 +433,11 @@ async fn sync_pushes_in_parts_combine_every_block_once() {
     let transport: Arc<dyn Transport> =
         Arc::new(oar_transport::QuicTransport::new(ca.tls_config("ps-test").unwrap()).unwrap());
     let discovery: Arc<dyn Discovery> = Arc::new(MemDiscovery::new());
+    let cluster = Cluster::start(discovery.clone(), transport.clone(), 1, 1, 1).await;
     let mut o = options(specs.clone(), 1, Mode::Sync, 1.0);
     o.block_size = 4_000;
     let server = Pserver::start(discovery.clone(), transport.clone(), "127.0.0.1:0", o).await.unwrap();
+    cluster.wait_serving(&[&server]).await;
     let placement = Arc::new(Placement::new(&specs, 1, 4_000).unwrap());
     let client = |name: &str| {
         let options = client_options(name, Duration::from_secs(10));
@@ -451,7 +460,7 @@ async fn sync_pushes_in_parts_combine_every_block_once() {
     let (ra, rb) = tokio::join!(a.push(&ga, 1.0), b.push(&gb, 3.0));
     assert_eq!((ra.unwrap(), rb.unwrap()), (PushResult::Accepted, PushResult::Accepted));
     a.pull(&mut params).await.unwrap();
-    assert_eq!(server.step(), 1, "one step, applied once");
+    assert_eq!(server.step(0), Some(1), "one step, applied once");
     for (i, p) in params.as_slice().iter().enumerate() {
         assert!((p - 2.0 * i as f32).abs() <= 1e-3 * (1.0 + 2.0 * i as f32), "element {i}: {p}");
     }
@@ -500,7 +509,7 @@ async fn assert_refused_naming_the_panic(env: &Env, ps: &Pserver, request: PsReq
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_panic_midway_through_a_push_stops_the_pserver_and_a_replacement_loads_the_last_checkpoint() {
-    let env = Env::new();
+    let env = Env::new().await;
     let dir = tempfile::tempdir().unwrap();
     let start = |panic_at: u64| {
         let mut o = options(specs(), 1, Mode::Async, 0.5);
@@ -516,11 +525,12 @@ async fn a_panic_midway_through_a_push_stops_the_pserver_and_a_replacement_loads
     // 1-5; the second updates two blocks and panics on the third (apply 8).
     assert_eq!(all_blocks(&env).end, 5);
     let ps = start(8).await.unwrap();
+    env.cluster.wait_serving(&[&ps]).await;
     let fp = env.placement.fingerprint();
     let first = raw_push(&env, &ps, 0, vec![1.0; total()], fp).await.unwrap();
     assert_eq!(first, PsReply::Pushed(PushOutcome::Applied { step: 1 }));
-    let saved = ps.checkpoint().await.unwrap().unwrap();
-    assert_eq!(saved.step, 1);
+    let saved = ps.checkpoint().await.unwrap();
+    assert_eq!(saved.iter().map(|i| i.step).collect::<Vec<_>>(), [1]);
     let files = |d: &CheckpointDir| -> Vec<(String, Vec<u8>)> {
         d.list().unwrap().iter().map(|p| (p.display().to_string(), std::fs::read(p).unwrap())).collect()
     };
@@ -543,16 +553,31 @@ async fn a_panic_midway_through_a_push_stops_the_pserver_and_a_replacement_loads
     assert!(why.contains("fragile-sgd broke on apply 8") && why.contains("half-updated"), "{why}");
     let blocks = all_blocks(&env);
     let refused = [
-        (PsRequest::Info, vec![]),
-        (PsRequest::Join { trainer: "t9".into() }, vec![]),
-        (PsRequest::Leave { trainer: "t9".into() }, vec![]),
-        (PsRequest::Pull { fingerprint: fp, blocks, min_step: None, max_wait_ms: 0 }, vec![]),
+        (PsRequest::Info { shard: 0 }, vec![]),
+        (PsRequest::Join { shard: 0, trainer: "t9".into() }, vec![]),
+        (PsRequest::Leave { shard: 0, trainer: "t9".into() }, vec![]),
+        (PsRequest::Pull { shard: 0, fingerprint: fp, blocks, min_step: None, max_wait_ms: 0 }, vec![]),
         (
-            PsRequest::Push { fingerprint: fp, blocks, trainer: "t1".into(), seq: 2, step: 0, weight: 1.0 },
+            PsRequest::Push {
+                shard: 0,
+                fingerprint: fp,
+                blocks,
+                trainer: "t1".into(),
+                seq: 2,
+                step: 0,
+                weight: 1.0,
+            },
             vec![1.0; total()],
         ),
         (
-            PsRequest::PushPull { fingerprint: fp, blocks, trainer: "t1".into(), seq: 3, weight: 1.0 },
+            PsRequest::PushPull {
+                shard: 0,
+                fingerprint: fp,
+                blocks,
+                trainer: "t1".into(),
+                seq: 3,
+                weight: 1.0,
+            },
             vec![1.0; total()],
         ),
     ];
@@ -568,18 +593,20 @@ async fn a_panic_midway_through_a_push_stops_the_pserver_and_a_replacement_loads
     }
     assert_eq!(files(&ckpt_dir), before_panic);
 
-    // The index is released at once (the lease revoked): a replacement
-    // claims it, loads the checkpoint of step 1, and takes the push again.
-    let claim = keys().claim(0);
+    // The registration goes at once (the lease revoked): the coordinator
+    // gives the shard to a replacement, which loads the checkpoint of step
+    // 1 and takes the push again.
+    let registration = keys().pserver(ps.name());
     tokio::time::timeout(Duration::from_secs(10), async {
-        while env.discovery.get(&claim).await.unwrap().is_some() {
+        while env.discovery.get(&registration).await.unwrap().is_some() {
             tokio::time::sleep(Duration::from_millis(10)).await;
         }
     })
     .await
-    .expect("the stopped pserver releases its index");
+    .expect("the stopped pserver's registration goes");
     let replacement = start(u64::MAX).await.unwrap();
-    assert_eq!(replacement.step(), 1);
+    env.cluster.wait_serving(&[&replacement]).await;
+    assert_eq!(replacement.step(0), Some(1));
     let mut restored = ParamBuf::zeros(&specs());
     reader.pull(&mut restored).await.unwrap();
     assert_eq!(

@@ -449,6 +449,13 @@ impl Master {
         aborted
     }
 
+    /// The fence of this master's lock: writes made with it fail once
+    /// another master holds the lock (for services that run with the
+    /// master, such as the pservers' coordinator).
+    pub fn fence(&self) -> Fence {
+        self.fence.clone()
+    }
+
     /// Write `key` through this master's fence: it fails with
     /// [`oar_discovery::Error::FenceLost`] once another master holds the lock.
     pub async fn put_fenced(&self, key: &str, value: Vec<u8>) -> Result<()> {

@@ -25,7 +25,10 @@ use crate::{
     Error, Result,
 };
 use oar_discovery::ChangeSignal;
-use oar_pserver::{OptimizerConfig, ParamBuf, Placement, PserverClient, PserverClientOptions};
+use oar_pserver::{
+    Coordinator, CoordinatorOptions, OptimizerConfig, ParamBuf, Placement, PserverClient,
+    PserverClientOptions,
+};
 use oar_task_queue::{
     auto_chunk_bytes, chunk_files, glob_files, tasks_from_chunks, JobState, Master, MasterOptions,
     MasterStatus,
@@ -90,7 +93,7 @@ async fn run_master(
         }
     }
     let model = ctx.model(config)?;
-    let placement = Arc::new(Placement::new(&model.param_specs(), config.pservers, config.block_size)?);
+    let placement = Arc::new(Placement::new(&model.param_specs(), config.shards, config.block_size)?);
     // Scoring skips bad lines; training reports them through its tasks.
     let scoring = ReaderOptions { skip_bad_lines: true, ..config.reader() };
     // The training set is read for the final report's train accuracy only
@@ -126,7 +129,18 @@ async fn run_master(
         return Ok(None);
     };
     let master = master?;
-    ctx.discovery.put(&keys.ps_desired(), config.pservers.to_string().into_bytes(), None).await?;
+    // The shard map's one writer runs with the master, through its fence.
+    let coordinator_options = CoordinatorOptions {
+        keys: keys.pserver(),
+        shards: config.shards,
+        replicas: config.replicas,
+        pservers: config.pservers,
+        query_timeout: options.call_timeout.min(Duration::from_secs(1)),
+        ..CoordinatorOptions::default()
+    };
+    let coordinator =
+        Coordinator::start(ctx.discovery.clone(), ctx.transport.clone(), master.fence(), coordinator_options)
+            .await?;
     if let Some(report) = read_result(&*ctx.discovery, &ctx.job).await? {
         tracing::info!(state = ?report.state, "the job had ended before this master started");
         master.shutdown().await?;
@@ -136,7 +150,7 @@ async fn run_master(
     let client_options = PserverClientOptions {
         call_timeout: options.call_timeout,
         retry: options.retry(),
-        ..PserverClientOptions::new(keys.ps_prefix(), format!("{}-evaluator", options.id))
+        ..PserverClientOptions::new(keys.pserver(), format!("{}-evaluator", options.id))
     };
     let mut evaluator =
         PserverClient::new(ctx.discovery.clone(), ctx.transport.clone(), placement, client_options);
@@ -194,6 +208,9 @@ async fn run_master(
         return Ok(None);
     };
     let state = state?;
+    // The job is over: the map stays as it was while it trained (the
+    // pservers leave from now on, and their shards need no new home).
+    drop(coordinator);
     let last = master.status().borrow().clone();
     let training_seconds = started.elapsed().as_secs_f64();
 

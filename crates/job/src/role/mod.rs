@@ -23,10 +23,12 @@
 //! on SIGTERM and SIGINT) stops the role gracefully, and it returns `Ok`:
 //!
 //! - a **pserver** stops taking pushes (they are refused as "unavailable",
-//!   so trainers retry them on a replacement), writes a last checkpoint of
-//!   everything it applied, and releases its index (revokes its lease), so
-//!   a replacement claims it at once and loads that checkpoint: no
-//!   acknowledged push is lost;
+//!   so trainers retry them on the shard's next primary), writes a last
+//!   checkpoint of every shard it is primary of, and releases its
+//!   registration (revokes its lease), so the master's coordinator gives
+//!   its shards to their followers, or (one replica per shard) to other
+//!   pservers from those checkpoints, at once: no acknowledged push is
+//!   lost;
 //! - a **master** stores its state, then releases its lock and address, so
 //!   a standby takes over at once, not after a lease ttl; a standby that is
 //!   stopped stops waiting;
@@ -88,14 +90,15 @@ pub struct RoleOptions {
     /// Trainer: notified whenever the master accepted its reports (what a
     /// progress display follows).
     pub on_report: Option<std::sync::Arc<tokio::sync::Notify>>,
-    /// Pserver: where checkpoints go (`<dir>/ps-<index>/`); none: no checkpoints.
+    /// Pserver: where checkpoints go (`<dir>/shard-<s>/`); none: no
+    /// checkpoints. Every pserver of a job must see the same directory (a
+    /// shared volume): a shard's checkpoints are written by its primary,
+    /// whichever pserver that is, and restored by whichever pserver the
+    /// coordinator gives the shard to.
     pub checkpoint_dir: Option<PathBuf>,
     /// Pserver: how often a checkpoint is written. A crash loses at most
     /// the updates of one interval; a graceful shutdown loses none.
     pub checkpoint_interval: Duration,
-    /// Pserver: claim exactly this shard index instead of the lowest free one
-    /// (for pservers with a checkpoint volume each, such as StatefulSet pods).
-    pub pserver_index: Option<u32>,
 }
 
 impl Default for RoleOptions {
@@ -116,7 +119,6 @@ impl Default for RoleOptions {
             on_report: None,
             checkpoint_dir: None,
             checkpoint_interval: Duration::from_secs(60),
-            pserver_index: None,
         }
     }
 }

@@ -48,7 +48,7 @@ async fn run_trainer_role(
         return Err(Error::JobOver { job: ctx.job.clone(), state: report.state });
     }
     let model = ctx.model(&config)?;
-    let placement = Arc::new(Placement::new(&model.param_specs(), config.pservers, config.block_size)?);
+    let placement = Arc::new(Placement::new(&model.param_specs(), config.shards, config.block_size)?);
     let keys = JobKeys::new(&ctx.job)?;
 
     let session = Session::start(ctx.discovery.clone(), options.lease_ttl).await?;
@@ -75,7 +75,7 @@ async fn run_trainer_role(
         PserverClientOptions {
             call_timeout: options.call_timeout,
             retry: options.retry(),
-            ..PserverClientOptions::new(keys.ps_prefix(), id.clone())
+            ..PserverClientOptions::new(keys.pserver(), id.clone())
         },
     );
     // The pservers come up, or the job ends meanwhile (they never will).

@@ -1,4 +1,6 @@
-//! What the pserver benchmarks share.
+//! What the pserver benchmarks share (each uses some of it).
+
+#![allow(dead_code)]
 
 /// Running `rustc` processes and the 1-minute load average, from /proc.
 pub fn machine_load() -> String {
@@ -18,4 +20,47 @@ pub fn machine_load() -> String {
         .and_then(|l| l.split_whitespace().next().map(str::to_string))
         .unwrap_or_else(|| "?".into());
     format!("rustc running: {rustc}, load average (1 min): {load}")
+}
+
+#[cfg(feature = "service")]
+#[allow(unused_imports)] // each bench uses some of it
+pub use service::*;
+
+/// The pieces for benches that run pservers (feature `service`).
+#[cfg(feature = "service")]
+mod service {
+    use oar_discovery::Discovery;
+    use oar_pserver::{Coordinator, CoordinatorOptions, PserverKeys};
+    use oar_transport::Transport;
+    use std::{sync::Arc, time::Duration};
+
+    /// Where the benches' pservers register and find their map, under `/bench/`.
+    pub fn keys() -> PserverKeys {
+        PserverKeys {
+            pservers: "/bench/ps/".into(),
+            shard_map: "/bench/shard_map".into(),
+            replicas: "/bench/pshards/".into(),
+            checkpoints: "/bench/shard_checkpoint/".into(),
+            cluster_status: "/bench/pserver_cluster_status".into(),
+            members: "/bench/trainer/".into(),
+        }
+    }
+
+    /// The shard map's writer for `pservers` pservers holding `shards` shards
+    /// with `replicas` replicas each, as a job's master runs it.
+    pub async fn coordinator(
+        discovery: Arc<dyn Discovery>,
+        transport: Arc<dyn Transport>,
+        shards: u32,
+        replicas: u32,
+        pservers: u32,
+    ) -> Coordinator {
+        let lease = discovery.grant_lease(Duration::from_secs(3600)).await.expect("lease");
+        let fence = discovery
+            .lock("/bench/coordinator", Vec::new(), lease, Duration::from_secs(5))
+            .await
+            .expect("lock");
+        let options = CoordinatorOptions { keys: keys(), shards, replicas, pservers, ..Default::default() };
+        Coordinator::start(discovery, transport, fence, options).await.expect("coordinator")
+    }
 }

@@ -18,7 +18,9 @@ pub const EXTENSION: &str = "oarckpt";
 const PREFIX: &str = "ckpt-";
 const TMP_SUFFIX: &str = ".tmp";
 
-/// Where one pserver keeps its checkpoints: `<root>/ps-<index>/ckpt-<step:020>.oarckpt`.
+/// Where one logical shard's checkpoints go: `<root>/shard-<index>/ckpt-<step:020>.oarckpt`,
+/// written by whichever pserver is the shard's primary (so a shard's
+/// checkpoints stay in one place as its primary changes).
 ///
 /// "Newest" means the highest step in the file name.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -28,18 +30,18 @@ pub struct CheckpointDir {
 }
 
 impl CheckpointDir {
-    /// The checkpoint directory of pserver `index` under `root`. Nothing is
+    /// The checkpoint directory of shard `index` under `root`. Nothing is
     /// created until the first save.
     pub fn new(root: impl Into<PathBuf>, index: u32) -> Self {
-        Self { index, dir: root.into().join(format!("ps-{index}")) }
+        Self { index, dir: root.into().join(format!("shard-{index}")) }
     }
 
-    /// `<root>/ps-<index>`.
+    /// `<root>/shard-<index>`.
     pub fn path(&self) -> &Path {
         &self.dir
     }
 
-    /// The pserver index.
+    /// The shard.
     pub fn index(&self) -> u32 {
         self.index
     }
@@ -283,7 +285,7 @@ mod tests {
         assert_eq!(step_of_name("ckpt-99999999999999999999999.oarckpt"), None, "overflow");
         let dir = CheckpointDir::new("/ckpt", 3);
         let path = dir.file_for_step(42);
-        assert_eq!(path, Path::new("/ckpt/ps-3/ckpt-00000000000000000042.oarckpt"));
+        assert_eq!(path, Path::new("/ckpt/shard-3/ckpt-00000000000000000042.oarckpt"));
         assert_eq!(path.file_name().and_then(|n| n.to_str()).and_then(step_of_name), Some(42));
     }
 }

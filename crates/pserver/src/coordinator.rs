@@ -1,0 +1,385 @@
+//! The shard coordinator: the one writer of a job's [`ShardMap`]
+//! (`docs/DESIGN.md` §6). It runs where the job's lock holder runs (the
+//! master) and writes only through that lock's [`Fence`], so a deposed
+//! coordinator changes nothing.
+//!
+//! What it does, each time the registrations or the replicas' states change
+//! (and every second):
+//!
+//! - **First map.** Once [`CoordinatorOptions::pservers`] pservers are
+//!   registered, it writes the first map over them ([`ShardMap::initial`]).
+//! - **Failover.** A pserver whose registration went (its lease expired,
+//!   or it shut down) leaves every replica set; where it was primary, the
+//!   caught-up follower with the highest applied update takes over
+//!   ([`ShardMap::without`]). It asks each candidate ([`PsRequest::Status`]),
+//!   and only one that answers as a caught-up follower under the current
+//!   map can take over: a replica still catching up holds nothing to serve.
+//! - **Restore.** A shard left with no replica is given to the live
+//!   pserver holding the fewest replicas, which restores it from the
+//!   shard's last checkpoint ([`ShardMap::with_restored`]).
+//! - **Re-replication.** A shard with fewer replicas than wanted gets a
+//!   follower on the live pserver holding the fewest replicas that has
+//!   none of it ([`ShardMap::with_follower`]); it catches up from the
+//!   primary.
+//! - **Health.** It writes the cluster's status: `OK` when every shard has
+//!   all its replicas and every replica has caught up, else `UNHEALTHY`
+//!   with the reason (`UNKNOWN` before the first map).
+//!
+//! Several changes found at once go out as one new map.
+
+use crate::{
+    error::{ServiceError, ServiceResult},
+    protocol::{PsReply, PsRequest, ReplicaRole, PSERVER_METHOD},
+    service::PserverKeys,
+    topology::{Topology, TopologyWatch},
+    Health, ShardMap,
+};
+use oar_discovery::{ChangeSignal, Discovery, Fence};
+use oar_transport::Transport;
+use std::{
+    collections::{BTreeMap, HashMap},
+    sync::Arc,
+    time::Duration,
+};
+use tokio_util::task::AbortOnDropHandle;
+
+/// How a [`Coordinator`] runs.
+#[derive(Clone, Debug)]
+pub struct CoordinatorOptions {
+    /// The pservers' keys: where they register, the map, the replicas'
+    /// states and the cluster's status.
+    pub keys: PserverKeys,
+    /// Logical shards of the job.
+    pub shards: u32,
+    /// Replicas per shard.
+    pub replicas: u32,
+    /// The pservers the first map waits for.
+    pub pservers: u32,
+    /// How long a candidate has to answer a failover's question.
+    pub query_timeout: Duration,
+    /// How long a failover keeps asking candidates that have not seen the
+    /// current map yet (or did not answer) before it decides without them.
+    pub election_wait: Duration,
+}
+
+impl Default for CoordinatorOptions {
+    /// One shard, one replica, one pserver; candidates answer within 1 s,
+    /// and a failover waits up to 2 s for them.
+    fn default() -> Self {
+        Self {
+            keys: PserverKeys::default(),
+            shards: 1,
+            replicas: 1,
+            pservers: 1,
+            query_timeout: Duration::from_secs(1),
+            election_wait: Duration::from_secs(2),
+        }
+    }
+}
+
+/// A running coordinator. Dropping it stops it.
+pub struct Coordinator {
+    task: AbortOnDropHandle<ServiceResult<()>>,
+}
+
+impl Coordinator {
+    /// Coordinate the pservers under `options.keys`, writing through `fence`.
+    pub async fn start(
+        discovery: Arc<dyn Discovery>,
+        transport: Arc<dyn Transport>,
+        fence: Fence,
+        options: CoordinatorOptions,
+    ) -> ServiceResult<Coordinator> {
+        if options.shards == 0 || options.replicas == 0 || options.pservers < options.replicas {
+            return Err(ServiceError::Config(format!(
+                "{} shards, {} replicas, {} pservers: a job needs at least one shard and one replica, and at \
+                 least as many pservers as replicas",
+                options.shards, options.replicas, options.pservers
+            )));
+        }
+        if options.keys.cluster_status.is_empty() || options.keys.replicas.is_empty() {
+            return Err(ServiceError::Config(format!(
+                "coordinator keys must name the cluster status and the replicas: {:?}",
+                options.keys
+            )));
+        }
+        let topology = TopologyWatch::start(discovery.clone(), &options.keys).await?;
+        let replicas_signal = ChangeSignal::new(&*discovery, &options.keys.replicas).await;
+        let run = Run { discovery, transport, fence, options, topology, status: String::new() };
+        let task = tokio::spawn(run.run(replicas_signal));
+        Ok(Coordinator { task: AbortOnDropHandle::new(task) })
+    }
+
+    /// Wait until the coordinator stops: it lost its fence, or could not
+    /// write the map. (It never stops on its own otherwise.)
+    pub async fn stopped(&mut self) -> ServiceError {
+        match (&mut self.task).await {
+            Ok(Ok(())) => ServiceError::Stopped("the coordinator stopped".into()),
+            Ok(Err(e)) => e,
+            Err(e) => ServiceError::Stopped(format!("the coordinator's task failed: {e}")),
+        }
+    }
+}
+
+struct Run {
+    discovery: Arc<dyn Discovery>,
+    transport: Arc<dyn Transport>,
+    fence: Fence,
+    options: CoordinatorOptions,
+    topology: TopologyWatch,
+    /// The cluster status last written.
+    status: String,
+}
+
+impl Run {
+    async fn run(mut self, mut replicas_signal: ChangeSignal) -> ServiceResult<()> {
+        let mut changes = self.topology.subscribe();
+        loop {
+            let topology = changes.borrow_and_update().clone();
+            let written = match &topology.map {
+                None => self.first_map(&topology).await?,
+                Some(map) => self.maintain(&topology, map).await?,
+            };
+            match written {
+                // Look again at once, from the map just written.
+                Some(map) => {
+                    let seen = self.topology.newer_than(map.version() - 1, Duration::from_secs(1)).await;
+                    self.write_status(&seen).await?;
+                    continue;
+                }
+                None => self.write_status(&topology).await?,
+            }
+            tokio::select! {
+                _ = changes.changed() => {}
+                _ = replicas_signal.wait(Duration::from_secs(1)) => {}
+            }
+        }
+    }
+
+    async fn write_map(&self, map: &ShardMap) -> ServiceResult<()> {
+        self.discovery.put_fenced(&self.fence, &self.options.keys.shard_map, map.encode()).await?;
+        tracing::info!(version = map.version(), health = ?map.health(), "shard map written");
+        Ok(())
+    }
+
+    /// The first map, once enough pservers registered.
+    async fn first_map(&self, topology: &Topology) -> ServiceResult<Option<ShardMap>> {
+        if (topology.addrs.len() as u32) < self.options.pservers {
+            return Ok(None);
+        }
+        let mut names: Vec<String> = topology.addrs.keys().cloned().collect();
+        names.sort();
+        let map = ShardMap::initial(self.options.shards, self.options.replicas, &names)?;
+        self.write_map(&map).await?;
+        Ok(Some(map))
+    }
+
+    /// Failovers, restores and new followers the current map needs.
+    async fn maintain(&self, topology: &Topology, map: &ShardMap) -> ServiceResult<Option<ShardMap>> {
+        let mut next = map.clone();
+        for gone in map.pservers() {
+            if topology.addrs.contains_key(gone) {
+                continue;
+            }
+            let applied = self.candidates(topology, map, gone).await;
+            if let Some(without) = next.without(gone, |s, q| applied.get(&(s, q.to_string())).copied()) {
+                tracing::info!(pserver = gone, "pserver gone: its shards go to their followers");
+                next = without;
+            }
+        }
+        let live: Vec<&String> = {
+            let mut live: Vec<&String> = topology.addrs.keys().collect();
+            live.sort();
+            live
+        };
+        if !live.is_empty() {
+            for shard in 0..next.shard_count() {
+                if next.replica_set(shard).is_empty() {
+                    let to = least_loaded(&next, &live, shard);
+                    if let Some(to) = to {
+                        tracing::warn!(
+                            shard,
+                            pserver = to,
+                            "no replica left: restoring the shard from its checkpoint"
+                        );
+                        next = next.with_restored(shard, to)?;
+                    }
+                }
+            }
+            for shard in 0..next.shard_count() {
+                let set = next.replica_set(shard);
+                if !set.is_empty() && (set.len() as u32) < next.replicas() {
+                    if let Some(to) = least_loaded(&next, &live, shard) {
+                        tracing::info!(shard, pserver = to, "adding a follower");
+                        next = next.with_follower(shard, to)?;
+                    }
+                }
+            }
+        }
+        if next == *map {
+            return Ok(None);
+        }
+        self.write_map(&next).await?;
+        Ok(Some(next))
+    }
+
+    /// The replicas that can take over the shards `gone` was primary of,
+    /// with their applied updates: those that answer as caught-up followers
+    /// under the current map. Asked again (briefly) while some have not
+    /// seen the current map or did not answer.
+    async fn candidates(
+        &self,
+        topology: &Topology,
+        map: &ShardMap,
+        gone: &str,
+    ) -> HashMap<(u32, String), u64> {
+        let shards: Vec<u32> = (0..map.shard_count()).filter(|&s| map.primary(s) == Some(gone)).collect();
+        let mut asked: Vec<String> = shards.iter().flat_map(|&s| map.replica_set(s)[1..].to_vec()).collect();
+        asked.sort();
+        asked.dedup();
+        asked.retain(|p| topology.addrs.contains_key(p));
+        let deadline = tokio::time::Instant::now() + self.options.election_wait;
+        let mut applied = HashMap::new();
+        loop {
+            let answers = oar_transport::join_all(asked.iter().map(|p| self.status_of(topology, p))).await;
+            let mut pending = Vec::new();
+            for (p, answer) in asked.iter().zip(answers) {
+                match answer {
+                    Some((version, states)) if version == map.version() => {
+                        for state in states {
+                            if shards.contains(&state.0) && state.1 == ReplicaRole::Follower {
+                                applied.insert((state.0, p.clone()), state.2);
+                            }
+                        }
+                    }
+                    _ => pending.push(p.clone()),
+                }
+            }
+            if pending.is_empty() || tokio::time::Instant::now() >= deadline {
+                if !pending.is_empty() {
+                    tracing::warn!(
+                        ?pending,
+                        gone,
+                        "some followers did not answer as such in time: they cannot take over"
+                    );
+                }
+                return applied;
+            }
+            asked = pending;
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+    }
+
+    /// Pserver `name`'s map version and `(shard, role, applied)` of each replica.
+    async fn status_of(
+        &self,
+        topology: &Topology,
+        name: &str,
+    ) -> Option<(u64, Vec<(u32, ReplicaRole, u64)>)> {
+        let addr = topology.addrs.get(name)?;
+        let conn = self.transport.connect(addr).await.ok()?;
+        let call = oar_transport::call::<_, PsReply>(
+            conn.as_ref(),
+            PSERVER_METHOD,
+            &PsRequest::Status,
+            bytes::Bytes::new(),
+            self.options.query_timeout,
+        );
+        match call.await.ok()?.0 {
+            PsReply::Status { map_version, shards, .. } => {
+                Some((map_version, shards.into_iter().map(|s| (s.shard, s.role, s.applied)).collect()))
+            }
+            _ => None,
+        }
+    }
+
+    /// Write the cluster's status when it changed.
+    async fn write_status(&mut self, topology: &Topology) -> ServiceResult<()> {
+        let status = match &topology.map {
+            None => serde_json::json!({
+                "status": "UNKNOWN",
+                "reason": format!(
+                    "no shard map yet: {} of {} pservers registered",
+                    topology.addrs.len(),
+                    self.options.pservers
+                ),
+                "nodes": sorted(topology.addrs.keys()),
+            }),
+            Some(map) => {
+                let mut reasons = Vec::new();
+                if let Health::Unhealthy { under_replicated, unavailable } = map.health() {
+                    if !unavailable.is_empty() {
+                        reasons.push(format!("shards without a replica: {unavailable:?}"));
+                    }
+                    if !under_replicated.is_empty() {
+                        reasons.push(format!(
+                            "shards with fewer than {} replicas: {under_replicated:?}",
+                            map.replicas()
+                        ));
+                    }
+                }
+                let syncing = self.syncing(map).await?;
+                if !syncing.is_empty() {
+                    reasons.push(format!("replicas not caught up: {}", syncing.join(", ")));
+                }
+                serde_json::json!({
+                    "status": if reasons.is_empty() { "OK" } else { "UNHEALTHY" },
+                    "reason": reasons.join("; "),
+                    "nodes": map.pservers(),
+                    "map_version": map.version(),
+                })
+            }
+        };
+        let status = status.to_string();
+        if status != self.status {
+            self.discovery
+                .put_fenced(&self.fence, &self.options.keys.cluster_status, status.clone().into_bytes())
+                .await?;
+            tracing::info!(status, "cluster status");
+            self.status = status;
+        }
+        Ok(())
+    }
+
+    /// The replicas of `map` that do not say they are caught up (as
+    /// `shard/name`), from their state keys.
+    async fn syncing(&self, map: &ShardMap) -> ServiceResult<Vec<String>> {
+        let listing = self.discovery.get_prefix(&self.options.keys.replicas).await?;
+        let mut states: BTreeMap<(u32, String), String> = BTreeMap::new();
+        for kv in listing.kvs {
+            let Some(rest) = kv.key.strip_prefix(&self.options.keys.replicas) else { continue };
+            let Some((shard, name)) = rest.split_once('/') else { continue };
+            let Ok(shard) = shard.parse::<u32>() else { continue };
+            let status = serde_json::from_slice::<serde_json::Value>(&kv.value)
+                .ok()
+                .and_then(|v| v.get("status").and_then(|s| s.as_str()).map(str::to_string))
+                .unwrap_or_default();
+            states.insert((shard, name.to_string()), status);
+        }
+        let mut syncing = Vec::new();
+        for shard in 0..map.shard_count() {
+            for (r, name) in map.replica_set(shard).iter().enumerate() {
+                let want = if r == 0 { "primary" } else { "follower" };
+                if states.get(&(shard, name.clone())).map(String::as_str) != Some(want) {
+                    syncing.push(format!("{shard}/{name}"));
+                }
+            }
+        }
+        Ok(syncing)
+    }
+}
+
+fn sorted<'a>(names: impl Iterator<Item = &'a String>) -> Vec<String> {
+    let mut names: Vec<String> = names.cloned().collect();
+    names.sort();
+    names
+}
+
+/// The live pserver holding the fewest replicas in `map` that holds none
+/// of `shard` (ties to the first name).
+fn least_loaded<'a>(map: &ShardMap, live: &[&'a String], shard: u32) -> Option<&'a str> {
+    live.iter()
+        .filter(|p| map.role(shard, p).is_none())
+        .min_by_key(|p| map.shards_of(p).len())
+        .map(|p| p.as_str())
+}

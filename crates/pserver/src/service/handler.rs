@@ -1,0 +1,554 @@
+//! Answering calls: trainers' calls to a shard's primary, and the
+//! replication calls between pservers.
+
+use super::{metrics, replication, HeldSnapshot, Shared, Slot, SlotState, SNAPSHOT_KEEP};
+use crate::{
+    protocol::{BlockSpan, PsReply, PsRequest, ReplicaState, PSERVER_METHOD},
+    replica::{History, SyncFrom, Update},
+    Error, Grad, Mode, ParamStore, Push, PushOutcome,
+};
+use async_trait::async_trait;
+use bytes::{Bytes, BytesMut};
+use oar_transport::{Frame, Handler, RemoteError};
+use std::{
+    sync::{Arc, MutexGuard, PoisonError},
+    time::Duration,
+};
+
+pub(super) struct PsHandler {
+    pub(super) shared: Arc<Shared>,
+}
+
+type Reply<T> = std::result::Result<T, RemoteError>;
+
+/// The longest a pull may wait on the server for the next sync step.
+const MAX_PULL_WAIT: Duration = Duration::from_secs(5);
+
+impl PsHandler {
+    fn check_fingerprint(&self, fingerprint: u64) -> Reply<()> {
+        let ours = self.shared.placement.fingerprint();
+        if fingerprint != ours {
+            return Err(RemoteError::bad_request(format!(
+                "placement fingerprint {fingerprint:#x} does not match this pserver's {ours:#x}: \
+                 client and server disagree on the model's parameters, shard count or block size"
+            )));
+        }
+        Ok(())
+    }
+
+    fn check_shard(&self, shard: u32) -> Reply<()> {
+        let shards = self.shared.placement.servers();
+        if shard >= shards {
+            return Err(RemoteError::bad_request(format!(
+                "shard {shard} does not exist: the job has {shards}"
+            )));
+        }
+        Ok(())
+    }
+
+    /// The shard's slot, if the shard exists; `None` if this pserver holds
+    /// no replica of it.
+    fn slot(&self, shard: u32) -> Reply<Option<Arc<Slot>>> {
+        self.check_shard(shard)?;
+        Ok(self.shared.slot(shard))
+    }
+
+    fn not_primary(&self, shard: u32) -> PsReply {
+        PsReply::NotPrimary { shard, map_version: self.shared.map_version() }
+    }
+
+    /// The blocks of `span` among the shard's blocks, or an error naming
+    /// the span and how many blocks the shard holds.
+    fn span(&self, shard: u32, span: BlockSpan) -> Reply<Vec<&crate::BlockInfo>> {
+        self.check_shard(shard)?;
+        let held: Vec<&crate::BlockInfo> = self.shared.placement.blocks_on(shard).collect();
+        if span.start >= span.end || span.end as usize > held.len() {
+            return Err(RemoteError::bad_request(format!(
+                "block span {}..{} is empty or out of range: shard {shard} holds {} blocks",
+                span.start,
+                span.end,
+                held.len()
+            )));
+        }
+        Ok(held[span.range()].to_vec())
+    }
+
+    /// Lock `slot`; `None` if it is not primary (answer [`PsReply::NotPrimary`]).
+    fn primary<'a>(&self, slot: &'a Slot) -> Reply<Option<MutexGuard<'a, SlotState>>> {
+        self.shared.check_serving()?;
+        let state = self.shared.lock(slot)?;
+        // Looked at again under the lock: a panic stops the pserver while it holds one.
+        self.shared.check_serving()?;
+        Ok(matches!(*state, SlotState::Primary { .. }).then_some(state))
+    }
+
+    /// Wait until every follower holds update `seq` of `slot` (strong
+    /// mode), then check the pserver may still answer: its lease is valid
+    /// and it is still the primary. Immediate with no follower.
+    async fn replicated(&self, slot: &Slot, seq: u64) -> Reply<()> {
+        let mut replication = slot.replication.subscribe();
+        let started = tokio::time::Instant::now();
+        if !replication.borrow().primary || replication.borrow().replicated < seq {
+            let timeout = self.shared.options.replication_timeout;
+            let wait = replication.wait_for(|r| !r.primary || r.replicated >= seq);
+            match tokio::time::timeout(timeout, wait).await {
+                Ok(Ok(r)) if r.primary => {}
+                Ok(_) => {
+                    return Err(RemoteError::unavailable(format!(
+                        "shard {}: no longer its primary before its followers held update {seq}",
+                        slot.shard
+                    )))
+                }
+                Err(_) => {
+                    return Err(RemoteError::unavailable(format!(
+                        "shard {}: its followers did not all hold update {seq} within {timeout:?}",
+                        slot.shard
+                    )))
+                }
+            }
+            metrics().replication_wait.observe(started.elapsed().as_secs_f64());
+        }
+        // The last check before an answer leaves: a deposed or paused
+        // primary acknowledges nothing.
+        self.shared.check_serving()
+    }
+
+    /// Apply a push (or a part of one) to `shard`. Its gradients are views
+    /// into the received `payload`, not copies.
+    async fn push(&self, request: PsRequest, payload: &Bytes) -> Reply<PsReply> {
+        let PsRequest::Push { shard, fingerprint, blocks, trainer, seq, step, weight } = request else {
+            return Err(RemoteError::internal("not a push"));
+        };
+        self.check_fingerprint(fingerprint)?;
+        let span = self.span(shard, blocks)?;
+        let expected: usize = span.iter().map(|b| b.len).sum();
+        if payload.len() != expected * 4 {
+            return Err(RemoteError::bad_request(format!(
+                "push from {trainer} to shard {shard}: payload has {} bytes, blocks {}..{} need {} ({} floats)",
+                payload.len(),
+                blocks.start,
+                blocks.end,
+                expected * 4,
+                expected
+            )));
+        }
+        let Some(slot) = self.slot(shard)? else { return Ok(self.not_primary(shard)) };
+        let mut grads = Vec::with_capacity(span.len());
+        let mut at = 0;
+        for block in span {
+            grads.push((block.id, Grad::Wire(payload.slice(at..at + block.len * 4))));
+            at += block.len * 4;
+        }
+        let push = Push { trainer, seq, step, weight, grads };
+        let (reply, wait) = {
+            let Some(mut state) = self.primary(&slot)? else { return Ok(self.not_primary(shard)) };
+            let SlotState::Primary { store, links } = &mut *state else { unreachable!() };
+            let started = std::time::Instant::now();
+            let replicated = self.shared.replicated();
+            let forwarded = (replicated && store.mode() == Mode::Async).then(|| push.clone());
+            let taken = self.shared.update(store, |s| s.push(push))?;
+            let m = metrics();
+            m.pushes.inc();
+            m.push_bytes.inc_by(payload.len() as u64);
+            if let Ok(PushOutcome::Applied { step }) = &taken {
+                m.apply.observe(started.elapsed().as_secs_f64());
+                m.step.get_or_create(&vec![("shard".to_string(), shard.to_string())]).set(*step as i64);
+            }
+            let version = self.shared.map_version();
+            if replicated {
+                if let (Ok(PushOutcome::Applied { .. } | PushOutcome::Buffered { .. }), Some(push)) =
+                    (&taken, forwarded)
+                {
+                    links.record(version, Update::Push(push));
+                }
+                for completed in store.take_completed_steps() {
+                    links.record(version, Update::Step(completed));
+                }
+            }
+            let wait = links.seq();
+            let reply = match taken {
+                Ok(outcome) => PsReply::Pushed(outcome),
+                // A step this shard left, or one it never reached (a new
+                // primary took over at an earlier step), or one underway
+                // without this trainer: join, pull and compute again.
+                Err(Error::StaleStep { current, .. } | Error::FutureStep { current, .. }) => {
+                    PsReply::Stale { current }
+                }
+                Err(Error::StepUnderway { step, .. }) => PsReply::Stale { current: step },
+                Err(e) => return Err(RemoteError::bad_request(e)),
+            };
+            self.shared.publish(&slot, &state);
+            (reply, wait)
+        };
+        slot.stepped.notify_waiters();
+        self.replicated(&slot, wait).await?;
+        metrics().acknowledged.inc();
+        Ok(reply)
+    }
+
+    /// The parameters of `span`'s blocks of `store`, concatenated.
+    fn params(&self, store: &ParamStore, span: BlockSpan) -> Reply<Bytes> {
+        let blocks = self.span(store.server(), span)?;
+        let total: usize = blocks.iter().map(|b| b.len).sum();
+        let mut payload = BytesMut::with_capacity(total * 4);
+        for block in blocks {
+            let values = store.block(block.id).map_err(RemoteError::internal)?;
+            oar_transport::put_f32s(&mut payload, values);
+        }
+        let m = metrics();
+        m.pulls.inc();
+        m.pull_bytes.inc_by(payload.len() as u64);
+        Ok(payload.freeze())
+    }
+
+    /// Async mode: apply a push and answer with the parameters after it.
+    async fn push_pull(&self, request: PsRequest, payload: &Bytes) -> Reply<Frame> {
+        let PsRequest::PushPull { shard, fingerprint, blocks, trainer, seq, weight } = request else {
+            return Err(RemoteError::internal("not a push-pull"));
+        };
+        if self.shared.options.mode != Mode::Async {
+            return Err(RemoteError::bad_request(format!(
+                "push-pull from {trainer}: only async pservers take it (a sync push waits for its step)"
+            )));
+        }
+        let push = PsRequest::Push { shard, fingerprint, blocks, trainer, seq, step: 0, weight };
+        let outcome = match self.push(push, payload).await? {
+            PsReply::Pushed(outcome) => outcome,
+            reply @ PsReply::NotPrimary { .. } => {
+                return Frame::new(PSERVER_METHOD, &reply, Bytes::new()).map_err(RemoteError::internal)
+            }
+            other => return Err(RemoteError::internal(format!("an async push answered {other:?}"))),
+        };
+        let Some(slot) = self.slot(shard)? else {
+            return Frame::new(PSERVER_METHOD, &self.not_primary(shard), Bytes::new())
+                .map_err(RemoteError::internal);
+        };
+        let (params, step, wait) = {
+            let Some(state) = self.primary(&slot)? else {
+                return Frame::new(PSERVER_METHOD, &self.not_primary(shard), Bytes::new())
+                    .map_err(RemoteError::internal);
+            };
+            let SlotState::Primary { store, links } = &*state else { unreachable!() };
+            (self.params(store, blocks)?, store.step(), links.seq())
+        };
+        self.replicated(&slot, wait).await?;
+        let reply = PsReply::PushedPulled { outcome, step };
+        Frame::new(PSERVER_METHOD, &reply, params).map_err(RemoteError::internal)
+    }
+
+    async fn pull(
+        &self,
+        shard: u32,
+        fingerprint: u64,
+        blocks: BlockSpan,
+        min_step: Option<u64>,
+        max_wait: Duration,
+    ) -> Reply<Frame> {
+        self.check_fingerprint(fingerprint)?;
+        self.span(shard, blocks)?;
+        let not_primary = || Frame::new(PSERVER_METHOD, &self.not_primary(shard), Bytes::new());
+        let Some(slot) = self.slot(shard)? else { return not_primary().map_err(RemoteError::internal) };
+        let started = tokio::time::Instant::now();
+        let deadline = started + max_wait;
+        loop {
+            // Register for the wake-up before looking, so a step in between is not missed.
+            let stepped = slot.stepped.notified();
+            let ready = {
+                let Some(state) = self.primary(&slot)? else {
+                    return not_primary().map_err(RemoteError::internal);
+                };
+                let SlotState::Primary { store, links } = &*state else { unreachable!() };
+                if min_step.is_none_or(|m| store.step() >= m) {
+                    Some((self.params(store, blocks)?, store.step(), links.seq()))
+                } else if tokio::time::Instant::now() >= deadline {
+                    let reply = PsReply::Pulled { step: store.step(), ready: false };
+                    return Frame::new(PSERVER_METHOD, &reply, Bytes::new()).map_err(RemoteError::internal);
+                } else {
+                    None
+                }
+            };
+            if let Some((payload, step, wait)) = ready {
+                if min_step.is_some() {
+                    metrics().barrier_wait.observe(started.elapsed().as_secs_f64());
+                }
+                self.replicated(&slot, wait).await?;
+                let reply = PsReply::Pulled { step, ready: true };
+                return Frame::new(PSERVER_METHOD, &reply, payload).map_err(RemoteError::internal);
+            }
+            let _ = tokio::time::timeout_at(deadline, stepped).await;
+        }
+    }
+
+    /// Join or leave the barrier of `shard` (forwarded like any update).
+    async fn membership(&self, shard: u32, trainer: String, join: bool) -> Reply<PsReply> {
+        let Some(slot) = self.slot(shard)? else { return Ok(self.not_primary(shard)) };
+        let (reply, wait) = {
+            let Some(mut state) = self.primary(&slot)? else { return Ok(self.not_primary(shard)) };
+            if join {
+                let SlotState::Primary { store, links } = &mut *state else { unreachable!() };
+                let step = store.join(&trainer);
+                if self.shared.replicated() {
+                    links.record(self.shared.map_version(), Update::Join(trainer));
+                }
+                let wait = links.seq();
+                self.shared.publish(&slot, &state);
+                (PsReply::Joined { step }, wait)
+            } else {
+                (PsReply::Ok, super::leave(&self.shared, &slot, &mut state, &trainer)?)
+            }
+        };
+        self.replicated(&slot, wait).await?;
+        Ok(reply)
+    }
+
+    /// A replication call must come under the map this pserver serves under.
+    fn check_map(&self, shard: u32, map_version: u64) -> Reply<()> {
+        self.shared.check_serving()?;
+        let ours = self.shared.map_version();
+        if map_version < ours {
+            return Err(RemoteError::bad_request(format!(
+                "shard {shard}: a replication call under shard map version {map_version}, older than this \
+                 pserver's {ours} (from a deposed primary?)"
+            )));
+        }
+        if map_version > ours {
+            return Err(RemoteError::unavailable(format!(
+                "shard {shard}: a replication call under shard map version {map_version}, which this pserver \
+                 has not seen yet (it has {ours}); retry"
+            )));
+        }
+        Ok(())
+    }
+
+    /// Follower side: updates from the primary.
+    fn replicate(&self, request: PsRequest, payload: Bytes) -> Reply<PsReply> {
+        let PsRequest::Replicate { shard, map_version, epoch, updates } = request else {
+            return Err(RemoteError::internal("not a replicate"));
+        };
+        self.check_shard(shard)?;
+        self.check_map(shard, map_version)?;
+        let forwarded =
+            replication::decode(&self.shared.placement, shard, map_version, epoch, &updates, payload)
+                .map_err(RemoteError::bad_request)?;
+        let slot = self.slot(shard)?.ok_or_else(|| {
+            RemoteError::bad_request(format!("shard {shard}: this pserver holds no replica of it"))
+        })?;
+        let mut state = self.shared.lock(&slot)?;
+        let reply = match &mut *state {
+            SlotState::Follower { follower, must_sync: false } => {
+                for update in forwarded {
+                    let applied = follower.apply(update);
+                    if let Err(e) = applied {
+                        // It cannot follow from here: it syncs again.
+                        if let SlotState::Follower { must_sync, .. } = &mut *state {
+                            *must_sync = true;
+                        }
+                        drop(state);
+                        replication::spawn_sync(&self.shared, &slot);
+                        return Err(RemoteError::unavailable(e));
+                    }
+                }
+                let applied = follower.applied();
+                PsReply::Replicated { taken: applied, applied: Some(applied) }
+            }
+            SlotState::CatchingUp { catch_up } => {
+                let mut taken = catch_up.upto();
+                for update in forwarded {
+                    taken = update.seq;
+                    catch_up.forwarded(update).map_err(RemoteError::unavailable)?;
+                }
+                PsReply::Replicated { taken, applied: None }
+            }
+            SlotState::Follower { must_sync: true, .. } | SlotState::Syncing => {
+                return Err(RemoteError::unavailable(format!(
+                    "shard {shard}: this replica is not synced yet"
+                )))
+            }
+            SlotState::Primary { .. } => {
+                return Err(RemoteError::bad_request(format!(
+                    "shard {shard}: this pserver is its primary under map version {map_version}"
+                )))
+            }
+        };
+        Ok(reply)
+    }
+
+    /// Primary side: a follower asks how to go on.
+    fn sync(&self, request: PsRequest) -> Reply<PsReply> {
+        let PsRequest::Sync { shard, map_version, follower, epoch, applied } = request else {
+            return Err(RemoteError::internal("not a sync"));
+        };
+        self.check_map(shard, map_version)?;
+        let Some(slot) = self.slot(shard)? else { return Ok(self.not_primary(shard)) };
+        let Some(mut state) = self.primary(&slot)? else { return Ok(self.not_primary(shard)) };
+        let SlotState::Primary { store, links } = &mut *state else { unreachable!() };
+        if !links.followers().any(|f| f == follower) {
+            return Err(RemoteError::unavailable(format!(
+                "shard {shard}: {follower} is not its follower in this primary's map (version {map_version})"
+            )));
+        }
+        // A snapshot only when one is needed; none now leaves the link as it is.
+        let snapshot = match links.can_resume(&follower, epoch, applied) {
+            true => None,
+            false => match store.snapshot() {
+                Ok(snapshot) => Some(snapshot),
+                Err(Error::CheckpointStepUnderway { step }) => {
+                    return Err(RemoteError::unavailable(format!(
+                        "shard {shard}: step {step} is underway (or a push half taken); sync again shortly"
+                    )))
+                }
+                Err(e) => return Err(RemoteError::internal(e)),
+            },
+        };
+        let from = links.sync(&follower, epoch, applied).map_err(RemoteError::bad_request)?;
+        let reply = match (from, snapshot) {
+            (SyncFrom::Resume { applied }, _) => PsReply::SyncFrom {
+                epoch: links.epoch(),
+                resume: true,
+                upto: applied,
+                parts: 0,
+                history: links.history().epochs().to_vec(),
+            },
+            (SyncFrom::Snapshot { upto, history }, Some(snapshot)) => {
+                let parts = replication::part_ranges(&snapshot);
+                let count = parts.len() as u32;
+                let mut held = self.shared.snapshots.lock().unwrap_or_else(PoisonError::into_inner);
+                held.retain(|_, h| h.taken.elapsed() < SNAPSHOT_KEEP);
+                held.insert(
+                    (shard, follower.clone()),
+                    HeldSnapshot { upto, snapshot, parts, taken: std::time::Instant::now() },
+                );
+                tracing::info!(shard, follower, upto, parts = count, "a follower catches up from a snapshot");
+                PsReply::SyncFrom {
+                    epoch: links.epoch(),
+                    resume: false,
+                    upto,
+                    parts: count,
+                    history: history.epochs().to_vec(),
+                }
+            }
+            (SyncFrom::Snapshot { .. }, None) => {
+                return Err(RemoteError::internal("the link wants a snapshot it said it would not"))
+            }
+        };
+        self.shared.publish(&slot, &state);
+        Ok(reply)
+    }
+
+    /// Primary side: part of a held snapshot.
+    fn snapshot_part(&self, request: PsRequest) -> Reply<Frame> {
+        let PsRequest::SnapshotPart { shard, follower, upto, part } = request else {
+            return Err(RemoteError::internal("not a snapshot part"));
+        };
+        self.shared.check_serving()?;
+        let held = self.shared.snapshots.lock().unwrap_or_else(PoisonError::into_inner);
+        let snapshot = held.get(&(shard, follower.clone())).filter(|h| h.upto == upto).ok_or_else(|| {
+            RemoteError::bad_request(format!(
+                "shard {shard}: no snapshot at update {upto} is held for {follower} (sync again)"
+            ))
+        })?;
+        let range = snapshot.parts.get(part as usize).cloned().ok_or_else(|| {
+            RemoteError::bad_request(format!(
+                "shard {shard}: the snapshot has {} parts, not a part {part}",
+                snapshot.parts.len()
+            ))
+        })?;
+        let (reply, payload) = replication::encode_part(&snapshot.snapshot, range);
+        Frame::new(PSERVER_METHOD, &reply, payload).map_err(RemoteError::internal)
+    }
+
+    /// Primary side: a follower caught up.
+    fn caught(&self, request: PsRequest) -> Reply<PsReply> {
+        let PsRequest::Caught { shard, map_version, follower, epoch, applied } = request else {
+            return Err(RemoteError::internal("not a caught"));
+        };
+        self.check_map(shard, map_version)?;
+        let Some(slot) = self.slot(shard)? else { return Ok(self.not_primary(shard)) };
+        let Some(mut state) = self.primary(&slot)? else { return Ok(self.not_primary(shard)) };
+        let SlotState::Primary { links, .. } = &mut *state else { unreachable!() };
+        if epoch != links.epoch() {
+            return Err(RemoteError::bad_request(format!(
+                "shard {shard}: {follower} caught up with epoch {epoch}, this primary's is {}",
+                links.epoch()
+            )));
+        }
+        links.taken(&follower, applied, Some(applied));
+        self.shared
+            .snapshots
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .remove(&(shard, follower.clone()));
+        tracing::info!(shard, follower, applied, "a follower caught up");
+        self.shared.publish(&slot, &state);
+        Ok(PsReply::Ok)
+    }
+
+    fn status(&self) -> PsReply {
+        let shards: Vec<ReplicaState> = self
+            .shared
+            .slots()
+            .iter()
+            .map(|slot| slot.state.lock().unwrap_or_else(PoisonError::into_inner).describe(slot.shard))
+            .collect();
+        PsReply::Status { name: self.shared.name.clone(), map_version: self.shared.map_version(), shards }
+    }
+}
+
+#[async_trait]
+impl Handler for PsHandler {
+    async fn handle(&self, request: Frame) -> Reply<Frame> {
+        if request.method != PSERVER_METHOD {
+            return Err(RemoteError::bad_request(format!("unknown pserver method {:#x}", request.method)));
+        }
+        let reply = match request.meta::<PsRequest>()? {
+            PsRequest::Info { shard } => match self.slot(shard)? {
+                None => self.not_primary(shard),
+                Some(slot) => match self.primary(&slot)? {
+                    None => self.not_primary(shard),
+                    Some(state) => {
+                        let SlotState::Primary { store, .. } = &*state else { unreachable!() };
+                        PsReply::Info {
+                            shard,
+                            fingerprint: self.shared.placement.fingerprint(),
+                            step: store.step(),
+                            mode: store.mode(),
+                        }
+                    }
+                },
+            },
+            PsRequest::Join { shard, trainer } => self.membership(shard, trainer, true).await?,
+            PsRequest::Leave { shard, trainer } => self.membership(shard, trainer, false).await?,
+            push @ PsRequest::Push { .. } => self.push(push, &request.payload).await?,
+            push_pull @ PsRequest::PushPull { .. } => {
+                return self.push_pull(push_pull, &request.payload).await
+            }
+            PsRequest::Pull { shard, fingerprint, blocks, min_step, max_wait_ms } => {
+                let wait = Duration::from_millis(max_wait_ms).min(MAX_PULL_WAIT);
+                return self.pull(shard, fingerprint, blocks, min_step, wait).await;
+            }
+            replicate @ PsRequest::Replicate { .. } => self.replicate(replicate, request.payload)?,
+            sync @ PsRequest::Sync { .. } => self.sync(sync)?,
+            part @ PsRequest::SnapshotPart { .. } => return self.snapshot_part(part),
+            caught @ PsRequest::Caught { .. } => self.caught(caught)?,
+            PsRequest::SyncNeeded { shard, map_version } => {
+                self.check_map(shard, map_version)?;
+                if let Some(slot) = self.slot(shard)? {
+                    let mut state = self.shared.lock(&slot)?;
+                    if let SlotState::Follower { must_sync, .. } = &mut *state {
+                        *must_sync = true;
+                    }
+                    drop(state);
+                    replication::spawn_sync(&self.shared, &slot);
+                }
+                PsReply::Ok
+            }
+            PsRequest::Status => self.status(),
+        };
+        Frame::new(PSERVER_METHOD, &reply, Bytes::new()).map_err(RemoteError::internal)
+    }
+}
+
+/// A follower's history as the primary sent it, checked.
+pub(super) fn history_from(epochs: Vec<(u64, u64)>) -> std::result::Result<History, String> {
+    History::from_epochs(epochs).map_err(|e| e.to_string())
+}

@@ -1,0 +1,540 @@
+//! The tasks of replication: a primary's forwarders (one per follower of
+//! each shard it is primary of) and a follower's sync (resume, or catch up
+//! from a snapshot), with the wire encoding of forwarded updates and
+//! snapshot parts.
+
+use super::{metrics, Shared, Slot, SlotState};
+use crate::{
+    error::{ServiceError, ServiceResult},
+    protocol::{PsReply, PsRequest, UpdateKind, UpdateMeta, PSERVER_METHOD},
+    replica::{CatchUp, Forwarded, SnapshotPart, Update},
+    BlockId, CompletedStep, Grad, OptimizerState, Placement, Push, StoreSnapshot,
+};
+use bytes::{Bytes, BytesMut};
+use std::{
+    borrow::Cow,
+    ops::Range,
+    sync::{atomic::Ordering, Arc, PoisonError},
+    time::Duration,
+};
+use tokio_util::task::AbortOnDropHandle;
+
+/// The most updates one forward carries.
+const MAX_BATCH_UPDATES: usize = 64;
+/// The most gradient bytes one forward carries (a larger update goes alone).
+const MAX_BATCH_BYTES: usize = 8 << 20;
+/// The most parameter and state values one snapshot part carries.
+const MAX_PART_FLOATS: usize = 2 << 20;
+/// How long a catch-up waits for the updates after its snapshot.
+const CATCH_UP_WAIT: Duration = Duration::from_secs(30);
+
+/// Start a forwarder for every follower of `slot` (a primary) that has none.
+pub(super) fn spawn_forwarders(shared: &Arc<Shared>, slot: &Arc<Slot>) {
+    let followers: Vec<String> = match &*slot.state.lock().unwrap_or_else(PoisonError::into_inner) {
+        SlotState::Primary { links, .. } => links.followers().map(str::to_string).collect(),
+        _ => return,
+    };
+    let mut tasks = slot.tasks.lock().unwrap_or_else(PoisonError::into_inner);
+    tasks.retain(|_, task| !task.is_finished());
+    for follower in followers {
+        let key = format!("forward:{follower}");
+        if tasks.contains_key(&key) {
+            continue;
+        }
+        let task = tokio::spawn(forward(shared.clone(), slot.clone(), follower));
+        tasks.insert(key, AbortOnDropHandle::new(task));
+    }
+}
+
+/// What a forwarder does next.
+enum Plan {
+    Wait,
+    Poke(u64),
+    Send { batch: Vec<Arc<Forwarded>>, version: u64, epoch: u64 },
+}
+
+/// Forward `slot`'s updates to `follower`, in order, until it is no longer
+/// a follower of this primary.
+async fn forward(shared: Arc<Shared>, slot: Arc<Slot>, follower: String) {
+    let mut backoff = Duration::from_millis(5);
+    loop {
+        let wake = slot.forward.notified();
+        tokio::pin!(wake);
+        wake.as_mut().enable();
+        let plan = {
+            let state = slot.state.lock().unwrap_or_else(PoisonError::into_inner);
+            let SlotState::Primary { links, .. } = &*state else { return };
+            if !links.followers().any(|f| f == follower) || shared.stopped.borrow().is_some() {
+                return;
+            }
+            if links.needs_sync(&follower) {
+                Plan::Poke(shared.map_version())
+            } else {
+                let mut batch = links.batch(&follower, MAX_BATCH_UPDATES);
+                let mut bytes = 0;
+                let keep = batch
+                    .iter()
+                    .position(|f| {
+                        bytes += update_bytes(&f.update);
+                        bytes > MAX_BATCH_BYTES
+                    })
+                    .unwrap_or(batch.len())
+                    .max(1);
+                batch.truncate(keep);
+                match batch.is_empty() {
+                    true => Plan::Wait,
+                    false => Plan::Send { batch, version: shared.map_version(), epoch: links.epoch() },
+                }
+            }
+        };
+        match plan {
+            Plan::Wait => {
+                let _ = tokio::time::timeout(Duration::from_secs(1), wake).await;
+            }
+            Plan::Poke(map_version) => {
+                let request = PsRequest::SyncNeeded { shard: slot.shard, map_version };
+                let _ = call(&shared, &follower, &request, &[]).await;
+                let _ = tokio::time::timeout(Duration::from_millis(200), wake).await;
+            }
+            Plan::Send { batch, version, epoch } => {
+                let (updates, pieces) = encode(&batch);
+                let request =
+                    PsRequest::Replicate { shard: slot.shard, map_version: version, epoch, updates };
+                let pieces: Vec<&[u8]> = pieces.iter().map(|p| p.as_ref()).collect();
+                let answer = call(&shared, &follower, &request, &pieces).await;
+                let refused = {
+                    let mut state = slot.state.lock().unwrap_or_else(PoisonError::into_inner);
+                    let SlotState::Primary { links, .. } = &mut *state else { return };
+                    match answer {
+                        Ok((PsReply::Replicated { taken, applied }, _)) => {
+                            links.taken(&follower, taken, applied);
+                            metrics().forwarded.inc_by(batch.len() as u64);
+                            shared.publish(&slot, &state);
+                            None
+                        }
+                        other => {
+                            links.rewind(&follower);
+                            Some(other)
+                        }
+                    }
+                };
+                match refused {
+                    None => backoff = Duration::from_millis(5),
+                    Some(other) => {
+                        match other {
+                            Err(e) => {
+                                tracing::debug!(shard = slot.shard, follower, error = %e, "forward refused")
+                            }
+                            Ok((reply, _)) => {
+                                tracing::warn!(
+                                    shard = slot.shard,
+                                    follower,
+                                    ?reply,
+                                    "odd answer to a forward"
+                                )
+                            }
+                        }
+                        tokio::time::sleep(backoff).await;
+                        backoff = (backoff * 2).min(Duration::from_millis(250));
+                    }
+                }
+            }
+        }
+    }
+}
+
+/// Call pserver `name`; a transport failure forgets its connection.
+async fn call(
+    shared: &Shared,
+    name: &str,
+    request: &PsRequest,
+    payload: &[&[u8]],
+) -> ServiceResult<(PsReply, Bytes)> {
+    let conn = shared.connection(name).await?;
+    let mut sink = Collected::default();
+    let result = oar_transport::call_parts(
+        conn.as_ref(),
+        PSERVER_METHOD,
+        request,
+        payload,
+        &mut sink,
+        shared.options.call_timeout,
+    )
+    .await;
+    match result {
+        Ok(reply) => Ok((reply, Bytes::from(sink.0))),
+        Err(e) => {
+            if !matches!(e, oar_transport::Error::Remote { .. }) {
+                shared.forget_connection(name);
+            }
+            Err(e.into())
+        }
+    }
+}
+
+/// A reply's payload, kept.
+#[derive(Default)]
+struct Collected(Vec<u8>);
+
+impl oar_transport::PayloadSink for Collected {
+    fn start(&mut self, len: u64) -> oar_transport::Result<()> {
+        self.0.clear();
+        self.0.reserve(usize::try_from(len).unwrap_or(0).min(64 << 20));
+        Ok(())
+    }
+
+    fn write(&mut self, bytes: &[u8]) {
+        self.0.extend_from_slice(bytes);
+    }
+}
+
+/// Start `slot`'s sync unless one runs.
+pub(super) fn spawn_sync(shared: &Arc<Shared>, slot: &Arc<Slot>) {
+    if slot.syncing.swap(true, Ordering::SeqCst) {
+        return;
+    }
+    let task = tokio::spawn({
+        let (shared, slot) = (shared.clone(), slot.clone());
+        async move {
+            sync(&shared, &slot).await;
+            slot.syncing.store(false, Ordering::SeqCst);
+            // A request for another sync may have come while this one ended.
+            let again = matches!(
+                &*slot.state.lock().unwrap_or_else(PoisonError::into_inner),
+                SlotState::Follower { must_sync: true, .. } | SlotState::Syncing
+            );
+            if again && shared.slot(slot.shard).is_some_and(|s| Arc::ptr_eq(&s, &slot)) {
+                spawn_sync(&shared, &slot);
+            }
+        }
+    });
+    let mut tasks = slot.tasks.lock().unwrap_or_else(PoisonError::into_inner);
+    tasks.retain(|_, task| !task.is_finished());
+    tasks.insert("sync".into(), AbortOnDropHandle::new(task));
+}
+
+/// Sync `slot` with its primary until it follows it: resume from what it
+/// holds, or catch up from a snapshot.
+async fn sync(shared: &Arc<Shared>, slot: &Arc<Slot>) {
+    let shard = slot.shard;
+    let mut backoff = Duration::from_millis(5);
+    loop {
+        if shared.stopped.borrow().is_some() || shared.slot(shard).is_none_or(|s| !Arc::ptr_eq(&s, slot)) {
+            return;
+        }
+        let (epoch, applied) = {
+            let mut state = slot.state.lock().unwrap_or_else(PoisonError::into_inner);
+            match &*state {
+                SlotState::Follower { must_sync: false, .. } | SlotState::Primary { .. } => return,
+                SlotState::Follower { follower, .. } => (follower.history().last_epoch(), follower.applied()),
+                SlotState::Syncing => (0, 0),
+                // A catch-up that did not finish starts again.
+                SlotState::CatchingUp { .. } => {
+                    *state = SlotState::Syncing;
+                    (0, 0)
+                }
+            }
+        };
+        let Some(map) = shared.map() else { return };
+        let version = map.version();
+        let primary = match map.primary(shard) {
+            Some(p) if p != shared.name => p.to_string(),
+            _ => return, // Primary here, or none: the reconciler decides.
+        };
+        let request =
+            PsRequest::Sync { shard, map_version: version, follower: shared.name.clone(), epoch, applied };
+        let outcome = match call(shared, &primary, &request, &[]).await {
+            Ok((PsReply::SyncFrom { epoch, resume: true, .. }, _)) => {
+                let mut state = slot.state.lock().unwrap_or_else(PoisonError::into_inner);
+                if let SlotState::Follower { follower, must_sync } = &mut *state {
+                    follower.resume(epoch);
+                    *must_sync = false;
+                    tracing::info!(shard, primary, applied, "follower resumes with its primary");
+                }
+                shared.publish(slot, &state);
+                return;
+            }
+            Ok((PsReply::SyncFrom { epoch, resume: false, upto, parts, history }, _)) => {
+                catch_up(shared, slot, &primary, version, epoch, upto, parts, history).await
+            }
+            Ok((reply, _)) => {
+                Err(ServiceError::Protocol(format!("{primary} answered a sync with {reply:?}")))
+            }
+            Err(e) => Err(e),
+        };
+        match outcome {
+            Ok(()) => return,
+            Err(e) => {
+                tracing::debug!(shard, primary, error = %e, "sync failed; trying again");
+                tokio::time::sleep(backoff).await;
+                backoff = (backoff * 2).min(Duration::from_millis(500));
+            }
+        }
+    }
+}
+
+/// Catch `slot` up from `primary`'s snapshot at update `upto`.
+#[allow(clippy::too_many_arguments)]
+async fn catch_up(
+    shared: &Arc<Shared>,
+    slot: &Arc<Slot>,
+    primary: &str,
+    version: u64,
+    epoch: u64,
+    upto: u64,
+    parts: u32,
+    history: Vec<(u64, u64)>,
+) -> ServiceResult<()> {
+    let shard = slot.shard;
+    let history = super::handler::history_from(history).map_err(ServiceError::Protocol)?;
+    let store = shared.new_store(shard)?;
+    let state_slots = store.optimizer().state_slots();
+    {
+        let mut state = slot.state.lock().unwrap_or_else(PoisonError::into_inner);
+        *state = SlotState::CatchingUp { catch_up: CatchUp::new(shard, version, upto, history, store) };
+        shared.publish(slot, &state);
+    }
+    for part in 0..parts {
+        let request = PsRequest::SnapshotPart { shard, follower: shared.name.clone(), upto, part };
+        let (reply, payload) = call(shared, primary, &request, &[]).await?;
+        let part = decode_part(&shared.placement, shard, version, upto, state_slots, reply, payload)?;
+        let mut state = slot.state.lock().unwrap_or_else(PoisonError::into_inner);
+        let SlotState::CatchingUp { catch_up } = &mut *state else {
+            return Err(ServiceError::Protocol(format!("shard {shard}: the catch-up was cancelled")));
+        };
+        catch_up.part(part)?;
+        drop(state);
+    }
+    let deadline = tokio::time::Instant::now() + CATCH_UP_WAIT;
+    let applied = loop {
+        let finished = {
+            let mut state = slot.state.lock().unwrap_or_else(PoisonError::into_inner);
+            let SlotState::CatchingUp { catch_up } = &*state else {
+                return Err(ServiceError::Protocol(format!("shard {shard}: the catch-up was cancelled")));
+            };
+            match catch_up.waiting_for() {
+                None => {
+                    let SlotState::CatchingUp { catch_up } =
+                        std::mem::replace(&mut *state, SlotState::Syncing)
+                    else {
+                        unreachable!()
+                    };
+                    let follower = catch_up.finish()?;
+                    let applied = follower.applied();
+                    *state = SlotState::Follower { follower, must_sync: false };
+                    shared.publish(slot, &state);
+                    Some(applied)
+                }
+                Some(what) if tokio::time::Instant::now() >= deadline => {
+                    return Err(ServiceError::Protocol(format!(
+                        "shard {shard}: the catch-up still waits for {what}"
+                    )))
+                }
+                Some(_) => None,
+            }
+        };
+        match finished {
+            Some(applied) => break applied,
+            None => tokio::time::sleep(Duration::from_millis(2)).await,
+        }
+    };
+    tracing::info!(shard, primary, upto, applied, "caught up");
+    let request =
+        PsRequest::Caught { shard, map_version: version, follower: shared.name.clone(), epoch, applied };
+    // The primary learns it from the next forward's answer too.
+    let _ = call(shared, primary, &request, &[]).await;
+    Ok(())
+}
+
+/// The gradient bytes of an update.
+fn update_bytes(update: &Update) -> usize {
+    match update {
+        Update::Push(push) => push.grads.iter().map(|(_, g)| grad_bytes(g)).sum(),
+        Update::Step(step) => step.grads.iter().map(|(_, g)| g.len() * 4).sum(),
+        Update::Join(_) | Update::Leave(_) => 0,
+    }
+}
+
+fn grad_bytes(grad: &Grad) -> usize {
+    match grad {
+        Grad::Floats(v) => v.len() * 4,
+        Grad::Wire(b) => b.len(),
+    }
+}
+
+/// Forwarded updates as a [`PsRequest::Replicate`]'s updates and payload
+/// pieces (sent from where they are).
+pub(super) fn encode(batch: &[Arc<Forwarded>]) -> (Vec<UpdateMeta>, Vec<Cow<'_, [u8]>>) {
+    let mut metas = Vec::with_capacity(batch.len());
+    let mut pieces = Vec::new();
+    for forwarded in batch {
+        let kind = match &forwarded.update {
+            Update::Push(push) => {
+                for (_, grad) in &push.grads {
+                    pieces.push(match grad {
+                        Grad::Floats(v) => oar_transport::f32s_as_le_bytes(v),
+                        Grad::Wire(b) => Cow::Borrowed(b.as_ref()),
+                    });
+                }
+                UpdateKind::Push {
+                    trainer: push.trainer.clone(),
+                    seq: push.seq,
+                    step: push.step,
+                    weight: push.weight,
+                    blocks: push.grads.iter().map(|(id, _)| *id).collect(),
+                }
+            }
+            Update::Step(step) => {
+                pieces.extend(step.grads.iter().map(|(_, g)| oar_transport::f32s_as_le_bytes(g)));
+                UpdateKind::Step { step: step.step, blocks: step.grads.iter().map(|(id, _)| *id).collect() }
+            }
+            Update::Join(trainer) => UpdateKind::Join(trainer.clone()),
+            Update::Leave(trainer) => UpdateKind::Leave(trainer.clone()),
+        };
+        metas.push(UpdateMeta { seq: forwarded.seq, kind });
+    }
+    (metas, pieces)
+}
+
+/// The updates of a [`PsRequest::Replicate`] of `shard`, their gradients
+/// views into `payload`. Errors name what does not fit.
+pub(super) fn decode(
+    placement: &Placement,
+    shard: u32,
+    map_version: u64,
+    epoch: u64,
+    updates: &[UpdateMeta],
+    payload: Bytes,
+) -> std::result::Result<Vec<Forwarded>, String> {
+    let mut at = 0usize;
+    let mut take = |id: &BlockId, seq: u64| -> std::result::Result<Bytes, String> {
+        let block = placement
+            .block(*id)
+            .filter(|b| b.server == shard)
+            .ok_or_else(|| format!("update {seq} names block {id}, which is not of shard {shard}"))?;
+        let end = at + block.len * 4;
+        if end > payload.len() {
+            return Err(format!(
+                "update {seq}: the payload ends before block {id} ({} bytes)",
+                payload.len()
+            ));
+        }
+        let bytes = payload.slice(at..end);
+        at = end;
+        Ok(bytes)
+    };
+    let mut out = Vec::with_capacity(updates.len());
+    for meta in updates {
+        let update = match &meta.kind {
+            UpdateKind::Push { trainer, seq, step, weight, blocks } => {
+                let grads = blocks
+                    .iter()
+                    .map(|id| take(id, meta.seq).map(|b| (*id, Grad::Wire(b))))
+                    .collect::<std::result::Result<_, _>>()?;
+                Update::Push(Push {
+                    trainer: trainer.clone(),
+                    seq: *seq,
+                    step: *step,
+                    weight: *weight,
+                    grads,
+                })
+            }
+            UpdateKind::Step { step, blocks } => {
+                let mut grads = Vec::with_capacity(blocks.len());
+                for id in blocks {
+                    let bytes = take(id, meta.seq)?;
+                    let values = oar_transport::bytes_to_f32s(&bytes).map_err(|e| e.to_string())?;
+                    grads.push((*id, values));
+                }
+                Update::Step(CompletedStep { step: *step, grads })
+            }
+            UpdateKind::Join(trainer) => Update::Join(trainer.clone()),
+            UpdateKind::Leave(trainer) => Update::Leave(trainer.clone()),
+        };
+        out.push(Forwarded { shard, map_version, epoch, seq: meta.seq, update });
+    }
+    if at != payload.len() {
+        return Err(format!("{} bytes of payload after the last update's gradients", payload.len() - at));
+    }
+    Ok(out)
+}
+
+/// The block positions of each part of `snapshot`: at most
+/// [`MAX_PART_FLOATS`] values (parameters and state) each, a larger block alone.
+pub(super) fn part_ranges(snapshot: &StoreSnapshot) -> Vec<Range<usize>> {
+    let mut parts = Vec::new();
+    let (mut start, mut floats) = (0, 0);
+    for (i, (_, params, state)) in snapshot.blocks().enumerate() {
+        let size = params.len() + state.slots.len();
+        if i > start && floats + size > MAX_PART_FLOATS {
+            parts.push(start..i);
+            (start, floats) = (i, 0);
+        }
+        floats += size;
+    }
+    let end = snapshot.blocks().len();
+    if end > start || parts.is_empty() {
+        parts.push(start..end);
+    }
+    parts
+}
+
+/// Part `range` of `snapshot`: per block its parameters then its state's slots.
+pub(super) fn encode_part(snapshot: &StoreSnapshot, range: Range<usize>) -> (PsReply, Bytes) {
+    let blocks: Vec<_> = snapshot.blocks().skip(range.start).take(range.len()).collect();
+    let floats: usize = blocks.iter().map(|(_, p, s)| p.len() + s.slots.len()).sum();
+    let mut payload = BytesMut::with_capacity(floats * 4);
+    for (_, params, state) in &blocks {
+        oar_transport::put_f32s(&mut payload, params);
+        oar_transport::put_f32s(&mut payload, &state.slots);
+    }
+    let reply = PsReply::SnapshotPart {
+        step: snapshot.step(),
+        blocks: blocks.iter().map(|(id, _, state)| (*id, state.step)).collect(),
+        last_seqs: snapshot.last_seqs().map(|(t, s)| (t.to_string(), s)).collect(),
+    };
+    (reply, payload.freeze())
+}
+
+/// A snapshot part from a [`PsReply::SnapshotPart`] and its payload.
+fn decode_part(
+    placement: &Placement,
+    shard: u32,
+    map_version: u64,
+    upto: u64,
+    state_slots: usize,
+    reply: PsReply,
+    payload: Bytes,
+) -> ServiceResult<SnapshotPart> {
+    let PsReply::SnapshotPart { step, blocks, last_seqs } = reply else {
+        return Err(ServiceError::Protocol(format!("a snapshot part answered with {reply:?}")));
+    };
+    let mut at = 0usize;
+    let mut floats = |n: usize| -> ServiceResult<Vec<f32>> {
+        let end = at + n * 4;
+        let bytes = payload.get(at..end).ok_or_else(|| {
+            ServiceError::Protocol(format!(
+                "a snapshot part's payload ends at {} bytes, before {end}",
+                payload.len()
+            ))
+        })?;
+        at = end;
+        Ok(oar_transport::bytes_to_f32s(bytes)?)
+    };
+    let mut out = Vec::with_capacity(blocks.len());
+    for (id, state_step) in blocks {
+        let len = placement.block(id).filter(|b| b.server == shard).map(|b| b.len).ok_or_else(|| {
+            ServiceError::Protocol(format!("a snapshot part names block {id}, which is not of shard {shard}"))
+        })?;
+        let params = floats(len)?;
+        let slots = floats(len * state_slots)?;
+        out.push((id, params, OptimizerState { step: state_step, slots }));
+    }
+    if at != payload.len() {
+        return Err(ServiceError::Protocol(format!(
+            "{} bytes after a snapshot part's last block",
+            payload.len() - at
+        )));
+    }
+    Ok(SnapshotPart { shard, map_version, upto, step, blocks: out, last_seqs })
+}

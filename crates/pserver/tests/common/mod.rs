@@ -1,0 +1,87 @@
+//! What the pserver's service tests share: the keys, and a coordinator
+//! with a way to wait until the pservers serve what it mapped.
+
+#![allow(dead_code)]
+
+use oar_discovery::Discovery;
+use oar_pserver::{protocol::ReplicaRole, Coordinator, CoordinatorOptions, Pserver, PserverKeys, ShardMap};
+use oar_transport::Transport;
+use std::{sync::Arc, time::Duration};
+
+/// The pservers' keys, under `/ps-test/`.
+pub fn keys() -> PserverKeys {
+    PserverKeys {
+        pservers: "/ps-test/ps/".into(),
+        shard_map: "/ps-test/shard_map".into(),
+        replicas: "/ps-test/pshards/".into(),
+        checkpoints: "/ps-test/shard_checkpoint/".into(),
+        cluster_status: "/ps-test/pserver_cluster_status".into(),
+        members: "/ps-test/trainer/".into(),
+    }
+}
+
+/// A coordinator of `shards` shards with `replicas` replicas each, whose
+/// first map waits for `pservers` pservers; it holds its own lock.
+pub struct Cluster {
+    pub discovery: Arc<dyn Discovery>,
+    pub coordinator: Coordinator,
+}
+
+impl Cluster {
+    pub async fn start(
+        discovery: Arc<dyn Discovery>,
+        transport: Arc<dyn Transport>,
+        shards: u32,
+        replicas: u32,
+        pservers: u32,
+    ) -> Cluster {
+        let lease = discovery.grant_lease(Duration::from_secs(600)).await.unwrap();
+        let fence = discovery
+            .lock("/ps-test/coordinator", b"test".to_vec(), lease, Duration::from_secs(5))
+            .await
+            .unwrap();
+        let options = CoordinatorOptions { keys: keys(), shards, replicas, pservers, ..Default::default() };
+        let coordinator = Coordinator::start(discovery.clone(), transport, fence, options).await.unwrap();
+        Cluster { discovery, coordinator }
+    }
+
+    /// The shard map now.
+    pub async fn map(&self) -> Option<ShardMap> {
+        let kv = self.discovery.get(&keys().shard_map).await.unwrap()?;
+        Some(ShardMap::decode(&kv.value).unwrap())
+    }
+
+    /// Wait (up to 20 s) until there is a map, every replica it names is
+    /// one of `pservers`, and each serves its role: primaries primary,
+    /// followers caught up. The map then.
+    pub async fn wait_serving(&self, pservers: &[&Pserver]) -> ShardMap {
+        let deadline = tokio::time::Instant::now() + Duration::from_secs(20);
+        loop {
+            if let Some(map) = self.map().await {
+                let ready = (0..map.shard_count()).all(|s| {
+                    let set = map.replica_set(s);
+                    !set.is_empty()
+                        && set.iter().enumerate().all(|(r, name)| {
+                            let want = if r == 0 { ReplicaRole::Primary } else { ReplicaRole::Follower };
+                            pservers.iter().any(|ps| {
+                                ps.name() == name
+                                    && ps.map_version() == map.version()
+                                    && ps.replicas().iter().any(|st| st.shard == s && st.role == want)
+                            })
+                        })
+                });
+                if ready {
+                    return map;
+                }
+                if tokio::time::Instant::now() >= deadline {
+                    let states: Vec<_> =
+                        pservers.iter().map(|p| (p.name().to_string(), p.replicas())).collect();
+                    panic!("the pservers do not serve the map in time:\n{map}{states:#?}");
+                }
+            } else if tokio::time::Instant::now() >= deadline {
+                panic!("no shard map in time");
+            }
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+    }
+}

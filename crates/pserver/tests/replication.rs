@@ -1,0 +1,388 @@
+//! Replicated shards end to end, in one process (in-memory discovery and
+//! transport): the coordinator's first map, followers catching up, a
+//! primary's death (its lease revoked) with not one acknowledged push
+//! lost, a follower's death and its replacement, and bad replication
+//! calls. `oar-job`'s tests do the same with real processes, etcd and
+//! SIGKILL.
+
+mod common;
+
+use bytes::Bytes;
+use common::{keys, Cluster};
+use oar_discovery::{Discovery, MemDiscovery};
+use oar_pserver::{
+    protocol::{PsReply, PsRequest, ReplicaRole, UpdateKind, UpdateMeta, PSERVER_METHOD},
+    BlockId, Init, Mode, OptimizerConfig, ParamBuf, ParamSpec, Placement, Pserver, PserverClient,
+    PserverClientOptions, PserverOptions, PushResult, ShardMap,
+};
+use oar_transport::{call, MemNetwork, MemTransport, RemoteErrorKind, RetryPolicy, Transport};
+use std::{
+    sync::{
+        atomic::{AtomicU64, Ordering},
+        Arc,
+    },
+    time::Duration,
+};
+
+/// One parameter of `len` zeros in blocks of 4: SGD at lr 1 on gradients
+/// of ones makes every element minus the number of updates applied.
+fn specs(len: usize) -> Vec<ParamSpec> {
+    vec![ParamSpec::new("w", vec![len], Init::Zeros)]
+}
+
+struct Env {
+    discovery: Arc<dyn Discovery>,
+    transport: Arc<dyn Transport>,
+    cluster: Cluster,
+    shards: u32,
+    len: usize,
+    mode: Mode,
+}
+
+impl Env {
+    async fn new(shards: u32, replicas: u32, pservers: u32, len: usize, mode: Mode) -> Env {
+        let discovery: Arc<dyn Discovery> = Arc::new(MemDiscovery::new());
+        let transport: Arc<dyn Transport> = Arc::new(MemTransport::new(MemNetwork::new()));
+        let cluster = Cluster::start(discovery.clone(), transport.clone(), shards, replicas, pservers).await;
+        Env { discovery, transport, cluster, shards, len, mode }
+    }
+
+    async fn pserver(&self) -> Pserver {
+        let options = PserverOptions {
+            keys: keys(),
+            specs: specs(self.len),
+            shards: self.shards,
+            block_size: 4,
+            mode: self.mode,
+            optimizer: OptimizerConfig::Sgd { lr: 1.0 },
+            lease_ttl: Duration::from_secs(30),
+            replication_timeout: Duration::from_secs(2),
+            ..Default::default()
+        };
+        Pserver::start(self.discovery.clone(), self.transport.clone(), "mem:0", options).await.unwrap()
+    }
+
+    fn placement(&self) -> Arc<Placement> {
+        Arc::new(Placement::new(&specs(self.len), self.shards, 4).unwrap())
+    }
+
+    fn client(&self, trainer: &str) -> PserverClient {
+        let options = PserverClientOptions {
+            call_timeout: Duration::from_secs(2),
+            retry: RetryPolicy { give_up_after: Duration::from_secs(60), ..RetryPolicy::default() },
+            ..PserverClientOptions::new(keys(), trainer)
+        };
+        PserverClient::new(self.discovery.clone(), self.transport.clone(), self.placement(), options)
+    }
+
+    /// A pserver dies: its lease ends (its registration and replica states
+    /// go at once) and it stops answering.
+    async fn kill(&self, ps: Pserver) {
+        let lease = self.discovery.get(&keys().pserver(ps.name())).await.unwrap().unwrap().lease.unwrap();
+        self.discovery.revoke_lease(lease).await.unwrap();
+        drop(ps);
+    }
+
+    async fn wait_status(&self, want: &str) -> serde_json::Value {
+        let deadline = tokio::time::Instant::now() + Duration::from_secs(20);
+        loop {
+            if let Some(kv) = self.discovery.get(&keys().cluster_status).await.unwrap() {
+                let status: serde_json::Value = serde_json::from_slice(&kv.value).unwrap();
+                if status["status"] == want {
+                    return status;
+                }
+                assert!(tokio::time::Instant::now() < deadline, "status {want} never came: {status}");
+            }
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    }
+}
+
+/// Each block's values on every replica of its shard, which must agree.
+fn assert_replicas_agree(map: &ShardMap, pservers: &[&Pserver], placement: &Placement) {
+    for block in placement.blocks() {
+        let holders: Vec<(&str, Vec<f32>)> = map
+            .replica_set(block.server)
+            .iter()
+            .map(|name| {
+                let ps = pservers.iter().find(|p| p.name() == name).expect("a mapped pserver");
+                (ps.name(), ps.block(block.id).expect("a replica holds its shard's blocks"))
+            })
+            .collect();
+        for (name, values) in &holders[1..] {
+            assert_eq!(
+                values, &holders[0].1,
+                "block {} on {name} and on the primary {}",
+                block.id, holders[0].0
+            );
+        }
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_first_map_spreads_the_replicas_and_every_follower_holds_what_its_primary_holds() {
+    let env = Env::new(6, 2, 3, 40, Mode::Async).await;
+    let status = env.wait_status("UNKNOWN").await;
+    assert!(
+        status["reason"].as_str().unwrap().contains("0 of 3 pservers"),
+        "no map before the pservers come: {status}"
+    );
+    let pservers = [env.pserver().await, env.pserver().await, env.pserver().await];
+    let all: Vec<&Pserver> = pservers.iter().collect();
+    let map = env.cluster.wait_serving(&all).await;
+    for ps in &pservers {
+        let held = ps.replicas();
+        let primaries = held.iter().filter(|r| r.role == ReplicaRole::Primary).count();
+        assert_eq!((primaries, held.len()), (2, 4), "{}: 2 of 6 primaries, 4 of 12 replicas", ps.name());
+    }
+    env.wait_status("OK").await;
+
+    let mut trainer = env.client("t1");
+    let mut grads = ParamBuf::zeros(&specs(40));
+    grads.fill(1.0);
+    for _ in 0..5 {
+        assert_eq!(trainer.push(&grads, 1.0).await.unwrap(), PushResult::Accepted);
+    }
+    let mut params = ParamBuf::zeros(&specs(40));
+    trainer.pull(&mut params).await.unwrap();
+    assert!(params.as_slice().iter().all(|&x| x == -5.0), "{:?}", params.as_slice());
+    // Acknowledged means every follower holds it: no waiting needed here.
+    assert_replicas_agree(&map, &all, &env.placement());
+}
+
+/// Trainers push ones in a loop while primaries die one after another
+/// (with a fresh pserver started each time); at the end every element is
+/// minus the number of pushes the trainers saw acknowledged (async), or
+/// minus the number of steps (sync) and no trainer saw a step a shard
+/// then lost.
+async fn no_acknowledged_push_is_lost(mode: Mode, replicas: u32, kills: usize) {
+    let len = 24;
+    let env = Arc::new(Env::new(3, replicas, replicas + 1, len, mode).await);
+    let mut pservers = Vec::new();
+    for _ in 0..=replicas {
+        pservers.push(env.pserver().await);
+    }
+    env.cluster.wait_serving(&pservers.iter().collect::<Vec<_>>()).await;
+
+    let acked = Arc::new(AtomicU64::new(0));
+    let seen_step = Arc::new(AtomicU64::new(0));
+    let stop = Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let mut trainers = Vec::new();
+    for t in 0..2 {
+        let (env, acked, seen_step, stop) = (env.clone(), acked.clone(), seen_step.clone(), stop.clone());
+        trainers.push(tokio::spawn(async move {
+            let mut client = env.client(&format!("t{t}"));
+            let mut grads = ParamBuf::zeros(&specs(len));
+            grads.fill(1.0);
+            let mut params = ParamBuf::zeros(&specs(len));
+            if mode == Mode::Sync {
+                client.join().await.unwrap();
+            }
+            while !stop.load(Ordering::SeqCst) {
+                client.pull(&mut params).await.unwrap();
+                let _ = seen_step.fetch_max((-params.as_slice()[0]) as u64, Ordering::SeqCst);
+                match client.push(&grads, 1.0).await.unwrap() {
+                    PushResult::Accepted => {
+                        acked.fetch_add(1, Ordering::SeqCst);
+                    }
+                    PushResult::Stale => client.join().await.unwrap(),
+                }
+            }
+            if mode == Mode::Sync {
+                client.leave().await.unwrap();
+            }
+        }));
+    }
+    let mut rng = oar_pserver::SplitMix64::new(7);
+    for _ in 0..kills {
+        tokio::time::sleep(Duration::from_millis(100 + rng.next_u64() % 200)).await;
+        let map = env.cluster.map().await.unwrap();
+        // Kill the primary of a random shard.
+        let shard = (rng.next_u64() % map.shard_count() as u64) as u32;
+        let victim = map.primary(shard).unwrap().to_string();
+        let at = pservers.iter().position(|p| p.name() == victim).unwrap();
+        env.kill(pservers.remove(at)).await;
+        pservers.push(env.pserver().await);
+        env.cluster.wait_serving(&pservers.iter().collect::<Vec<_>>()).await;
+    }
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    stop.store(true, Ordering::SeqCst);
+    for t in trainers {
+        t.await.unwrap();
+    }
+    let map = env.cluster.wait_serving(&pservers.iter().collect::<Vec<_>>()).await;
+    let mut params = ParamBuf::zeros(&specs(len));
+    env.client("reader").pull(&mut params).await.unwrap();
+    let acked = acked.load(Ordering::SeqCst);
+    assert!(acked > 0);
+    match mode {
+        Mode::Async => {
+            for (i, &x) in params.as_slice().iter().enumerate() {
+                assert_eq!(x, -(acked as f32), "element {i}: {acked} pushes acknowledged");
+            }
+        }
+        Mode::Sync => {
+            for shard in 0..map.shard_count() {
+                let primary = pservers.iter().find(|p| Some(p.name()) == map.primary(shard)).unwrap();
+                let step = primary.step(shard).unwrap();
+                let block = env.placement().blocks_on(shard).next().unwrap().id;
+                let value = primary.block(block).unwrap()[0];
+                assert_eq!(value, -(step as f32), "shard {shard}: each step applied once");
+                assert!(step >= seen_step.load(Ordering::SeqCst), "shard {shard} lost a step a trainer saw");
+            }
+        }
+    }
+    assert_replicas_agree(&map, &pservers.iter().collect::<Vec<_>>(), &env.placement());
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn async_two_replicas_no_acknowledged_push_is_lost_when_primaries_die() {
+    no_acknowledged_push_is_lost(Mode::Async, 2, 3).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn async_three_replicas_no_acknowledged_push_is_lost_when_primaries_die() {
+    no_acknowledged_push_is_lost(Mode::Async, 3, 3).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sync_two_replicas_no_acknowledged_step_is_lost_when_primaries_die() {
+    no_acknowledged_push_is_lost(Mode::Sync, 2, 3).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_dead_follower_is_dropped_the_shard_keeps_serving_and_a_new_pserver_catches_up() {
+    let env = Env::new(2, 2, 2, 16, Mode::Async).await;
+    let (a, b) = (env.pserver().await, env.pserver().await);
+    let map = env.cluster.wait_serving(&[&a, &b]).await;
+    env.wait_status("OK").await;
+    let mut trainer = env.client("t1");
+    let mut grads = ParamBuf::zeros(&specs(16));
+    grads.fill(1.0);
+    trainer.push(&grads, 1.0).await.unwrap();
+
+    // b dies: every shard keeps serving on a alone, and the cluster says so.
+    let (survivor, dead) = if map.primary(0) == Some(a.name()) { (a, b) } else { (b, a) };
+    env.kill(dead).await;
+    let status = env.wait_status("UNHEALTHY").await;
+    assert!(status["reason"].as_str().unwrap().contains("fewer than 2 replicas"), "{status}");
+    for _ in 0..3 {
+        assert_eq!(trainer.push(&grads, 1.0).await.unwrap(), PushResult::Accepted);
+    }
+
+    // A new pserver takes the missing replicas: it catches up, and the
+    // cluster is OK again once it has.
+    let newcomer = env.pserver().await;
+    let map = env.cluster.wait_serving(&[&survivor, &newcomer]).await;
+    env.wait_status("OK").await;
+    trainer.push(&grads, 1.0).await.unwrap();
+    let mut params = ParamBuf::zeros(&specs(16));
+    trainer.pull(&mut params).await.unwrap();
+    assert!(params.as_slice().iter().all(|&x| x == -5.0), "{:?}", params.as_slice());
+    assert_replicas_agree(&map, &[&survivor, &newcomer], &env.placement());
+}
+
+/// A replication call to `ps`, answered.
+async fn replicate(
+    env: &Env,
+    ps: &Pserver,
+    request: &PsRequest,
+    payload: Vec<f32>,
+) -> Result<PsReply, oar_transport::Error> {
+    let conn = env.transport.connect(ps.addr()).await.unwrap();
+    let payload = oar_transport::f32s_to_bytes(&payload);
+    call(conn.as_ref(), PSERVER_METHOD, request, payload, Duration::from_secs(2))
+        .await
+        .map(|(r, _): (PsReply, Bytes)| r)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn bad_replication_calls_are_refused_by_name_and_change_nothing() {
+    let env = Env::new(2, 2, 2, 8, Mode::Async).await;
+    let (a, b) = (env.pserver().await, env.pserver().await);
+    let map = env.cluster.wait_serving(&[&a, &b]).await;
+    let mut trainer = env.client("t1");
+    let mut grads = ParamBuf::zeros(&specs(8));
+    grads.fill(1.0);
+    trainer.push(&grads, 1.0).await.unwrap();
+    // The follower of shard 0, and what it holds.
+    let follower = if map.primary(0) == Some(a.name()) { &b } else { &a };
+    let block = env.placement().blocks_on(0).next().unwrap().clone();
+    let state = |ps: &Pserver| (ps.replicas(), ps.block(block.id));
+    let before = state(follower);
+    let applied = before.0.iter().find(|r| r.shard == 0).unwrap().applied;
+    let push = |seq: u64, blocks: Vec<BlockId>| UpdateMeta {
+        seq,
+        kind: UpdateKind::Push { trainer: "t9".into(), seq: 1, step: 0, weight: 1.0, blocks },
+    };
+    let epoch = map.epoch(0);
+    let version = map.version();
+    let cases = [
+        // A shard that does not exist.
+        (
+            PsRequest::Replicate {
+                shard: 7,
+                map_version: version,
+                epoch,
+                updates: vec![push(applied + 1, vec![block.id])],
+            },
+            "shard 7 does not exist",
+        ),
+        // An older map: a deposed primary.
+        (
+            PsRequest::Replicate {
+                shard: 0,
+                map_version: version - 1,
+                epoch,
+                updates: vec![push(applied + 1, vec![block.id])],
+            },
+            "older than",
+        ),
+        // A block of another shard.
+        (
+            PsRequest::Replicate {
+                shard: 0,
+                map_version: version,
+                epoch,
+                updates: vec![push(applied + 1, vec![BlockId::new(0, 1)])],
+            },
+            "not of shard 0",
+        ),
+        // Another primary's epoch.
+        (
+            PsRequest::Replicate {
+                shard: 0,
+                map_version: version,
+                epoch: epoch + 5,
+                updates: vec![push(applied + 1, vec![block.id])],
+            },
+            "epoch",
+        ),
+        // A gap in the sequence (last: the follower then syncs again).
+        (
+            PsRequest::Replicate {
+                shard: 0,
+                map_version: version,
+                epoch,
+                updates: vec![push(applied + 2, vec![block.id])],
+            },
+            "gap",
+        ),
+    ];
+    for (request, words) in cases {
+        let result = replicate(&env, follower, &request, vec![1.0; block.len]).await;
+        match result {
+            Err(oar_transport::Error::Remote { error, .. }) => {
+                assert!(error.message.contains(words), "{:?} should say {words:?}", error.message);
+                assert_ne!(error.kind, RemoteErrorKind::Internal);
+            }
+            other => panic!("expected a refusal saying {words:?}, got {other:?}"),
+        }
+    }
+    // Nothing was applied: the follower holds what it held (it may resync
+    // after the gap, to the same state), and still agrees with its primary.
+    let map = env.cluster.wait_serving(&[&a, &b]).await;
+    assert_eq!(state(follower).1, before.1);
+    trainer.push(&grads, 1.0).await.unwrap();
+    assert_replicas_agree(&map, &[&a, &b], &env.placement());
+}
