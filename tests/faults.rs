@@ -7,7 +7,10 @@
 mod support;
 
 use std::time::Duration;
-use support::{a1a_job, assert_each_task_once, dump, exits, is_named, log_field, wait_until, Cluster, Proc};
+use support::{
+    a1a_job, assert_each_task_once, dump, exits, is_named, log_field, seed_from, wait_until, Cluster, Lcg,
+    Proc,
+};
 
 const LONG: Duration = Duration::from_secs(180);
 
@@ -314,17 +317,6 @@ fn a_corrupt_newest_checkpoint_falls_back_and_all_corrupt_stops_the_pserver() {
     trainer.kill();
 }
 
-/// A small deterministic generator for the chaos schedule (seed printed, and
-/// settable with `OAR_CHAOS_SEED` to replay a run).
-struct Lcg(u64);
-
-impl Lcg {
-    fn below(&mut self, n: usize) -> usize {
-        self.0 = self.0.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
-        ((self.0 >> 33) % n as u64) as usize
-    }
-}
-
 /// Kill a random process of a random role every few seconds, start a new
 /// one in its place, and check that the job still ends well: every pass
 /// complete, every task finished or discarded with a reason, none accepted
@@ -332,12 +324,7 @@ impl Lcg {
 #[test]
 fn chaos_kills_and_restarts_random_processes_and_the_job_still_ends_well() {
     let rounds: usize = std::env::var("OAR_CHAOS_ROUNDS").ok().and_then(|r| r.parse().ok()).unwrap_or(4);
-    let seed = std::env::var("OAR_CHAOS_SEED").ok().and_then(|s| s.parse().ok()).unwrap_or_else(|| {
-        std::time::SystemTime::now()
-            .duration_since(std::time::UNIX_EPOCH)
-            .map(|d| d.as_nanos() as u64)
-            .unwrap_or(1)
-    });
+    let seed = seed_from("OAR_CHAOS_SEED");
     eprintln!("chaos: {rounds} rounds, OAR_CHAOS_SEED={seed}");
     let mut rng = Lcg(seed);
     let cluster = Cluster::start("chaos");

@@ -5,35 +5,10 @@
 
 mod support;
 
-use std::{io::Read, io::Write, net::TcpStream, time::Duration};
-use support::{a1a_job, exits, Cluster, Proc};
+use std::time::Duration;
+use support::{a1a_job, exits, metric_value as value, metrics_addr, scrape, Cluster, Proc};
 
 const LONG: Duration = Duration::from_secs(120);
-
-/// The address a process printed as "metrics at http://ADDR/metrics".
-fn metrics_addr(proc: &Proc) -> Option<String> {
-    let err = proc.stderr();
-    let line = err.lines().find(|l| l.starts_with("metrics at http://"))?;
-    Some(line.trim_start_matches("metrics at http://").trim_end_matches("/metrics").to_string())
-}
-
-fn scrape(addr: &str) -> String {
-    let mut stream = TcpStream::connect(addr).unwrap();
-    stream.write_all(b"GET /metrics HTTP/1.1\r\nHost: oar\r\n\r\n").unwrap();
-    let mut out = String::new();
-    stream.read_to_string(&mut out).unwrap();
-    assert!(out.starts_with("HTTP/1.1 200 OK"), "{out}");
-    out
-}
-
-/// The value of the sample `name` (with its labels, if any) in a scrape.
-fn value(scrape: &str, name: &str) -> f64 {
-    scrape
-        .lines()
-        .find_map(|l| l.strip_prefix(name).and_then(|rest| rest.strip_prefix(' ')))
-        .and_then(|v| v.trim().parse().ok())
-        .unwrap_or_else(|| panic!("no {name} in\n{scrape}"))
-}
 
 #[test]
 fn a_scraped_master_pserver_and_trainer_report_numbers_that_move() {

@@ -73,6 +73,54 @@ pub fn wait_until(timeout: Duration, mut cond: impl FnMut() -> bool) -> bool {
     cond()
 }
 
+/// The address a process printed as "metrics at http://ADDR/metrics".
+pub fn metrics_addr(proc: &Proc) -> Option<String> {
+    let err = proc.stderr();
+    let line = err.lines().find(|l| l.starts_with("metrics at http://"))?;
+    Some(line.trim_start_matches("metrics at http://").trim_end_matches("/metrics").to_string())
+}
+
+/// One scrape of the Prometheus endpoint at `addr`.
+pub fn scrape(addr: &str) -> String {
+    let mut stream = std::net::TcpStream::connect(addr).unwrap();
+    std::io::Write::write_all(&mut stream, b"GET /metrics HTTP/1.1\r\nHost: oar\r\n\r\n").unwrap();
+    let mut out = String::new();
+    std::io::Read::read_to_string(&mut stream, &mut out).unwrap();
+    assert!(out.starts_with("HTTP/1.1 200 OK"), "{out}");
+    out
+}
+
+/// The value of the sample `name` (with its labels, if any) in a scrape.
+pub fn metric_value(scrape: &str, name: &str) -> f64 {
+    scrape
+        .lines()
+        .find_map(|l| l.strip_prefix(name).and_then(|rest| rest.strip_prefix(' ')))
+        .and_then(|v| v.trim().parse().ok())
+        .unwrap_or_else(|| panic!("no {name} in\n{scrape}"))
+}
+
+/// A small deterministic generator for kill schedules (tests print the
+/// seed and take it from an environment variable to replay a run).
+pub struct Lcg(pub u64);
+
+impl Lcg {
+    /// A number in `0..n`.
+    pub fn below(&mut self, n: usize) -> usize {
+        self.0 = self.0.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+        ((self.0 >> 33) % n as u64) as usize
+    }
+}
+
+/// The seed in environment variable `var`, or one from the clock.
+pub fn seed_from(var: &str) -> u64 {
+    std::env::var(var).ok().and_then(|s| s.parse().ok()).unwrap_or_else(|| {
+        std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map(|d| d.as_nanos() as u64)
+            .unwrap_or(1)
+    })
+}
+
 /// A running process with its stdout and stderr collected as they come.
 pub struct Proc {
     pub name: String,
@@ -341,9 +389,14 @@ mod cluster {
 
         /// A pserver reaching etcd at `etcd` (a [`Proxy`], say).
         pub fn pserver_via(&self, name: &str, checkpoint_interval: f64, etcd: &str) -> Proc {
+            self.pserver_with(name, checkpoint_interval, etcd, &[])
+        }
+
+        /// A pserver reaching etcd at `etcd`, with more flags.
+        pub fn pserver_with(&self, name: &str, checkpoint_interval: f64, etcd: &str, flags: &[&str]) -> Proc {
             let dir = self.dir.path().join("checkpoints").display().to_string();
             let interval = checkpoint_interval.to_string();
-            let extra = [
+            let mut extra = vec![
                 "--id".to_string(),
                 name.to_string(),
                 "--checkpoint-dir".into(),
@@ -351,6 +404,7 @@ mod cluster {
                 "--checkpoint-interval".into(),
                 interval,
             ];
+            extra.extend(flags.iter().map(|f| f.to_string()));
             self.spawn_via(name, "pserver", "pserver", etcd, &extra)
         }
 
@@ -365,8 +419,6 @@ mod cluster {
             self.spawn(id, "trainer", "trainer", &extra)
         }
 
-        /// The name of shard `shard`'s primary as `status` prints it now:
-        /// the registered name, `<id>.<lease>`.
         /// The name of shard `shard`'s primary, once a pserver has
         /// published that it serves it (waits up to 30 s).
         pub fn primary_of(&self, shard: u32) -> String {

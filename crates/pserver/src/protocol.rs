@@ -223,6 +223,9 @@ pub enum UpdateKind {
         step: u64,
         /// The updated blocks, in payload order.
         blocks: Vec<BlockId>,
+        /// The (trainer, seq) of every push the step took, so that the
+        /// followers deduplicate a retried push as the primary does.
+        seqs: Vec<(String, u64)>,
     },
 }
 

@@ -346,6 +346,10 @@ pub struct CompletedStep {
     /// Each updated block's combined gradient, in block order. A step
     /// completed by its last members leaving may leave blocks out.
     pub grads: Vec<(BlockId, Vec<f32>)>,
+    /// The (trainer, seq) of every push it took, sorted: a follower
+    /// records them, so a push retried on it once it is primary is a
+    /// duplicate there too.
+    pub seqs: Vec<(String, u64)>,
 }
 
 #[derive(Debug, Default)]
@@ -517,6 +521,12 @@ impl ParamStore {
         }
     }
 
+    /// Sync: whether `trainer`'s push `seq` waits in the current step (taken,
+    /// the step not complete yet).
+    pub fn waits_in_step(&self, trainer: &str, seq: u64) -> bool {
+        self.step_seqs.get(trainer) == Some(&seq)
+    }
+
     /// Current members, sorted (not those joining from the next step).
     pub fn members(&self) -> Vec<String> {
         self.members.iter().cloned().collect()
@@ -616,7 +626,7 @@ impl ParamStore {
     /// step may be underway, and every gradient must be for a held block,
     /// once, of the right length and finite; else nothing changes.
     pub fn apply_step(&mut self, completed: CompletedStep) -> Result<()> {
-        let CompletedStep { step, grads } = completed;
+        let CompletedStep { step, grads, seqs } = completed;
         if self.mode != Mode::Sync {
             return Err(Error::Replication(format!("step {step}: an async store takes pushes, not steps")));
         }
@@ -633,6 +643,9 @@ impl ParamStore {
         for (i, g) in &grads {
             let d = Self::block_mut(&mut self.held, &self.spares, *i);
             self.optimizer.apply(&mut d.params, g.floats(&mut scratch), &mut d.state);
+        }
+        for (trainer, seq) in seqs {
+            self.restore_last_seq(&trainer, seq);
         }
         self.step += 1;
         Ok(())
@@ -835,7 +848,10 @@ impl ParamStore {
                 let mut grads: Vec<(usize, Vec<f32>)> = std::mem::take(&mut r.current);
                 grads.sort_unstable_by_key(|(i, _)| *i);
                 let grads = grads.into_iter().map(|(i, g)| (self.held[i].id, g)).collect();
-                r.completed.push(CompletedStep { step: self.step, grads });
+                let mut seqs: Vec<(String, u64)> =
+                    self.step_seqs.iter().map(|(t, &s)| (t.clone(), s)).collect();
+                seqs.sort_unstable();
+                r.completed.push(CompletedStep { step: self.step, grads, seqs });
             }
             self.step += 1;
             self.updated.iter_mut().for_each(|u| *u = false);

@@ -451,6 +451,7 @@ impl Job {
                             Mode::Sync => Update::Step(oar_pserver::CompletedStep {
                                 step: follower.store().step(),
                                 grads: vec![(id, vec![0.5; len + 1])],
+                                seqs: Vec::new(),
                             }),
                         };
                         "length"

@@ -282,6 +282,59 @@ async fn a_dead_follower_is_dropped_the_shard_keeps_serving_and_a_new_pserver_ca
     assert_replicas_agree(&map, &[&survivor, &newcomer], &env.placement());
 }
 
+/// Sync with followers: a push that waits in its step (the other trainer
+/// has not pushed) is not acknowledged until the step is complete and
+/// replicated. Its primary dies meanwhile; the push is retried on the new
+/// primary, the other trainer pushes there, and the step takes both pushes,
+/// once each: -1 everywhere (the mean of two ones), step 1.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_sync_push_waiting_in_its_step_survives_its_primary() {
+    let len = 8;
+    let env = Arc::new(Env::new(1, 2, 3, len, Mode::Sync).await);
+    let mut pservers = vec![env.pserver().await, env.pserver().await, env.pserver().await];
+    env.cluster.wait_serving(&pservers.iter().collect::<Vec<_>>()).await;
+    env.wait_status("OK").await;
+    let mut grads = ParamBuf::zeros(&specs(len));
+    grads.fill(1.0);
+    let mut params = ParamBuf::zeros(&specs(len));
+    // Registered as the job's trainers are, so the new primary keeps them
+    // as members of its barrier.
+    let lease = env.discovery.grant_lease(Duration::from_secs(60)).await.unwrap();
+    for t in ["a", "b"] {
+        env.discovery.put(&format!("{}{t}", keys().members), Vec::new(), Some(lease)).await.unwrap();
+    }
+    let (mut a, mut b) = (env.client("a"), env.client("b"));
+    for t in [&mut a, &mut b] {
+        t.join().await.unwrap();
+        t.pull(&mut params).await.unwrap();
+    }
+    let waiting = {
+        let grads = grads.clone();
+        tokio::spawn(async move {
+            let result = a.push(&grads, 1.0).await;
+            (a, result)
+        })
+    };
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    assert!(!waiting.is_finished(), "acknowledged before its step was complete");
+
+    let map = env.cluster.map().await.unwrap();
+    let victim = map.primary(0).unwrap().to_string();
+    let at = pservers.iter().position(|p| p.name() == victim).unwrap();
+    env.kill(pservers.remove(at)).await;
+    let map = env.cluster.wait_serving(&pservers.iter().collect::<Vec<_>>()).await;
+    assert_ne!(map.primary(0), Some(victim.as_str()));
+
+    assert_eq!(b.push(&grads, 1.0).await.unwrap(), PushResult::Accepted);
+    let (_a, pushed) = waiting.await.unwrap();
+    assert_eq!(pushed.unwrap(), PushResult::Accepted);
+    b.pull(&mut params).await.unwrap();
+    assert!(params.as_slice().iter().all(|&x| x == -1.0), "{:?}", params.as_slice());
+    let primary = pservers.iter().find(|p| Some(p.name()) == map.primary(0)).unwrap();
+    assert_eq!(primary.step(0), Some(1));
+    assert_replicas_agree(&map, &pservers.iter().collect::<Vec<_>>(), &env.placement());
+}
+
 /// A replication call to `ps`, answered.
 async fn replicate(
     env: &Env,

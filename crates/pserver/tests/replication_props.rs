@@ -688,6 +688,15 @@ impl Sim {
             if !store.step_underway() {
                 prop_assert_eq!(frozen(fw.store()), frozen(store), "{} holds what the primary holds", f);
             }
+            // Every trainer has left, so no push waits in a step: a follower
+            // knows every push the primary took (sync: from the steps'
+            // seqs), and would answer a retry of any of them as a duplicate.
+            let seqs = |st: &ParamStore| {
+                let mut seqs: Vec<(String, u64)> = st.last_seqs().map(|(t, s)| (t.to_string(), s)).collect();
+                seqs.sort();
+                seqs
+            };
+            prop_assert_eq!(seqs(fw.store()), seqs(store), "{} deduplicates as the primary does", f);
         }
         Ok(())
     }

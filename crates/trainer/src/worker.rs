@@ -163,13 +163,14 @@ pub struct TrainerReport {
     pub examples: u64,
     /// Mini-batches trained on.
     pub batches: u64,
-    /// Async: pushes sent (each carries `push_every` batches, or fewer at a
-    /// task's end).
+    /// Pushes the pservers acknowledged. Async: each carries `push_every`
+    /// batches, or fewer at a task's end. Sync: one per step this trainer
+    /// took part in (a batch redone after a stale step counts once).
     pub pushes: u64,
     /// Async: pulls made (each brings every parameter).
     pub pulls: u64,
-    /// Async: examples whose gradients were pushed; all of them once the
-    /// trainer has stopped well.
+    /// Examples whose gradients were pushed; all of them once the trainer
+    /// has stopped well.
     pub pushed_examples: u64,
     /// Async with overlap: times the parameters at hand were found stale
     /// and pulled again before training went on (see [`Schedule`]).
@@ -607,6 +608,8 @@ impl Loop {
             match pservers.push(&self.grads, batch.len() as f32).await? {
                 PushResult::Accepted => {
                     metrics().exchange.observe(started.elapsed().as_secs_f64());
+                    self.report.pushes += 1;
+                    self.report.pushed_examples += batch.len() as u64;
                     return Ok(loss);
                 }
                 PushResult::Stale => {

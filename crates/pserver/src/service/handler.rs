@@ -24,6 +24,10 @@ type Reply<T> = std::result::Result<T, RemoteError>;
 /// The longest a pull may wait on the server for the next sync step.
 const MAX_PULL_WAIT: Duration = Duration::from_secs(5);
 
+/// The longest a sync push waits for its step to complete before it is
+/// answered `unavailable` (and retried by the client).
+const MAX_STEP_WAIT: Duration = Duration::from_secs(5);
+
 impl PsHandler {
     fn check_fingerprint(&self, fingerprint: u64) -> Reply<()> {
         let ours = self.shared.placement.fingerprint();
@@ -139,8 +143,9 @@ impl PsHandler {
             grads.push((block.id, Grad::Wire(payload.slice(at..at + block.len * 4))));
             at += block.len * 4;
         }
+        let pusher = trainer.clone();
         let push = Push { trainer, seq, step, weight, grads };
-        let (reply, wait) = {
+        let (reply, wait, waits_in_step) = {
             let Some(mut state) = self.primary(&slot)? else { return Ok(self.not_primary(shard)) };
             let SlotState::Primary { store, links } = &mut *state else { unreachable!() };
             let started = std::time::Instant::now();
@@ -177,13 +182,51 @@ impl PsHandler {
                 Err(Error::StepUnderway { step, .. }) => PsReply::Stale { current: step },
                 Err(e) => return Err(RemoteError::bad_request(e)),
             };
+            // Sync with followers: a push buffered in a step is acknowledged
+            // once the step is complete and replicated, so that a new
+            // primary has it (a retry of it is then a duplicate there).
+            let waits_in_step = (replicated && store.waits_in_step(&pusher, seq)).then(|| store.step());
             self.shared.publish(&slot, &state);
-            (reply, wait)
+            (reply, wait, waits_in_step)
         };
         slot.stepped.notify_waiters();
+        let wait = match waits_in_step {
+            Some(step) => self.step_completed(&slot, step).await?,
+            None => wait,
+        };
         self.replicated(&slot, wait).await?;
         metrics().acknowledged.inc();
         Ok(reply)
+    }
+
+    /// Wait until step `step` of `slot` is complete (at most
+    /// [`MAX_STEP_WAIT`]; the client retries, as a duplicate that waits
+    /// again); the update seq that completed it, to wait for its
+    /// replication.
+    async fn step_completed(&self, slot: &Slot, step: u64) -> Reply<u64> {
+        let deadline = tokio::time::Instant::now() + MAX_STEP_WAIT;
+        loop {
+            // Register for the wake-up before looking, so a step in between is not missed.
+            let stepped = slot.stepped.notified();
+            {
+                let Some(state) = self.primary(slot)? else {
+                    return Err(RemoteError::unavailable(format!(
+                        "shard {}: no longer its primary before step {step} completed",
+                        slot.shard
+                    )));
+                };
+                let SlotState::Primary { store, links } = &*state else { unreachable!() };
+                if store.step() > step {
+                    return Ok(links.seq());
+                }
+            }
+            if tokio::time::timeout_at(deadline, stepped).await.is_err() {
+                return Err(RemoteError::unavailable(format!(
+                    "shard {}: step {step} did not complete within {MAX_STEP_WAIT:?}",
+                    slot.shard
+                )));
+            }
+        }
     }
 
     /// The parameters of `span`'s blocks of `store`, concatenated.

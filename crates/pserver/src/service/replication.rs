@@ -386,7 +386,11 @@ pub(super) fn encode(batch: &[Arc<Forwarded>]) -> (Vec<UpdateMeta>, Vec<Cow<'_, 
             }
             Update::Step(step) => {
                 pieces.extend(step.grads.iter().map(|(_, g)| oar_transport::f32s_as_le_bytes(g)));
-                UpdateKind::Step { step: step.step, blocks: step.grads.iter().map(|(id, _)| *id).collect() }
+                UpdateKind::Step {
+                    step: step.step,
+                    blocks: step.grads.iter().map(|(id, _)| *id).collect(),
+                    seqs: step.seqs.clone(),
+                }
             }
             Update::Join(trainer) => UpdateKind::Join(trainer.clone()),
             Update::Leave(trainer) => UpdateKind::Leave(trainer.clone()),
@@ -439,14 +443,14 @@ pub(super) fn decode(
                     grads,
                 })
             }
-            UpdateKind::Step { step, blocks } => {
+            UpdateKind::Step { step, blocks, seqs } => {
                 let mut grads = Vec::with_capacity(blocks.len());
                 for id in blocks {
                     let bytes = take(id, meta.seq)?;
                     let values = oar_transport::bytes_to_f32s(&bytes).map_err(|e| e.to_string())?;
                     grads.push((*id, values));
                 }
-                Update::Step(CompletedStep { step: *step, grads })
+                Update::Step(CompletedStep { step: *step, grads, seqs: seqs.clone() })
             }
             UpdateKind::Join(trainer) => Update::Join(trainer.clone()),
             UpdateKind::Leave(trainer) => Update::Leave(trainer.clone()),

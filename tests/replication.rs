@@ -1,0 +1,324 @@
+//! Replicated parameter shards on real processes around a real etcd:
+//! pservers are SIGKILLed (primaries at seeded random moments, a follower,
+//! two one after the other) and SIGSTOPped past their lease, and not one
+//! push the trainers saw acknowledged is lost or applied twice.
+//!
+//! The count is exact: the model is split over three shards (`--block-size
+//! 128`), every push carries every block, so every shard applies exactly one
+//! update per acknowledged push (async), or one step per acknowledged step
+//! (sync, one trainer). Checkpoints are written once a minute, so a shard
+//! restored from one instead of failed over to a follower would come up
+//! short and fail the count.
+//!
+//! `OAR_REPLICATION_ROUNDS` (default 3) sets how many primaries are killed
+//! per test, `OAR_REPLICATION_SEED` replays a schedule.
+#![cfg(feature = "etcd")]
+
+mod support;
+
+use std::{collections::BTreeMap, time::Duration};
+use support::{
+    a1a_job, dump, exits, is_named, log_field, metric_value, metrics_addr, scrape, seed_from, wait_until,
+    Cluster, Lcg, Proc,
+};
+
+const LONG: Duration = Duration::from_secs(120);
+
+/// Shards holding the model: a1a's 123×2 weights and 2 biases in 128-float
+/// blocks.
+const DATA_SHARDS: usize = 3;
+
+/// A job that runs until it is stopped: `pservers` pservers, `replicas`
+/// replicas of each of 8 shards.
+fn job(mode: &str, replicas: u32, pservers: u32) -> Vec<String> {
+    let mut job = a1a_job();
+    let more = [
+        "--chunk-bytes",
+        "4096",
+        "--task-timeout",
+        "600",
+        "--passes",
+        "100000",
+        "--shards",
+        "8",
+        "--block-size",
+        "128",
+        "--mode",
+        mode,
+        "--replicas",
+        &replicas.to_string(),
+        "--pservers",
+        &pservers.to_string(),
+    ];
+    job.extend(more.map(String::from));
+    job
+}
+
+/// A running replicated job: its processes, the live pservers last.
+struct Job {
+    cluster: Cluster,
+    master: Proc,
+    trainers: Vec<Proc>,
+    /// Every pserver started, killed ones kept for their logs.
+    pservers: Vec<Proc>,
+    /// Indices into `pservers` of the live ones.
+    live: Vec<usize>,
+    pserver_flags: Vec<&'static str>,
+}
+
+impl Job {
+    fn start(name: &str, mode: &str, replicas: u32, pservers: u32, trainers: u32) -> Job {
+        Self::start_with(name, mode, replicas, pservers, trainers, &[])
+    }
+
+    fn start_with(
+        name: &str,
+        mode: &str,
+        replicas: u32,
+        pservers: u32,
+        trainers: u32,
+        flags: &[&'static str],
+    ) -> Job {
+        let cluster = Cluster::start(name);
+        let mut job = Job {
+            master: cluster.master("master", &self::job(mode, replicas, pservers)),
+            trainers: (0..trainers)
+                .map(|i| cluster.trainer_with(&format!("trainer-{i}"), &["--stop-grace", "0"]))
+                .collect(),
+            pservers: Vec::new(),
+            live: Vec::new(),
+            pserver_flags: flags.to_vec(),
+            cluster,
+        };
+        for _ in 0..pservers {
+            job.add_pserver();
+        }
+        let started = job.master.wait_for_line(LONG, |l| l.starts_with("pass 1/"));
+        assert!(started.is_some(), "no pass ended\n{}", job.dump());
+        job.wait_healthy();
+        job
+    }
+
+    fn add_pserver(&mut self) {
+        let name = format!("pserver-{}", self.pservers.len());
+        let etcd = self.cluster.etcd.endpoint();
+        self.pservers.push(self.cluster.pserver_with(&name, 60.0, &etcd, &self.pserver_flags));
+        self.live.push(self.pservers.len() - 1);
+    }
+
+    fn everyone(&self) -> Vec<&Proc> {
+        [&self.master].into_iter().chain(&self.trainers).chain(&self.pservers).collect()
+    }
+
+    fn dump(&self) -> String {
+        format!("{}{}", self.cluster.status(), dump(&self.everyone()))
+    }
+
+    /// Wait until every shard has all its replicas caught up.
+    fn wait_healthy(&mut self) {
+        let healthy = wait_until(LONG, || self.cluster.status().contains("cluster OK"));
+        assert!(healthy, "the cluster never became healthy\n{}", self.dump());
+        assert!(self.master.wait(Duration::ZERO).is_none(), "the job ended\n{}", self.dump());
+    }
+
+    /// The index in `pservers` of the live pserver registered as `name`.
+    fn live_named(&self, name: &str) -> usize {
+        *self
+            .live
+            .iter()
+            .find(|&&i| is_named(&self.pservers[i], name))
+            .unwrap_or_else(|| panic!("no live {name}"))
+    }
+
+    /// SIGKILL the pserver at `index` and forget it.
+    fn kill(&mut self, index: usize) {
+        self.pservers[index].kill();
+        self.live.retain(|&i| i != index);
+    }
+
+    /// Stop trainers, master and pservers in that order with SIGTERM, and
+    /// check that every shard holding the model applied exactly one update
+    /// per push (or step) the trainers saw acknowledged.
+    fn finish_and_count(mut self) -> u64 {
+        let mut acknowledged = 0;
+        for trainer in &mut self.trainers {
+            trainer.signal("TERM");
+        }
+        for t in 0..self.trainers.len() {
+            let trainer = &mut self.trainers[t];
+            assert!(exits(trainer, LONG, &[]), "{} did not exit 0\n{}", trainer.name, trainer.dump());
+            let out = trainer.last_json();
+            assert_eq!(out["pushed_examples"], out["examples"], "gradients left unpushed: {out}");
+            assert!(!trainer.stderr().contains("gave up pushing"), "{}", trainer.dump());
+            acknowledged += out["pushes"].as_u64().expect("pushes");
+        }
+        assert!(acknowledged > 0, "no push acknowledged\n{}", self.dump());
+        // The master first, so that no shard moves while the pservers stop.
+        self.master.signal("TERM");
+        assert!(exits(&mut self.master, LONG, &[]), "the master did not stop well\n{}", self.master.dump());
+        for &i in &self.live {
+            self.pservers[i].signal("TERM");
+        }
+        let mut steps: BTreeMap<String, Vec<u64>> = BTreeMap::new();
+        for &i in &self.live {
+            let pserver = &mut self.pservers[i];
+            assert!(exits(pserver, LONG, &[]), "{} did not stop well\n{}", pserver.name, pserver.dump());
+            let out = pserver.last_json();
+            for (shard, step) in out["primaries"].as_object().unwrap_or_else(|| panic!("{out}")) {
+                steps.entry(shard.clone()).or_default().push(step.as_u64().unwrap());
+            }
+        }
+        let with_data: Vec<_> = steps.iter().filter(|(_, s)| s.iter().any(|&s| s > 0)).collect();
+        assert_eq!(with_data.len(), DATA_SHARDS, "shards that applied updates: {steps:?}");
+        for (shard, applied) in with_data {
+            assert!(
+                applied.iter().all(|&a| a == acknowledged),
+                "shard {shard} applied {applied:?} updates; the trainers saw {acknowledged} acknowledged\n{}",
+                dump(&self.everyone())
+            );
+        }
+        eprintln!("{acknowledged} acknowledged, each applied once on every shard");
+        acknowledged
+    }
+}
+
+/// Kill the primary of a random model shard `rounds` times (seeded), each
+/// time starting a new pserver and waiting until it has caught up.
+fn kill_primaries(name: &str, mode: &str, replicas: u32, trainers: u32) {
+    let rounds: usize =
+        std::env::var("OAR_REPLICATION_ROUNDS").ok().and_then(|r| r.parse().ok()).unwrap_or(3);
+    let seed = seed_from("OAR_REPLICATION_SEED");
+    eprintln!("{name}: {rounds} rounds, OAR_REPLICATION_SEED={seed}");
+    let mut rng = Lcg(seed);
+    let mut job = Job::start(name, mode, replicas, replicas + 1, trainers);
+    for round in 0..rounds {
+        std::thread::sleep(Duration::from_millis(200 + rng.below(1300) as u64));
+        let shard = rng.below(DATA_SHARDS) as u32;
+        let victim = job.cluster.primary_of(shard);
+        eprintln!("round {round}: SIGKILL {victim}, primary of shard {shard}");
+        let index = job.live_named(&victim);
+        job.kill(index);
+        job.add_pserver();
+        let moved = wait_until(LONG, || !job.cluster.status().contains(&victim));
+        assert!(moved, "{victim} is still in the map\n{}", job.dump());
+        job.wait_healthy();
+    }
+    job.finish_and_count();
+}
+
+#[test]
+fn async_two_replicas_lose_no_acknowledged_push_when_primaries_are_killed() {
+    kill_primaries("repl-async-2", "async", 2, 2);
+}
+
+#[test]
+fn async_three_replicas_lose_no_acknowledged_push_when_primaries_are_killed() {
+    kill_primaries("repl-async-3", "async", 3, 2);
+}
+
+/// Sync mode, one trainer: each acknowledged push is one step.
+#[test]
+fn sync_two_replicas_lose_no_acknowledged_step_when_primaries_are_killed() {
+    kill_primaries("repl-sync-2", "sync", 2, 1);
+}
+
+/// With three replicas two pservers can die one right after the other (the
+/// second before anything has caught up): shard 0's primary, then the pserver
+/// that took it over. The last replica serves the shard, nothing is lost.
+#[test]
+fn three_replicas_survive_two_pservers_killed_one_after_the_other() {
+    let mut job = Job::start("repl-two-kills", "async", 3, 3, 2);
+    let first = job.cluster.primary_of(0);
+    let index = job.live_named(&first);
+    job.kill(index);
+    let mut second = String::new();
+    let promoted = wait_until(LONG, || {
+        second = job.cluster.primary_of(0);
+        second != first
+    });
+    assert!(promoted, "shard 0 kept its dead primary\n{}", job.dump());
+    let index = job.live_named(&second);
+    job.kill(index);
+    eprintln!("killed {first}, then {second}");
+    let moved = wait_until(LONG, || {
+        let status = job.cluster.status();
+        !status.contains(&first) && !status.contains(&second)
+    });
+    assert!(moved, "the dead are still in the map\n{}", job.dump());
+    // It trains on one replica, then two new pservers catch up.
+    let status = job.cluster.status();
+    assert!(status.contains("cluster UNHEALTHY"), "{status}");
+    job.add_pserver();
+    job.add_pserver();
+    job.wait_healthy();
+    job.finish_and_count();
+}
+
+/// A follower that dies is dropped from its shards; the shards keep serving
+/// on one replica, the cluster says UNHEALTHY until a new pserver has caught
+/// up, then OK.
+#[test]
+fn a_dead_follower_is_dropped_and_a_new_pserver_catches_up() {
+    let mut job = Job::start("repl-follower", "async", 2, 2, 2);
+    let primary = job.cluster.primary_of(0);
+    let follower = job.live.iter().copied().find(|&i| !is_named(&job.pservers[i], &primary)).unwrap();
+    let name = format!("{}.", job.pservers[follower].name); // as registered: `<id>.<lease>`
+    job.kill(follower);
+    let dropped = wait_until(LONG, || {
+        let status = job.cluster.status();
+        let in_map = status.lines().any(|l| l.trim_start().starts_with("shard ") && l.contains(&name));
+        status.contains("cluster UNHEALTHY") && !in_map
+    });
+    assert!(dropped, "the follower was not dropped\n{}", job.dump());
+    // Shard 0 still serves: the trainers go on pushing through a pass.
+    let pass_line = |m: &Proc| m.stdout().lines().filter(|l| l.starts_with("pass ")).count();
+    let passes = pass_line(&job.master);
+    let trained = wait_until(LONG, || pass_line(&job.master) > passes + 1);
+    assert!(trained, "training stopped with one replica\n{}", job.dump());
+    assert_eq!(job.cluster.primary_of(0), primary, "the primary stays");
+    job.add_pserver();
+    job.wait_healthy();
+    job.finish_and_count();
+}
+
+/// A primary frozen past its lease (SIGSTOP) is deposed: its followers
+/// take over, and when it runs again (SIGCONT) it acknowledges nothing more
+/// before it stops. Its count of acknowledged pushes is read while the
+/// trainers are frozen too, so it is exact.
+#[test]
+fn a_deposed_primary_acknowledges_nothing_after_its_pause() {
+    let mut job = Job::start_with("repl-deposed", "async", 2, 3, 2, &["--metrics", "127.0.0.1:0"]);
+    let victim_name = job.cluster.primary_of(0);
+    let victim = job.live_named(&victim_name);
+    let metrics = metrics_addr(&job.pservers[victim]).expect("the pserver serves metrics");
+
+    for trainer in &job.trainers {
+        trainer.signal("STOP");
+    }
+    // Calls under way finish (they wait for the followers, which run).
+    std::thread::sleep(Duration::from_millis(500));
+    let before = metric_value(&scrape(&metrics), "oar_ps_acknowledged_pushes_total") as u64;
+    job.pservers[victim].signal("STOP");
+    for trainer in &job.trainers {
+        trainer.signal("CONT");
+    }
+    let deposed = wait_until(LONG, || !job.cluster.status().contains(&victim_name));
+    assert!(deposed, "{victim_name} kept its shards\n{}", job.dump());
+    // Let the trainers push to the new primaries for a while, some of them
+    // retrying calls the frozen pserver had taken.
+    std::thread::sleep(Duration::from_secs(1));
+    job.pservers[victim].signal("CONT");
+    let stopped = job.pservers[victim].wait(LONG);
+    assert!(stopped.is_some(), "the deposed primary did not stop\n{}", job.pservers[victim].dump());
+    let log = job.pservers[victim].stderr();
+    let line = log.lines().find(|l| l.contains("pserver stops serving")).unwrap_or_else(|| panic!("{log}"));
+    let after: u64 =
+        log_field(line, "acknowledged").and_then(|a| a.parse().ok()).unwrap_or_else(|| panic!("{line}"));
+    assert!(before > 0, "it acknowledged pushes before the pause");
+    assert_eq!(after, before, "acknowledged {} pushes after its pause: {line}", after - before);
+    eprintln!("deposed primary: {before} acknowledged before the pause, none after");
+    job.live.retain(|&i| i != victim);
+    job.add_pserver();
+    job.wait_healthy();
+    job.finish_and_count();
+}
