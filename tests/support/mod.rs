@@ -121,6 +121,31 @@ pub fn seed_from(var: &str) -> u64 {
     })
 }
 
+/// The time a log line was written (its leading RFC 3339 UTC timestamp,
+/// as the binaries log), in seconds since the Unix epoch.
+pub fn log_time(line: &str) -> Option<f64> {
+    let stamp = line.split_whitespace().next()?.strip_suffix('Z')?;
+    let (date, time) = stamp.split_once('T')?;
+    let mut ymd = date.split('-').map(|p| p.parse::<i64>().ok());
+    let (y, m, d) = (ymd.next()??, ymd.next()??, ymd.next()??);
+    let mut hms = time.split(':');
+    let (h, min): (f64, f64) = (hms.next()?.parse().ok()?, hms.next()?.parse().ok()?);
+    let sec: f64 = hms.next()?.parse().ok()?;
+    // Days from the civil date (Howard Hinnant's algorithm).
+    let y = if m <= 2 { y - 1 } else { y };
+    let era = y.div_euclid(400);
+    let yoe = y - era * 400;
+    let doy = (153 * (if m > 2 { m - 3 } else { m + 9 }) + 2) / 5 + d - 1;
+    let doe = yoe * 365 + yoe / 4 - yoe / 100 + doy;
+    let days = era * 146097 + doe - 719468;
+    Some(days as f64 * 86400.0 + h * 3600.0 + min * 60.0 + sec)
+}
+
+/// Now, in seconds since the Unix epoch.
+pub fn unix_now() -> f64 {
+    std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.as_secs_f64()).unwrap_or(0.0)
+}
+
 /// A running process with its stdout and stderr collected as they come.
 pub struct Proc {
     pub name: String,
@@ -303,8 +328,9 @@ pub use cluster::*;
 
 #[cfg(feature = "etcd")]
 mod cluster {
-    use super::{example, testdata, Proc};
+    use super::{example, testdata, wait_until, Proc};
     use oar::{discovery::EtcdServer, transport::DevCa};
+    use std::collections::BTreeMap;
     use std::{process::Command, time::Duration};
 
     /// A job's surroundings: a real etcd started for the test on free
@@ -315,6 +341,195 @@ mod cluster {
         pub job: String,
         /// Lease TTL given to every process, in seconds.
         pub lease_ttl: u64,
+    }
+
+    /// How long a replicated job's steps may take.
+    pub const LONG: Duration = Duration::from_secs(120);
+
+    /// Shards holding the model: a1a's 123×2 weights and 2 biases in 128-float
+    /// blocks.
+    pub const DATA_SHARDS: usize = 3;
+
+    /// A job that runs until it is stopped: `pservers` pservers, `replicas`
+    /// replicas of each of 8 shards.
+    pub fn replicated_job(mode: &str, replicas: u32, pservers: u32) -> Vec<String> {
+        let mut job = a1a_job();
+        let more = [
+            "--chunk-bytes",
+            "4096",
+            "--task-timeout",
+            "600",
+            "--passes",
+            "100000",
+            "--shards",
+            "8",
+            "--block-size",
+            "128",
+            "--mode",
+            mode,
+            "--replicas",
+            &replicas.to_string(),
+            "--pservers",
+            &pservers.to_string(),
+        ];
+        job.extend(more.map(String::from));
+        job
+    }
+
+    /// A running replicated job: its processes, the live pservers last.
+    pub struct ReplicatedJob {
+        pub cluster: Cluster,
+        pub master: Proc,
+        pub trainers: Vec<Proc>,
+        /// Every pserver started, killed ones kept for their logs.
+        pub pservers: Vec<Proc>,
+        /// Indices into `pservers` of the live ones.
+        pub live: Vec<usize>,
+        pub pserver_flags: Vec<&'static str>,
+        /// Seconds between the pservers' checkpoints (60 unless set).
+        pub checkpoint_interval: f64,
+    }
+
+    impl ReplicatedJob {
+        pub fn start(name: &str, mode: &str, replicas: u32, pservers: u32, trainers: u32) -> ReplicatedJob {
+            Self::start_with(name, mode, replicas, pservers, trainers, &[])
+        }
+
+        pub fn start_with(
+            name: &str,
+            mode: &str,
+            replicas: u32,
+            pservers: u32,
+            trainers: u32,
+            flags: &[&'static str],
+        ) -> ReplicatedJob {
+            let cluster = Cluster::start(name);
+            let mut job = ReplicatedJob {
+                master: cluster.master("master", &replicated_job(mode, replicas, pservers)),
+                trainers: (0..trainers)
+                    .map(|i| cluster.trainer_with(&format!("trainer-{i}"), &["--stop-grace", "0"]))
+                    .collect(),
+                pservers: Vec::new(),
+                live: Vec::new(),
+                pserver_flags: flags.to_vec(),
+                checkpoint_interval: 60.0,
+                cluster,
+            };
+            for _ in 0..pservers {
+                job.add_pserver();
+            }
+            let started = job.master.wait_for_line(LONG, |l| l.starts_with("pass 1/"));
+            assert!(started.is_some(), "no pass ended\n{}", job.dump());
+            job.wait_healthy();
+            job
+        }
+
+        pub fn add_pserver(&mut self) {
+            let name = format!("pserver-{}", self.pservers.len());
+            let etcd = self.cluster.etcd.endpoint();
+            let interval = self.checkpoint_interval;
+            self.pservers.push(self.cluster.pserver_with(&name, interval, &etcd, &self.pserver_flags));
+            self.live.push(self.pservers.len() - 1);
+        }
+
+        pub fn everyone(&self) -> Vec<&Proc> {
+            [&self.master].into_iter().chain(&self.trainers).chain(&self.pservers).collect()
+        }
+
+        pub fn dump(&self) -> String {
+            format!("{}{}", self.cluster.status(), dump(&self.everyone()))
+        }
+
+        /// Wait until every shard has all its replicas caught up.
+        pub fn wait_healthy(&mut self) {
+            let healthy = wait_until(LONG, || self.cluster.status().contains("cluster OK"));
+            assert!(healthy, "the cluster never became healthy\n{}", self.dump());
+            assert!(self.master.wait(Duration::ZERO).is_none(), "the job ended\n{}", self.dump());
+        }
+
+        /// The index in `pservers` of the live pserver registered as `name`.
+        pub fn live_named(&self, name: &str) -> usize {
+            *self
+                .live
+                .iter()
+                .find(|&&i| is_named(&self.pservers[i], name))
+                .unwrap_or_else(|| panic!("no live {name}"))
+        }
+
+        /// Seconds from `since` (Unix time) to the first call a trainer had
+        /// answered by a new primary of `shard` after it: how long the
+        /// shard was away.
+        pub fn away_since(&self, shard: u32, since: f64) -> Option<f64> {
+            let shard = shard.to_string();
+            self.trainers
+                .iter()
+                .flat_map(|t| {
+                    let log = t.stderr();
+                    log.lines()
+                        .filter(|l| l.contains("following the shard's new primary"))
+                        .filter(|l| log_field(l, "shard") == Some(shard.as_str()))
+                        .filter_map(super::log_time)
+                        .collect::<Vec<_>>()
+                })
+                .filter(|&t| t >= since)
+                .map(|t| t - since)
+                .reduce(f64::min)
+        }
+
+        /// SIGKILL the pserver at `index` and forget it.
+        pub fn kill(&mut self, index: usize) {
+            self.pservers[index].kill();
+            self.live.retain(|&i| i != index);
+        }
+
+        /// Stop trainers, master and pservers in that order with SIGTERM, and
+        /// check that every shard holding the model applied exactly one update
+        /// per push (or step) the trainers saw acknowledged.
+        pub fn finish_and_count(mut self) -> u64 {
+            let mut acknowledged = 0;
+            for trainer in &mut self.trainers {
+                trainer.signal("TERM");
+            }
+            for t in 0..self.trainers.len() {
+                let trainer = &mut self.trainers[t];
+                assert!(exits(trainer, LONG, &[]), "{} did not exit 0\n{}", trainer.name, trainer.dump());
+                let out = trainer.last_json();
+                assert_eq!(out["pushed_examples"], out["examples"], "gradients left unpushed: {out}");
+                assert!(!trainer.stderr().contains("gave up pushing"), "{}", trainer.dump());
+                acknowledged += out["pushes"].as_u64().expect("pushes");
+            }
+            assert!(acknowledged > 0, "no push acknowledged\n{}", self.dump());
+            // The master first, so that no shard moves while the pservers stop.
+            self.master.signal("TERM");
+            assert!(
+                exits(&mut self.master, LONG, &[]),
+                "the master did not stop well\n{}",
+                self.master.dump()
+            );
+            for &i in &self.live {
+                self.pservers[i].signal("TERM");
+            }
+            let mut steps: BTreeMap<String, Vec<u64>> = BTreeMap::new();
+            for &i in &self.live {
+                let pserver = &mut self.pservers[i];
+                assert!(exits(pserver, LONG, &[]), "{} did not stop well\n{}", pserver.name, pserver.dump());
+                let out = pserver.last_json();
+                for (shard, step) in out["primaries"].as_object().unwrap_or_else(|| panic!("{out}")) {
+                    steps.entry(shard.clone()).or_default().push(step.as_u64().unwrap());
+                }
+            }
+            let with_data: Vec<_> = steps.iter().filter(|(_, s)| s.iter().any(|&s| s > 0)).collect();
+            assert_eq!(with_data.len(), DATA_SHARDS, "shards that applied updates: {steps:?}");
+            for (shard, applied) in with_data {
+                assert!(
+                    applied.iter().all(|&a| a == acknowledged),
+                    "shard {shard} applied {applied:?} updates; the trainers saw {acknowledged} acknowledged\n{}",
+                    dump(&self.everyone())
+                );
+            }
+            eprintln!("{acknowledged} acknowledged, each applied once on every shard");
+            acknowledged
+        }
     }
 
     /// The a1a job's options.

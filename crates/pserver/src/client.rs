@@ -798,16 +798,25 @@ impl Inner {
         loop {
             let (name, result, version) = match self.connection(index).await {
                 Ok((name, conn, version, epoch)) => {
-                    let result = oar_transport::call_parts(
+                    let call = oar_transport::call_parts(
                         conn.as_ref(),
                         PSERVER_METHOD,
                         request,
                         parts,
                         sink,
                         self.call_timeout,
-                    )
-                    .await
-                    .map_err(Error::from);
+                    );
+                    // A primary that dies does not answer: follow the map
+                    // rather than wait out the call's timeout. (A push
+                    // retried elsewhere is deduplicated by its seq.)
+                    let topology = self.topology().await?;
+                    let result = tokio::select! {
+                        result = call => result.map_err(Error::from),
+                        () = topology.until_moved(index, &name) => Err(Error::ShardAway {
+                            shard: index,
+                            why: format!("{name} no longer serves it (gone, or the map moved it)"),
+                        }),
+                    };
                     let before = self.epochs[index as usize].swap(epoch, Ordering::SeqCst);
                     if before != 0 && before != epoch {
                         tracing::info!(

@@ -84,6 +84,20 @@ impl TopologyWatch {
         self.rx.clone()
     }
 
+    /// Wait until `name` no longer serves shard `shard`: its registration
+    /// is gone (it died or left), or the map names another primary. A call
+    /// under way to it is then abandoned and retried where the map says.
+    pub async fn until_moved(&self, shard: u32, name: &str) {
+        let mut rx = self.rx.clone();
+        let moved = |t: &Arc<Topology>| {
+            !t.addrs.contains_key(name) || t.map.as_ref().and_then(|m| m.primary(shard)) != Some(name)
+        };
+        if rx.wait_for(moved).await.is_err() {
+            // No one follows the topology any more: nothing will move.
+            std::future::pending::<()>().await
+        }
+    }
+
     /// Wait until the map's version is above `version`, at most `max`;
     /// the topology then (or now, on time out).
     pub async fn newer_than(&self, version: u64, max: Duration) -> Arc<Topology> {
