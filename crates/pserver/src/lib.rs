@@ -130,7 +130,7 @@ pub use optimizer::{
 pub use placement::{BlockInfo, Placement};
 pub use rng::{hash_str, SplitMix64};
 #[cfg(feature = "service")]
-pub use service::{OptimizerFactory, Pserver, PserverKeys, PserverOptions};
+pub use service::{OptimizerFactory, PrimaryAtStop, Pserver, PserverKeys, PserverOptions};
 pub use shard_map::{Health, PserverId, Role, ShardMap};
 pub use spec::{init_values, validate_specs, Init, ParamBuf, ParamSpec};
 pub use store::{CompletedStep, Grad, Mode, ParamStore, Push, PushOutcome, StoreSnapshot};

@@ -279,7 +279,7 @@ async fn a_shard_whose_only_replica_stopped_is_restored_from_its_checkpoint_else
     // The shard has one replica: when it goes, the coordinator gives the
     // shard to another pserver, which restores the checkpoint.
     let steps = ps.shutdown().await.unwrap();
-    assert_eq!(steps.get(&0), Some(&2));
+    assert_eq!(steps.get(&0).map(|at| at.step), Some(2));
     let again = start(&env).await.unwrap();
     env.cluster.wait_serving(&[&again]).await;
     assert_eq!(again.step(0), Some(2), "the step comes back from the checkpoint");

@@ -17,6 +17,11 @@ pub struct PserverReport {
     /// The shards it was primary of at the end, with their steps (updates
     /// applied, including those before a failover or a restore).
     pub primaries: std::collections::BTreeMap<u32, u64>,
+    /// For each of those shards that applied anything, each trainer's last
+    /// push seq there: in async mode trainer `t` had `seq + 1` pushes
+    /// applied to the shard, each once (see [`oar_pserver::PrimaryAtStop`]),
+    /// which is how the tests count pushes of trainers that were killed.
+    pub trainer_seqs: std::collections::BTreeMap<u32, std::collections::BTreeMap<String, u64>>,
     /// It stopped at the shutdown signal, not at the job's end.
     pub shut_down: bool,
 }
@@ -40,7 +45,12 @@ async fn run_pserver(
     options: &RoleOptions,
     shutdown: CancellationToken,
 ) -> Result<PserverReport> {
-    let stopped_early = PserverReport { name: None, primaries: Default::default(), shut_down: true };
+    let stopped_early = PserverReport {
+        name: None,
+        primaries: Default::default(),
+        trainer_seqs: Default::default(),
+        shut_down: true,
+    };
     let config = read_config(&*ctx.discovery, &ctx.job, options.startup_timeout);
     let Some(config) = unless_shut_down(&shutdown, config).await else { return Ok(stopped_early) };
     let config = config?;
@@ -89,8 +99,11 @@ async fn run_pserver(
         }
         let _ = unless_shut_down(&shutdown, changed.wait(options.checkpoint_interval.min(POLL))).await;
     };
-    let primaries = server.shutdown().await?;
-    Ok(PserverReport { name: Some(name), primaries, shut_down })
+    let held = server.shutdown().await?;
+    let primaries = held.iter().map(|(&shard, at)| (shard, at.step)).collect();
+    let trainer_seqs =
+        held.into_iter().filter(|(_, at)| at.step > 0).map(|(shard, at)| (shard, at.last_seqs)).collect();
+    Ok(PserverReport { name: Some(name), primaries, trainer_seqs, shut_down })
 }
 
 /// How often a pserver looks whether the job ended, at the longest (a

@@ -697,13 +697,13 @@ impl Pserver {
     /// is primary of, and release its registration (revoke the lease), so
     /// the coordinator gives its shards to their followers (or, with one
     /// replica, to other pservers, from that checkpoint) at once. Returns
-    /// the steps of the shards it was primary of.
+    /// what it held of the shards it was primary of.
     ///
     /// Requests are refused from a moment when no sync step is underway
     /// and no push in parts is half taken on any of its primary shards,
     /// waited for up to [`DRAIN_WAIT`] (serving meanwhile), so that the
     /// last checkpoints hold whole steps and whole pushes.
-    pub async fn shutdown(mut self) -> ServiceResult<BTreeMap<u32, u64>> {
+    pub async fn shutdown(mut self) -> ServiceResult<BTreeMap<u32, PrimaryAtStop>> {
         let deadline = tokio::time::Instant::now() + DRAIN_WAIT;
         loop {
             let whole = self.shared.slots().iter().all(|slot| {
@@ -720,12 +720,18 @@ impl Pserver {
             }
             tokio::time::sleep(Duration::from_millis(1)).await;
         }
-        let steps: BTreeMap<u32, u64> = self
+        let steps: BTreeMap<u32, PrimaryAtStop> = self
             .shared
             .slots()
             .iter()
             .filter_map(|slot| match &*slot.state.lock().unwrap_or_else(PoisonError::into_inner) {
-                SlotState::Primary { store, .. } => Some((slot.shard, store.step())),
+                SlotState::Primary { store, .. } => Some((
+                    slot.shard,
+                    PrimaryAtStop {
+                        step: store.step(),
+                        last_seqs: store.last_seqs().map(|(t, s)| (t.to_string(), s)).collect(),
+                    },
+                )),
                 _ => None,
             })
             .collect();
@@ -739,7 +745,7 @@ impl Pserver {
         if serving {
             for slot in self.shared.slots() {
                 // Nothing applied: the initial values need no checkpoint.
-                if steps.get(&slot.shard).is_none_or(|&step| step == 0) {
+                if steps.get(&slot.shard).is_none_or(|at| at.step == 0) {
                     continue;
                 }
                 if let Err(e) = save_and_record(&self.shared, &slot).await {
@@ -753,6 +759,18 @@ impl Pserver {
         }
         saved.map(|()| steps)
     }
+}
+
+/// What a pserver held of a shard it was primary of when it stopped.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct PrimaryAtStop {
+    /// The shard's step: updates applied (async: pushes; sync: steps),
+    /// including those before a failover or a restore.
+    pub step: u64,
+    /// Each trainer's last push seq the shard took. A client numbers its
+    /// pushes to a shard from 0, one at a time, so in async mode trainer
+    /// `t` had `seq + 1` pushes applied there, each once.
+    pub last_seqs: BTreeMap<String, u64>,
 }
 
 impl Drop for Pserver {
