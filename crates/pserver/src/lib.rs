@@ -2,16 +2,20 @@
 //!
 //! A model is a list of named parameters ([`ParamSpec`]). A [`Placement`]
 //! cuts each parameter into blocks of at most `block_size` elements and
-//! spreads the blocks over N pserver shards by size, deterministically, so a
+//! spreads the blocks over S logical shards by size, deterministically, so a
 //! client and every server compute the same placement from the same inputs
-//! (and compare [`Placement::fingerprint`] to be sure).
+//! (and compare [`Placement::fingerprint`] to be sure). S is a job option
+//! (64 by default), independent of how many pservers there are: a versioned
+//! [`ShardMap`] says which pservers hold each shard (its replica set, the
+//! primary first), and shards move between pservers by map changes alone.
 //!
-//! Each pserver keeps a [`ParamStore`] for its shard: the parameters of its
+//! Each replica of a shard is a [`ParamStore`]: the parameters of its
 //! blocks, initialised by [`init_values`] (which depends only on the seed, the
 //! parameter name and the element index, so the model is the same for any
-//! number of servers), and their [`OptimizerState`]. Trainers [`Push`]
-//! gradients; the store applies them with an [`Optimizer`] (SGD, momentum,
-//! AdaGrad and Adam built in, see [`OptimizerConfig`]):
+//! number of shards), and their [`OptimizerState`]. Trainers [`Push`]
+//! gradients to each shard's primary; the store applies them with an
+//! [`Optimizer`] (SGD, momentum, AdaGrad and Adam built in, see
+//! [`OptimizerConfig`]):
 //!
 //! - [`Mode::Async`]: every push is applied on arrival. A trainer that pulls
 //!   right after it pushes sends both as one `PserverClient::push_pull`:
@@ -44,20 +48,41 @@
 //! behind the default feature `service`. With `default-features = false`
 //! the crate is the core alone, and Cargo, not discipline, keeps it so.
 //!
-//! **What a pserver crash loses.** The [`Pserver`] service checkpoints its
-//! shard every `checkpoint_interval` (when it changed), atomically, with the
-//! optimizer state and the push deduplication table. It writes a
-//! [`StoreSnapshot`] taken under the store's lock (cheap: blocks are shared
-//! copy-on-write) with no lock held, so pushes go on meanwhile. A
-//! replacement loads the newest verified checkpoint, so a crash loses at
-//! most the updates applied to that shard during one interval (plus the
-//! time one checkpoint takes to write); no update is applied twice, because
-//! a trainer's retried push that the checkpoint already holds is recognised
-//! by its `(trainer, seq)`.
-//! Trainers pause their updates while the shard is away and follow the
-//! replacement (see [`client`]). `tests/faults.rs` kills a pserver and checks
-//! that the replacement loads a checkpoint at least as new as the last one
-//! recorded before the kill.
+//! **Replication** (module [`replica`], the I/O-free core; `service` and
+//! [`coordinator`] run it). With R replicas per shard (a job option, 1 by
+//! default) the primary applies each update, forwards it to its followers
+//! (async: each push; sync: each completed step, with the `(trainer, seq)`
+//! of the pushes it took) and, in **strong mode**, answers the trainer only
+//! when every follower in the current map holds it. A sync push that waits
+//! in its step is answered once the step is complete and replicated. A
+//! follower keeps the push deduplication table, so a push retried on a new
+//! primary is applied once. The [`Coordinator`] (the master runs it, under
+//! the master's fence) writes the map: when a primary's registration (its
+//! lease) goes, the follower that has applied the most and knows the current
+//! map becomes primary in a new epoch; a dead follower is dropped, and the
+//! cluster status (`pserver_cluster_status`) says UNHEALTHY until a
+//! replacement has caught up (a snapshot streamed in parts while pushes go
+//! on, then the tail). A primary that is paused or cut off past its lease
+//! acknowledges nothing more: before every answer it checks its lease and
+//! that it is still primary, and followers refuse a forward of an older
+//! epoch or map.
+//!
+//! What that promises:
+//!
+//! - **R ≥ 2**: no acknowledged update is lost, and none applied twice, as
+//!   long as at most R−1 replicas of a shard fail before a replacement has
+//!   caught up (`tests/replication.rs` SIGKILLs primaries and counts every
+//!   push). A shard is away for about one lease TTL after its primary
+//!   dies; trainers follow the map and retry there.
+//! - **R = 1**, or all replicas gone: the shard is restored on another
+//!   pserver from its newest verified checkpoint, losing at most the
+//!   updates of one checkpoint interval. No update is applied twice: the
+//!   checkpoint holds the deduplication table.
+//! - There is no bounded-lag mode (acknowledging before the followers
+//!   hold an update): strong mode is the only one.
+//! - A primary writes its shards' checkpoints (`<dir>/shard-<s>/`, a
+//!   directory every pserver can reach), so a whole cluster restart
+//!   restores every shard from them.
 //!
 //! ```
 //! use oar_pserver::{

@@ -1,5 +1,5 @@
 //! The pserver shell: registers under a name of its own, follows the job's
-//! [`ShardMap`](crate::ShardMap), and for each logical shard the map gives
+//! [`ShardMap`], and for each logical shard the map gives
 //! it holds a replica: as **primary** it serves trainers, applies their
 //! updates, forwards them to the followers and checkpoints the shard; as
 //! **follower** it applies what its primary forwards; a replica that has
