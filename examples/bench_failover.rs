@@ -17,7 +17,7 @@
 #[allow(unused_imports)]
 mod support;
 
-use support::{unix_now, wait_until, ReplicatedJob, LONG};
+use support::{wait_until, ReplicatedJob, LONG};
 
 fn median(v: &mut [f64]) -> f64 {
     v.sort_by(f64::total_cmp);
@@ -44,14 +44,7 @@ fn main() {
         job.checkpoint_interval = 1.0;
         let mut away = Vec::new();
         for _ in 0..rounds {
-            let victim = job.cluster.primary_of(0);
-            let index = job.live_named(&victim);
-            let killed_at = unix_now();
-            job.kill(index);
-            job.add_pserver();
-            let moved = wait_until(LONG, || !job.cluster.status().contains(&victim));
-            assert!(moved, "{victim} is still in the map\n{}", job.dump());
-            job.wait_healthy();
+            let (_, killed_at) = job.kill_primary(0);
             // The trainers log the new primary on their next call.
             let answered = wait_until(LONG, || job.away_since(0, killed_at).is_some());
             assert!(answered, "no trainer reached shard 0's new primary\n{}", job.dump());

@@ -18,7 +18,7 @@ mod support;
 
 use std::time::Duration;
 use support::{
-    is_named, log_field, metric_value, metrics_addr, scrape, seed_from, unix_now, wait_until, Lcg, Proc,
+    is_named, log_field, metric_value, metrics_addr, scrape, seed_from, wait_until, Lcg, Proc,
     ReplicatedJob as Job, DATA_SHARDS, LONG,
 };
 
@@ -34,16 +34,9 @@ fn kill_primaries(name: &str, mode: &str, replicas: u32, trainers: u32) {
     for round in 0..rounds {
         std::thread::sleep(Duration::from_millis(200 + rng.below(1300) as u64));
         let shard = rng.below(DATA_SHARDS) as u32;
-        let victim = job.cluster.primary_of(shard);
-        eprintln!("round {round}: SIGKILL {victim}, primary of shard {shard}");
-        let index = job.live_named(&victim);
-        let killed_at = unix_now();
-        job.kill(index);
-        job.add_pserver();
-        let moved = wait_until(LONG, || !job.cluster.status().contains(&victim));
-        assert!(moved, "{victim} is still in the map\n{}", job.dump());
-        job.wait_healthy();
-        // Printed, not asserted: benches/bench_failover measures it.
+        let (victim, killed_at) = job.kill_primary(shard);
+        eprintln!("round {round}: SIGKILLed {victim}, primary of shard {shard}");
+        // Printed, not asserted: examples/bench_failover measures it.
         if let Some(away) = job.away_since(shard, killed_at) {
             eprintln!("round {round}: shard {shard} answered again {away:.2} s after the kill");
         }

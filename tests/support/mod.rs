@@ -476,6 +476,21 @@ mod cluster {
                 .reduce(f64::min)
         }
 
+        /// SIGKILL the primary of `shard`, start a new pserver, and wait
+        /// until the dead one has left the map and every shard has all its
+        /// replicas again. Its name, and the Unix time of the kill.
+        pub fn kill_primary(&mut self, shard: u32) -> (String, f64) {
+            let victim = self.cluster.primary_of(shard);
+            let index = self.live_named(&victim);
+            let killed_at = super::unix_now();
+            self.kill(index);
+            self.add_pserver();
+            let moved = wait_until(LONG, || !self.cluster.status().contains(&victim));
+            assert!(moved, "{victim} is still in the map\n{}", self.dump());
+            self.wait_healthy();
+            (victim, killed_at)
+        }
+
         /// SIGKILL the pserver at `index` and forget it.
         pub fn kill(&mut self, index: usize) {
             self.pservers[index].kill();

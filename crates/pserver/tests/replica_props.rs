@@ -10,9 +10,11 @@ use oar_pserver::replica::{
     snapshot_parts, Applied, CatchUp, Follower, Forwarded, History, SnapshotPart, Update,
 };
 use oar_pserver::{
-    Adam, BlockId, Error, Grad, Init, Mode, ParamSpec, ParamStore, Placement, Push, PushOutcome, SplitMix64,
+    BlockId, Error, Grad, Init, Mode, ParamSpec, ParamStore, Placement, Push, PushOutcome, SplitMix64,
 };
 use proptest::prelude::*;
+
+mod frozen;
 
 const TRAINERS: [&str; 3] = ["a", "b", "c"];
 const REPLICAS: usize = 3;
@@ -87,37 +89,6 @@ fn event() -> impl Strategy<Value = Event> {
     ]
 }
 
-/// What a replica must equal, floats as bits so comparisons are exact.
-/// Sync replicas do not see pushes, so their deduplication table is not
-/// compared (a trainer re-pushes the step underway to a new primary).
-#[derive(Clone, Debug, PartialEq)]
-struct Frozen {
-    step: u64,
-    blocks: Vec<(BlockId, Vec<u32>, u64, Vec<u32>)>,
-    seqs: Vec<(String, u64)>,
-}
-
-fn bits(v: &[f32]) -> Vec<u32> {
-    v.iter().map(|x| x.to_bits()).collect()
-}
-
-fn frozen(st: &ParamStore) -> Frozen {
-    let mut seqs: Vec<(String, u64)> = match st.mode() {
-        Mode::Async => st.last_seqs().map(|(t, s)| (t.to_string(), s)).collect(),
-        Mode::Sync => Vec::new(),
-    };
-    seqs.sort();
-    Frozen {
-        step: st.step(),
-        blocks: st.blocks().map(|(id, p, s)| (id, bits(p), s.step, bits(&s.slots))).collect(),
-        seqs,
-    }
-}
-
-fn adam() -> Box<Adam> {
-    Box::new(Adam { lr: 0.05, beta1: 0.9, beta2: 0.99, eps: 1e-8 })
-}
-
 enum Replica {
     Absent,
     CatchingUp {
@@ -143,7 +114,7 @@ struct Job {
     /// Every update the primary applied: update `n` is `log[n - 1]`.
     log: Vec<Forwarded>,
     /// The primary's state after `n` updates is `history[n]`.
-    history: Vec<Frozen>,
+    history: Vec<frozen::Frozen>,
     seqs: [u64; TRAINERS.len()],
     last_push: [Option<Push>; TRAINERS.len()],
     /// Sync: the step of each trainer's last part, and the block after it.
@@ -160,7 +131,7 @@ impl Job {
             .collect();
         let placement = Placement::new(&specs, 1, block_size).unwrap();
         let held = placement.blocks_on(SHARD).map(|b| (b.id, b.len)).collect();
-        let mut primary = ParamStore::new(&placement, SHARD, 5, adam(), mode).unwrap();
+        let mut primary = ParamStore::new(&placement, SHARD, 5, frozen::adam(), mode).unwrap();
         primary.record_steps();
         for t in TRAINERS {
             primary.join(t);
@@ -174,14 +145,14 @@ impl Job {
                         1,
                         0,
                         History::starting(EPOCH, 1),
-                        ParamStore::new(&placement, SHARD, 5, adam(), mode).unwrap(),
+                        ParamStore::new(&placement, SHARD, 5, frozen::adam(), mode).unwrap(),
                     ),
                     next: 0,
                 },
                 _ => Replica::Absent,
             })
             .collect();
-        let history = vec![frozen(&primary)];
+        let history = vec![frozen::replica(&primary)];
         Job {
             mode,
             placement,
@@ -204,7 +175,7 @@ impl Job {
         // partly updated blocks are its own until the step completes).
         let state = match (&update, self.mode) {
             (Update::Join(_) | Update::Leave(_), Mode::Sync) => self.history[self.history.len() - 1].clone(),
-            _ => frozen(&self.primary),
+            _ => frozen::replica(&self.primary),
         };
         self.log.push(Forwarded { shard: SHARD, map_version: self.map_version, epoch: EPOCH, seq, update });
         self.history.push(state);
@@ -296,7 +267,7 @@ impl Job {
             if let Replica::Following { follower, next } = replica {
                 prop_assert_eq!(follower.applied(), *next as u64, "replica {}", r);
                 prop_assert_eq!(
-                    &frozen(follower.store()),
+                    &frozen::replica(follower.store()),
                     &self.history[*next],
                     "replica {} holds what the primary held after update {}",
                     r,
@@ -342,7 +313,8 @@ impl Job {
                 }
                 // A fresh store, initialised differently: what it ends with
                 // comes from the snapshot and the updates, not from its seed.
-                let store = ParamStore::new(&self.placement, SHARD, 77, adam(), self.mode).map_err(fail)?;
+                let store =
+                    ParamStore::new(&self.placement, SHARD, 77, frozen::adam(), self.mode).map_err(fail)?;
                 let catch_up =
                     CatchUp::new(SHARD, self.map_version, upto, History::starting(EPOCH, 1), store);
                 self.replicas[r] =
@@ -416,7 +388,7 @@ impl Job {
         match &mut self.replicas[r] {
             Replica::Absent => {}
             Replica::Following { follower, next } => {
-                let before = (frozen(follower.store()), follower.applied(), follower.map_version());
+                let before = (frozen::replica(follower.store()), follower.applied(), follower.map_version());
                 let Some(good) = log.get(*next).or(log.last()).cloned() else { return Ok(()) };
                 let mut bad =
                     Forwarded { seq: *next as u64 + 1, map_version: follower.map_version(), ..good };
@@ -464,7 +436,7 @@ impl Job {
                 if what != "length" {
                     prop_assert!(err.contains(what), "{} does not say {}", err, what);
                 }
-                let after = (frozen(follower.store()), follower.applied(), follower.map_version());
+                let after = (frozen::replica(follower.store()), follower.applied(), follower.map_version());
                 prop_assert_eq!(before, after, "a refused update changed the replica");
             }
             Replica::CatchingUp { catch_up, delivered, next, .. } => {
@@ -534,12 +506,12 @@ impl Job {
             self.event(Event::Finish { r, force: true })?;
             if let Replica::Following { follower, .. } = &self.replicas[r] {
                 prop_assert_eq!(follower.applied(), self.log.len() as u64);
-                prop_assert_eq!(Some(&frozen(follower.store())), self.history.last());
+                prop_assert_eq!(Some(&frozen::replica(follower.store())), self.history.last());
             }
         }
         // Sync, a step underway is the primary's alone until it completes.
         if !self.primary.step_underway() {
-            prop_assert_eq!(Some(&frozen(&self.primary)), self.history.last());
+            prop_assert_eq!(Some(&frozen::replica(&self.primary)), self.history.last());
         }
         prop_assert!(matches!(self.replicas[0], Replica::Following { .. }), "replica 0 follows throughout");
         Ok(())
@@ -574,7 +546,7 @@ impl Job {
                 promoted.push(push).map_err(fail)?,
                 PushOutcome::Applied { step: self.primary.step() }
             );
-            prop_assert_eq!(frozen(&promoted), frozen(&self.primary));
+            prop_assert_eq!(frozen::replica(&promoted), frozen::replica(&self.primary));
         }
         Ok(())
     }

@@ -17,10 +17,13 @@ use oar_pserver::replica::{
     snapshot_parts, CatchUp, Follower, History, Links, SnapshotPart, SyncFrom, Update,
 };
 use oar_pserver::{
-    Adam, BlockId, Error, Grad, Init, Mode, ParamSpec, ParamStore, Placement, Push, PushOutcome, ShardMap,
+    BlockId, Error, Grad, Init, Mode, ParamSpec, ParamStore, Placement, Push, PushOutcome, ShardMap,
     SplitMix64,
 };
 use proptest::prelude::*;
+
+mod frozen;
+use frozen::Frozen;
 
 const TRAINERS: [&str; 2] = ["a", "b"];
 const NODES: usize = 4;
@@ -108,36 +111,6 @@ fn event() -> impl Strategy<Value = Event> {
     ]
 }
 
-/// A store's state, floats as bits. Sync replicas do not see pushes, so
-/// their deduplication table is not compared.
-#[derive(Clone, Debug, PartialEq)]
-struct Frozen {
-    step: u64,
-    blocks: Vec<(BlockId, Vec<u32>, u64, Vec<u32>)>,
-    seqs: Vec<(String, u64)>,
-}
-
-fn bits(v: &[f32]) -> Vec<u32> {
-    v.iter().map(|x| x.to_bits()).collect()
-}
-
-fn frozen(st: &ParamStore) -> Frozen {
-    let mut seqs: Vec<(String, u64)> = match st.mode() {
-        Mode::Async => st.last_seqs().map(|(t, s)| (t.to_string(), s)).collect(),
-        Mode::Sync => Vec::new(),
-    };
-    seqs.sort();
-    Frozen {
-        step: st.step(),
-        blocks: st.blocks().map(|(id, p, s)| (id, bits(p), s.step, bits(&s.slots))).collect(),
-        seqs,
-    }
-}
-
-fn adam() -> Box<Adam> {
-    Box::new(Adam { lr: 0.05, beta1: 0.9, beta2: 0.99, eps: 1e-8 })
-}
-
 /// The epoch update `n` came from, per `history`; 0 for update 0 (the
 /// state before any update, the same for every replica here).
 fn epoch_of(history: &History, n: u64) -> u64 {
@@ -203,7 +176,7 @@ impl Sim {
         // The first primary starts fresh at update 0 of epoch 1; everyone
         // knows the first map.
         let store = sim.fresh_store(5);
-        sim.states.insert((0, 0), frozen(&store));
+        sim.states.insert((0, 0), frozen::replica(&store));
         sim.nodes[0].state = State::Primary { store, links: Links::new(SHARD, 1, 0, History::default()) };
         for n in 0..NODES {
             sim.nodes[n].known = 1;
@@ -222,7 +195,7 @@ impl Sim {
     }
 
     fn fresh_store(&self, seed: u64) -> ParamStore {
-        let mut store = ParamStore::new(&self.placement, SHARD, seed, adam(), self.mode).unwrap();
+        let mut store = ParamStore::new(&self.placement, SHARD, seed, frozen::adam(), self.mode).unwrap();
         store.record_steps();
         store
     }
@@ -240,7 +213,7 @@ impl Sim {
         self.maps.push(map);
     }
 
-    fn canonical(&self, history: &History, n: u64) -> Result<&Frozen, TestCaseError> {
+    fn canonical(&self, history: &History, n: u64) -> Result<&frozen::Frozen, TestCaseError> {
         let epoch = epoch_of(history, n);
         self.states
             .get(&(epoch, n))
@@ -270,7 +243,7 @@ impl Sim {
                         e
                     );
                 }
-                prop_assert_eq!(&frozen(&store), self.canonical(&history, applied)?);
+                prop_assert_eq!(&frozen::replica(&store), self.canonical(&history, applied)?);
                 let mut links = Links::new(SHARD, epoch, applied, history);
                 links.set_followers(map.replica_set(SHARD)[1..].iter().map(String::as_str));
                 State::Primary { store, links }
@@ -324,7 +297,7 @@ impl Sim {
                 let history = links.history().clone();
                 self.canonical(&history, seq - 1)?.clone()
             }
-            false => frozen(store),
+            false => frozen::replica(store),
         };
         self.states.insert((epoch, seq), state);
         self.pending.push((p, epoch, seq));
@@ -607,7 +580,7 @@ impl Sim {
         for (n, node) in self.nodes.iter().enumerate() {
             if let (true, State::Follower(fw)) = (node.alive, &node.state) {
                 let want = self.canonical(fw.history(), fw.applied())?;
-                prop_assert_eq!(&frozen(fw.store()), want, "{} holds what a primary held", name(n));
+                prop_assert_eq!(&frozen::replica(fw.store()), want, "{} holds what a primary held", name(n));
             }
         }
         Ok(())
@@ -686,7 +659,12 @@ impl Sim {
             };
             prop_assert_eq!(fw.applied(), links.seq());
             if !store.step_underway() {
-                prop_assert_eq!(frozen(fw.store()), frozen(store), "{} holds what the primary holds", f);
+                prop_assert_eq!(
+                    frozen::replica(fw.store()),
+                    frozen::replica(store),
+                    "{} holds what the primary holds",
+                    f
+                );
             }
             // Every trainer has left, so no push waits in a step: a follower
             // knows every push the primary took (sync: from the steps'

@@ -5,9 +5,12 @@
 
 use oar_pserver::checkpoint::{load_file, CheckpointDir};
 use oar_pserver::{
-    Adam, BlockId, Error, Grad, Init, Mode, ParamSpec, ParamStore, Placement, Push, SplitMix64, StoreSnapshot,
+    BlockId, Error, Grad, Init, Mode, ParamSpec, ParamStore, Placement, Push, SplitMix64, StoreSnapshot,
 };
 use proptest::prelude::*;
+
+mod frozen;
+use frozen::Frozen;
 use std::path::Path;
 
 const TRAINERS: [&str; 2] = ["a", "b"];
@@ -38,40 +41,6 @@ fn event() -> impl Strategy<Value = Event> {
     ]
 }
 
-/// Everything a checkpoint records, floats as bits so comparisons are exact.
-#[derive(Clone, Debug, PartialEq)]
-struct Frozen {
-    step: u64,
-    blocks: Vec<(BlockId, Vec<u32>, u64, Vec<u32>)>,
-    seqs: Vec<(String, u64)>,
-}
-
-fn bits(v: &[f32]) -> Vec<u32> {
-    v.iter().map(|x| x.to_bits()).collect()
-}
-
-fn of_store(st: &ParamStore) -> Frozen {
-    let mut seqs: Vec<(String, u64)> = st.last_seqs().map(|(t, s)| (t.to_string(), s)).collect();
-    seqs.sort();
-    Frozen {
-        step: st.step(),
-        blocks: st.blocks().map(|(id, p, s)| (id, bits(p), s.step, bits(&s.slots))).collect(),
-        seqs,
-    }
-}
-
-fn of_snapshot(snap: &StoreSnapshot) -> Frozen {
-    Frozen {
-        step: snap.step(),
-        blocks: snap.blocks().map(|(id, p, s)| (id, bits(p), s.step, bits(&s.slots))).collect(),
-        seqs: snap.last_seqs().map(|(t, s)| (t.to_string(), s)).collect(),
-    }
-}
-
-fn adam() -> Box<Adam> {
-    Box::new(Adam { lr: 0.05, beta1: 0.9, beta2: 0.99, eps: 1e-8 })
-}
-
 /// What a call did, comparable across two stores.
 fn outcome<T: std::fmt::Debug>(r: Result<T, Error>) -> String {
     match r {
@@ -88,9 +57,9 @@ fn run(mode: Mode, block_size: usize, events: Vec<Event>) -> Result<(), TestCase
         .collect();
     let placement = Placement::new(&specs, 1, block_size).unwrap();
     let held: Vec<(BlockId, usize)> = placement.blocks_on(0).map(|b| (b.id, b.len)).collect();
-    let mut store = ParamStore::new(&placement, 0, 5, adam(), mode).unwrap();
+    let mut store = ParamStore::new(&placement, 0, 5, frozen::adam(), mode).unwrap();
     // The same pushes, never snapshotted: the reference for the live store.
-    let mut twin = ParamStore::new(&placement, 0, 5, adam(), mode).unwrap();
+    let mut twin = ParamStore::new(&placement, 0, 5, frozen::adam(), mode).unwrap();
     for t in TRAINERS {
         store.join(t);
         twin.join(t);
@@ -127,7 +96,7 @@ fn run(mode: Mode, block_size: usize, events: Vec<Event>) -> Result<(), TestCase
             Event::Snapshot => match store.snapshot() {
                 Ok(snap) => {
                     prop_assert!(!store.step_underway());
-                    live.push((snap, of_store(&store)));
+                    live.push((snap, frozen::whole(&store)));
                 }
                 Err(Error::CheckpointStepUnderway { step }) => {
                     // A sync step underway, or a push in parts half taken.
@@ -145,15 +114,23 @@ fn run(mode: Mode, block_size: usize, events: Vec<Event>) -> Result<(), TestCase
                 let (snap, frozen) = &live[pick % live.len()];
                 let info = dir.save(snap, 2).unwrap();
                 prop_assert_eq!(info.step, frozen.step);
-                let mut loaded = ParamStore::new(&placement, 0, 99, adam(), mode).unwrap();
+                let mut loaded = ParamStore::new(&placement, 0, 99, frozen::adam(), mode).unwrap();
                 load_file(Path::new(&info.path), &mut loaded).unwrap();
-                prop_assert_eq!(&of_store(&loaded), frozen, "the checkpoint records the snapshot's step");
+                prop_assert_eq!(
+                    &frozen::whole(&loaded),
+                    frozen,
+                    "the checkpoint records the snapshot's step"
+                );
             }
             Event::Drop(_) | Event::Write(_) => {}
         }
-        prop_assert_eq!(of_store(&store), of_store(&twin), "snapshots change nothing the store computes");
+        prop_assert_eq!(
+            frozen::whole(&store),
+            frozen::whole(&twin),
+            "snapshots change nothing the store computes"
+        );
         for (snap, frozen) in &live {
-            prop_assert_eq!(&of_snapshot(snap), frozen, "a snapshot keeps the state it was taken at");
+            prop_assert_eq!(&frozen::of_snapshot(snap), frozen, "a snapshot keeps the state it was taken at");
         }
     }
     Ok(())
