@@ -60,6 +60,11 @@ pub struct CoordinatorOptions {
     /// How long a failover keeps asking candidates that have not seen the
     /// current map yet (or did not answer) before it decides without them.
     pub election_wait: Duration,
+    /// Move replicas to balance the pservers present, one shard at a time
+    /// ([`ShardMap::rebalance`]): a pserver that joins gets its share. Off
+    /// by default: a job turns it on when it may grow (issue 17's elastic
+    /// jobs build on it).
+    pub rebalance: bool,
 }
 
 impl Default for CoordinatorOptions {
@@ -73,6 +78,7 @@ impl Default for CoordinatorOptions {
             pservers: 1,
             query_timeout: Duration::from_secs(1),
             election_wait: Duration::from_secs(2),
+            rebalance: false,
         }
     }
 }
@@ -216,11 +222,48 @@ impl Run {
                 }
             }
         }
+        if next == *map && self.options.rebalance && !live.is_empty() {
+            let live: Vec<String> = live.into_iter().cloned().collect();
+            let caught_up = self.moving_caught_up(topology, map).await;
+            if let Some(moved) = map.rebalance(&live, |s, p| caught_up.contains(&(s, p.to_string())))? {
+                tracing::info!(version = moved.version(), "rebalancing: a replica moves");
+                next = moved;
+            }
+        }
         if next == *map {
             return Ok(None);
         }
         self.write_map(&next).await?;
         Ok(Some(next))
+    }
+
+    /// The replicas of shards with a move under way (more replicas than
+    /// wanted) that serve their role under the current map: primaries
+    /// primary, the others caught-up followers (asked, as a failover asks).
+    async fn moving_caught_up(&self, topology: &Topology, map: &ShardMap) -> Vec<(u32, String)> {
+        let moving: Vec<u32> =
+            (0..map.shard_count()).filter(|&s| map.replica_set(s).len() > map.replicas() as usize).collect();
+        let mut asked: Vec<String> = moving.iter().flat_map(|&s| map.replica_set(s).to_vec()).collect();
+        asked.sort();
+        asked.dedup();
+        let answers = oar_transport::join_all(asked.iter().map(|p| self.status_of(topology, p))).await;
+        let mut ready = Vec::new();
+        for (p, answer) in asked.iter().zip(answers) {
+            let Some((version, states)) = answer else { continue };
+            if version != map.version() {
+                continue;
+            }
+            for (shard, role, _) in states {
+                let want = match map.role(shard, p) {
+                    Some(crate::Role::Primary) => ReplicaRole::Primary,
+                    _ => ReplicaRole::Follower,
+                };
+                if moving.contains(&shard) && role == want {
+                    ready.push((shard, p.clone()));
+                }
+            }
+        }
+        ready
     }
 
     /// The replicas that can take over the shards `gone` was primary of,

@@ -266,6 +266,87 @@ impl ShardMap {
         }
     }
 
+    /// The next change toward a balanced map over the pservers `live`
+    /// (each holding `S·R/P` replicas, ±1), or `None` once balanced. One
+    /// change per call, each a move step that never leaves a shard with
+    /// fewer than its replicas:
+    ///
+    /// 1. a shard with an extra replica (a move under way) whose replicas
+    ///    have all caught up (`caught_up`) drops the one on the most loaded
+    ///    pserver, preferring a follower; if that is the primary, the
+    ///    newest replica becomes primary first;
+    /// 2. else, with no move under way, a shard of the most loaded pserver
+    ///    that the least loaded one does not hold gets a replica there (it
+    ///    catches up), preferring a shard the loaded one only follows (so
+    ///    that no primary has to switch).
+    ///
+    /// One move at a time: loads are counted on a map with no move half
+    /// done, so a replica never moves twice.
+    ///
+    /// Only replicas on loaded pservers move, and only to pservers below
+    /// the mean: adding one pserver to P moves about `S·R/(P+1)` replicas,
+    /// all to it. Pservers in the map but not in `live` are left alone
+    /// (their shards are the failover's, [`without`](Self::without)).
+    pub fn rebalance(
+        &self,
+        live: &[PserverId],
+        caught_up: impl Fn(u32, &str) -> bool,
+    ) -> Result<Option<ShardMap>> {
+        let replicas = self.replicas as usize;
+        let load = |p: &str| self.shards.iter().filter(|set| set.iter().any(|q| q == p)).count();
+        // 1. Finish the moves whose new replica has caught up.
+        let mut under_way = 0;
+        for (shard, set) in self.shards.iter().enumerate() {
+            if set.len() <= replicas {
+                continue;
+            }
+            under_way += 1;
+            let shard = shard as u32;
+            if !set.iter().all(|p| caught_up(shard, p)) {
+                continue;
+            }
+            // The most loaded holder leaves (among equals a follower); if it
+            // is the primary, the newest other replica takes over first.
+            let leaving = set
+                .iter()
+                .enumerate()
+                .max_by_key(|(at, p)| (load(p), *at > 0, std::cmp::Reverse(*at)))
+                .map(|(_, p)| p.clone());
+            let Some(leaving) = leaving else { continue };
+            if set[0] != leaving {
+                return self.without_follower(shard, &leaving).map(Some);
+            }
+            let Some(next) = set.iter().rev().find(|p| **p != leaving) else { continue };
+            return self.with_primary(shard, next);
+        }
+        if under_way > 0 {
+            return Ok(None);
+        }
+        // 2. Start a move from the most loaded live pserver to the least.
+        let mut by_load: Vec<(usize, &PserverId)> = live.iter().map(|p| (load(p), p)).collect();
+        by_load.sort();
+        let (Some(&(low, to)), Some(&(high, from))) = (by_load.first(), by_load.last()) else {
+            return Ok(None);
+        };
+        if high <= low + 1 {
+            return Ok(None);
+        }
+        let movable = |set: &Vec<PserverId>| {
+            set.len() == replicas && set.iter().any(|p| p == from) && !set.iter().any(|p| p == to)
+        };
+        let pick = self
+            .shards
+            .iter()
+            .enumerate()
+            .filter(|(_, set)| movable(set))
+            .min_by_key(|(s, set)| (set[0] == *from, *s))
+            .map(|(s, _)| s as u32);
+        match pick {
+            Some(shard) => self.with_follower(shard, to).map(Some),
+            None => Ok(None),
+        }
+    }
+
     fn set_mut(&mut self, shard: u32) -> Result<&mut Vec<PserverId>> {
         let count = self.shards.len();
         self.shards

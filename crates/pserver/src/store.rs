@@ -615,6 +615,11 @@ impl ParamStore {
         self.recording.get_or_insert_with(Recording::default);
     }
 
+    /// Stop keeping completed steps (the shard has no follower left).
+    pub fn stop_recording_steps(&mut self) {
+        self.recording = None;
+    }
+
     /// The steps completed since the last call, in order (empty unless
     /// [`record_steps`](Self::record_steps) was called).
     pub fn take_completed_steps(&mut self) -> Vec<CompletedStep> {

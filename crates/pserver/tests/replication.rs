@@ -12,8 +12,8 @@ use common::{keys, Cluster};
 use oar_discovery::{Discovery, MemDiscovery};
 use oar_pserver::{
     protocol::{PsReply, PsRequest, ReplicaRole, UpdateKind, UpdateMeta, PSERVER_METHOD},
-    BlockId, Init, Mode, OptimizerConfig, ParamBuf, ParamSpec, Placement, Pserver, PserverClient,
-    PserverClientOptions, PserverOptions, PushResult, ShardMap,
+    BlockId, CoordinatorOptions, Init, Mode, OptimizerConfig, ParamBuf, ParamSpec, Placement, Pserver,
+    PserverClient, PserverClientOptions, PserverOptions, PushResult, ShardMap,
 };
 use oar_transport::{call, MemNetwork, MemTransport, RemoteErrorKind, RetryPolicy, Transport};
 use std::{
@@ -41,9 +41,14 @@ struct Env {
 
 impl Env {
     async fn new(shards: u32, replicas: u32, pservers: u32, len: usize, mode: Mode) -> Env {
+        Self::with(shards, replicas, pservers, len, mode, false).await
+    }
+
+    async fn with(shards: u32, replicas: u32, pservers: u32, len: usize, mode: Mode, rebalance: bool) -> Env {
         let discovery: Arc<dyn Discovery> = Arc::new(MemDiscovery::new());
         let transport: Arc<dyn Transport> = Arc::new(MemTransport::new(MemNetwork::new()));
-        let cluster = Cluster::start(discovery.clone(), transport.clone(), shards, replicas, pservers).await;
+        let options = CoordinatorOptions { shards, replicas, pservers, rebalance, ..Default::default() };
+        let cluster = Cluster::start_with(discovery.clone(), transport.clone(), options).await;
         Env { discovery, transport, cluster, shards, len, mode }
     }
 
@@ -333,6 +338,102 @@ async fn a_sync_push_waiting_in_its_step_survives_its_primary() {
     let primary = pservers.iter().find(|p| Some(p.name()) == map.primary(0)).unwrap();
     assert_eq!(primary.step(0), Some(1));
     assert_replicas_agree(&map, &pservers.iter().collect::<Vec<_>>(), &env.placement());
+}
+
+/// A pserver joins a running job: with rebalancing on, shards move to it
+/// (a replica added there catches up, the primary switches if it must, the
+/// old replica goes) until every pserver holds its share, while trainers
+/// push ones without pause. Every acknowledged push is applied exactly once
+/// (async), or every step once (sync); only the newcomer's share moved.
+async fn a_pserver_joins_and_gets_its_share(mode: Mode, replicas: u32, pservers: u32) {
+    let (shards, len) = (6, 24);
+    let env = Arc::new(Env::with(shards, replicas, pservers, len, mode, true).await);
+    let mut running = Vec::new();
+    for _ in 0..pservers {
+        running.push(env.pserver().await);
+    }
+    let before = env.cluster.wait_serving(&running.iter().collect::<Vec<_>>()).await;
+    let acked = Arc::new(AtomicU64::new(0));
+    let stop = Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let mut trainers = Vec::new();
+    for t in 0..2 {
+        let (env, acked, stop) = (env.clone(), acked.clone(), stop.clone());
+        trainers.push(tokio::spawn(async move {
+            let mut client = env.client(&format!("t{t}"));
+            let mut grads = ParamBuf::zeros(&specs(len));
+            grads.fill(1.0);
+            let mut params = ParamBuf::zeros(&specs(len));
+            if mode == Mode::Sync {
+                client.join().await.unwrap();
+            }
+            while !stop.load(Ordering::SeqCst) {
+                client.pull(&mut params).await.unwrap();
+                match client.push(&grads, 1.0).await.unwrap() {
+                    PushResult::Accepted => {
+                        acked.fetch_add(1, Ordering::SeqCst);
+                    }
+                    PushResult::Stale => client.join().await.unwrap(),
+                }
+            }
+            if mode == Mode::Sync {
+                client.leave().await.unwrap();
+            }
+        }));
+    }
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    let newcomer = env.pserver().await;
+    let name = newcomer.name().to_string();
+    running.push(newcomer);
+    // Balanced: every pserver holds S·R/P replicas (±1), no move under way.
+    let share = (shards * replicas) as usize / running.len();
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(30);
+    let map = loop {
+        let map = env.cluster.wait_serving(&running.iter().collect::<Vec<_>>()).await;
+        let settled = (0..shards).all(|s| map.replica_set(s).len() == replicas as usize);
+        if settled && map.shards_of(&name).len() >= share {
+            break map;
+        }
+        assert!(tokio::time::Instant::now() < deadline, "never balanced:\n{map}");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    };
+    let moved: usize = (0..shards)
+        .map(|s| map.replica_set(s).iter().filter(|p| !before.replica_set(s).contains(p)).count())
+        .sum();
+    assert_eq!(moved, map.shards_of(&name).len(), "only the newcomer's share moved:\n{before}\n{map}");
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    stop.store(true, Ordering::SeqCst);
+    for t in trainers {
+        t.await.unwrap();
+    }
+    let map = env.cluster.wait_serving(&running.iter().collect::<Vec<_>>()).await;
+    let acked = acked.load(Ordering::SeqCst);
+    assert!(acked > 0);
+    for shard in 0..shards {
+        let primary = running.iter().find(|p| Some(p.name()) == map.primary(shard)).unwrap();
+        let step = primary.step(shard).unwrap();
+        let block = env.placement().blocks_on(shard).next().unwrap().id;
+        let value = primary.block(block).unwrap()[0];
+        match mode {
+            Mode::Async => assert_eq!(value, -(acked as f32), "shard {shard}: {acked} pushes acknowledged"),
+            Mode::Sync => assert_eq!(value, -(step as f32), "shard {shard}: each step applied once"),
+        }
+    }
+    assert_replicas_agree(&map, &running.iter().collect::<Vec<_>>(), &env.placement());
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn async_one_replica_a_pserver_joins_and_gets_its_share() {
+    a_pserver_joins_and_gets_its_share(Mode::Async, 1, 2).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn async_two_replicas_a_pserver_joins_and_gets_its_share() {
+    a_pserver_joins_and_gets_its_share(Mode::Async, 2, 2).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sync_one_replica_a_pserver_joins_and_gets_its_share() {
+    a_pserver_joins_and_gets_its_share(Mode::Sync, 1, 2).await;
 }
 
 /// A replication call to `ps`, answered.

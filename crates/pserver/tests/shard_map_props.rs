@@ -228,3 +228,63 @@ proptest! {
         }
     }
 }
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(256))]
+
+    /// Pservers join a balanced map: rebalancing, one change at a time and
+    /// with new replicas catching up at random moments, ends balanced
+    /// (every live pserver holds S·R/P replicas, ±1), never leaves a shard
+    /// with fewer than R replicas or without its primary, and moves
+    /// replicas only to the newcomers: as many as they end up holding.
+    #[test]
+    fn pservers_that_join_get_their_share_and_nothing_else_moves(
+        shards in 4u32..48,
+        replicas in 1u32..=3,
+        old in 1usize..5,
+        new in 1usize..3,
+        lag in proptest::collection::vec(any::<bool>(), 64),
+    ) {
+        let old = old.max(replicas as usize);
+        let first: Vec<String> = (0..old).map(id).collect();
+        let all: Vec<String> = (0..old + new).map(id).collect();
+        let start = ShardMap::initial(shards, replicas, &first).unwrap();
+        let mut map = start.clone();
+        let mut steps = 0usize;
+        loop {
+            // Some rounds the new replicas have not caught up yet.
+            let waiting = lag[steps % lag.len()];
+            let next = map.rebalance(&all, |_, _| !waiting).unwrap();
+            steps += 1;
+            prop_assert!(steps < 20 * (shards * replicas) as usize + 100, "rebalancing does not end");
+            match next {
+                Some(next) => {
+                    next.validate().unwrap();
+                    prop_assert_eq!(next.version(), map.version() + 1);
+                    for s in 0..shards {
+                        prop_assert!(next.replica_set(s).len() >= replicas as usize, "shard {} lost a replica", s);
+                    }
+                    map = next;
+                }
+                None if waiting => continue,
+                None => break,
+            }
+        }
+        let load = |p: &str| map.shards_of(p).len();
+        let loads: Vec<usize> = all.iter().map(|p| load(p)).collect();
+        let (low, high) = (*loads.iter().min().unwrap(), *loads.iter().max().unwrap());
+        prop_assert!(high <= low + 1, "unbalanced: {:?}", loads);
+        let mut moved = 0;
+        for s in 0..shards {
+            prop_assert_eq!(map.replica_set(s).len(), replicas as usize);
+            for p in map.replica_set(s) {
+                if !start.replica_set(s).contains(p) {
+                    prop_assert!(!first.contains(p), "shard {} moved to {}, which was there before", s, p);
+                    moved += 1;
+                }
+            }
+        }
+        let newcomers: usize = all[old..].iter().map(|p| load(p)).sum();
+        prop_assert_eq!(moved, newcomers);
+    }
+}

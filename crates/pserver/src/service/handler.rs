@@ -149,7 +149,7 @@ impl PsHandler {
             let Some(mut state) = self.primary(&slot)? else { return Ok(self.not_primary(shard)) };
             let SlotState::Primary { store, links } = &mut *state else { unreachable!() };
             let started = std::time::Instant::now();
-            let replicated = self.shared.replicated();
+            let replicated = self.shared.replicated(shard);
             let forwarded = (replicated && store.mode() == Mode::Async).then(|| push.clone());
             let taken = self.shared.update(store, |s| s.push(push))?;
             let m = metrics();
@@ -330,7 +330,7 @@ impl PsHandler {
             if join {
                 let SlotState::Primary { store, links } = &mut *state else { unreachable!() };
                 let step = store.join(&trainer);
-                if self.shared.replicated() {
+                if self.shared.replicated(shard) {
                     links.record(self.shared.map_version(), Update::Join(trainer));
                 }
                 let wait = links.seq();

@@ -444,9 +444,11 @@ impl Shared {
         self.map.borrow().as_ref().map_or(0, |m| m.version())
     }
 
-    /// Whether updates are numbered and forwarded: the job has replicas.
-    fn replicated(&self) -> bool {
-        self.map.borrow().as_ref().is_some_and(|m| m.replicas() > 1)
+    /// Whether `shard`'s updates are numbered and forwarded: the job has
+    /// replicas, or the shard has a follower now (a replica moving in). A
+    /// job of one replica pays nothing for replication otherwise.
+    fn replicated(&self, shard: u32) -> bool {
+        self.map.borrow().as_ref().is_some_and(|m| m.replicas() > 1 || m.replica_set(shard).len() > 1)
     }
 
     /// A slot's state, locked. A poisoned lock is fatal: the thread that
@@ -488,7 +490,7 @@ impl Shared {
         };
         let mut store =
             ParamStore::new(&self.placement, shard, self.options.seed, optimizer, self.options.mode)?;
-        if self.replicated() {
+        if self.replicated(shard) {
             store.record_steps();
         }
         Ok(store)
@@ -854,12 +856,23 @@ async fn reconcile(shared: &Arc<Shared>, map: Arc<ShardMap>) {
             let mut state = slot.state.lock().unwrap_or_else(PoisonError::into_inner);
             let current = std::mem::replace(&mut *state, SlotState::Syncing);
             let (next, action) = match (role, current) {
-                (Role::Primary, SlotState::Primary { store, mut links }) if links.epoch() == epoch => {
+                (Role::Primary, SlotState::Primary { mut store, mut links }) if links.epoch() == epoch => {
                     links.set_followers(followers.iter().map(String::as_str));
+                    if !followers.is_empty() {
+                        // A replica moves in: from now on a sync step is
+                        // forwarded whole (a snapshot waits for any step
+                        // under way, so none is forwarded half recorded).
+                        store.record_steps();
+                    } else if map.replicas() == 1 {
+                        store.stop_recording_steps();
+                    }
                     (SlotState::Primary { store, links }, Action::Forward)
                 }
                 (Role::Primary, SlotState::Follower { follower, must_sync: false }) => {
-                    let (store, applied, history) = follower.promote(epoch);
+                    let (mut store, applied, history) = follower.promote(epoch);
+                    if followers.is_empty() && map.replicas() == 1 {
+                        store.stop_recording_steps();
+                    }
                     tracing::info!(
                         shard,
                         version,
@@ -962,7 +975,7 @@ async fn restore_primary(shared: &Arc<Shared>, slot: &Arc<Slot>, epoch: u64, fol
             Err(e) => return shared.fail(format!("cannot restore shard {shard}: {e}")),
         }
     }
-    if shared.replicated() {
+    if shared.replicated(shard) {
         store.record_steps();
     }
     let mut links = Links::new(shard, epoch, 0, History::default());
@@ -1013,7 +1026,7 @@ fn leave(
     let SlotState::Primary { store, links } = state else { return Ok(0) };
     let version = shared.map_version();
     shared.update(store, |s| s.leave(trainer))?;
-    if shared.replicated() {
+    if shared.replicated(slot.shard) {
         for step in store.take_completed_steps() {
             links.record(version, Update::Step(step));
         }

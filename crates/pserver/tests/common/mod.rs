@@ -35,12 +35,22 @@ impl Cluster {
         replicas: u32,
         pservers: u32,
     ) -> Cluster {
+        let options = CoordinatorOptions { keys: keys(), shards, replicas, pservers, ..Default::default() };
+        Self::start_with(discovery, transport, options).await
+    }
+
+    /// A coordinator with `options` (its keys are set to [`keys`]).
+    pub async fn start_with(
+        discovery: Arc<dyn Discovery>,
+        transport: Arc<dyn Transport>,
+        options: CoordinatorOptions,
+    ) -> Cluster {
         let lease = discovery.grant_lease(Duration::from_secs(600)).await.unwrap();
         let fence = discovery
             .lock("/ps-test/coordinator", b"test".to_vec(), lease, Duration::from_secs(5))
             .await
             .unwrap();
-        let options = CoordinatorOptions { keys: keys(), shards, replicas, pservers, ..Default::default() };
+        let options = CoordinatorOptions { keys: keys(), ..options };
         let coordinator = Coordinator::start(discovery.clone(), transport, fence, options).await.unwrap();
         Cluster { discovery, coordinator }
     }
