@@ -698,6 +698,16 @@ impl Links {
         link.queue.iter().filter(|f| f.seq > link.sent).take(max).cloned().collect()
     }
 
+    /// Whether `follower` was sent everything but has not confirmed holding
+    /// it all (after a catch-up, until it answers a forward): the shell then
+    /// asks it with an empty forward, so that acknowledgements waiting for it
+    /// do not wait for the next update, which may never come.
+    pub fn unconfirmed(&self, follower: &str) -> bool {
+        self.links.get(follower).is_some_and(|l| {
+            l.synced && !l.overflowed && l.sent >= self.seq && l.acked.unwrap_or(0) < self.seq
+        })
+    }
+
     /// Whether `follower` must sync (again) before anything is forwarded:
     /// it never synced, or fell too far behind.
     pub fn needs_sync(&self, follower: &str) -> bool {

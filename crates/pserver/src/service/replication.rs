@@ -25,6 +25,10 @@ const MAX_BATCH_UPDATES: usize = 64;
 const MAX_BATCH_BYTES: usize = 8 << 20;
 /// The most parameter and state values one snapshot part carries.
 const MAX_PART_FLOATS: usize = 2 << 20;
+/// How long a primary waits for a follower that caught up to say so before
+/// it asks (an empty forward).
+const PROBE_AFTER: Duration = Duration::from_millis(50);
+
 /// How long a catch-up waits for the updates after its snapshot.
 const CATCH_UP_WAIT: Duration = Duration::from_secs(30);
 
@@ -50,7 +54,16 @@ pub(super) fn spawn_forwarders(shared: &Arc<Shared>, slot: &Arc<Slot>) {
 enum Plan {
     Wait,
     Poke(u64),
-    Send { batch: Vec<Arc<Forwarded>>, version: u64, epoch: u64 },
+    Send {
+        batch: Vec<Arc<Forwarded>>,
+        version: u64,
+        epoch: u64,
+    },
+    /// An empty forward: the follower answers with what it holds.
+    Probe {
+        version: u64,
+        epoch: u64,
+    },
 }
 
 /// Forward `slot`'s updates to `follower`, in order, until it is no longer
@@ -81,14 +94,26 @@ async fn forward(shared: Arc<Shared>, slot: Arc<Slot>, follower: String) {
                     .unwrap_or(batch.len())
                     .max(1);
                 batch.truncate(keep);
-                match batch.is_empty() {
-                    true => Plan::Wait,
-                    false => Plan::Send { batch, version: shared.map_version(), epoch: links.epoch() },
+                match (batch.is_empty(), links.unconfirmed(&follower)) {
+                    (true, false) => Plan::Wait,
+                    (true, true) => Plan::Probe { version: shared.map_version(), epoch: links.epoch() },
+                    (false, _) => Plan::Send { batch, version: shared.map_version(), epoch: links.epoch() },
                 }
             }
         };
+        let plan = match plan {
+            Plan::Probe { version, epoch } => {
+                // A follower that just caught up says so itself (`Caught`);
+                // ask only if it has not, after a moment.
+                if tokio::time::timeout(PROBE_AFTER, wake.as_mut()).await.is_ok() {
+                    continue;
+                }
+                Plan::Send { batch: Vec::new(), version, epoch }
+            }
+            plan => plan,
+        };
         match plan {
-            Plan::Wait => {
+            Plan::Wait | Plan::Probe { .. } => {
                 let _ = tokio::time::timeout(Duration::from_secs(1), wake).await;
             }
             Plan::Poke(map_version) => {
