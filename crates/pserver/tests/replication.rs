@@ -155,6 +155,92 @@ async fn the_first_map_spreads_the_replicas_and_every_follower_holds_what_its_pr
     assert_replicas_agree(&map, &all, &env.placement());
 }
 
+/// Two trainers pushing ones in a loop (pull, push; a stale sync push
+/// rejoins), counting the pushes acknowledged and the highest step seen.
+struct Pushers {
+    acked: Arc<AtomicU64>,
+    seen_step: Arc<AtomicU64>,
+    stop: Arc<std::sync::atomic::AtomicBool>,
+    trainers: Vec<tokio::task::JoinHandle<()>>,
+}
+
+impl Pushers {
+    /// Registered as the job's trainers are (so a new primary keeps them
+    /// in its barrier).
+    async fn start(env: &Arc<Env>) -> Pushers {
+        let (len, mode) = (env.len, env.mode);
+        let lease = env.discovery.grant_lease(Duration::from_secs(600)).await.unwrap();
+        for t in 0..2 {
+            env.discovery.put(&format!("{}t{t}", keys().members), Vec::new(), Some(lease)).await.unwrap();
+        }
+        let acked = Arc::new(AtomicU64::new(0));
+        let seen_step = Arc::new(AtomicU64::new(0));
+        let stop = Arc::new(std::sync::atomic::AtomicBool::new(false));
+        let mut trainers = Vec::new();
+        for t in 0..2 {
+            let (env, acked, seen_step, stop) = (env.clone(), acked.clone(), seen_step.clone(), stop.clone());
+            trainers.push(tokio::spawn(async move {
+                let mut client = env.client(&format!("t{t}"));
+                let mut grads = ParamBuf::zeros(&specs(len));
+                grads.fill(1.0);
+                let mut params = ParamBuf::zeros(&specs(len));
+                if mode == Mode::Sync {
+                    client.join().await.unwrap();
+                }
+                while !stop.load(Ordering::SeqCst) {
+                    client.pull(&mut params).await.unwrap();
+                    let _ = seen_step.fetch_max((-params.as_slice()[0]) as u64, Ordering::SeqCst);
+                    match client.push(&grads, 1.0).await.unwrap() {
+                        PushResult::Accepted => {
+                            acked.fetch_add(1, Ordering::SeqCst);
+                        }
+                        PushResult::Stale => client.join().await.unwrap(),
+                    }
+                }
+                if mode == Mode::Sync {
+                    client.leave().await.unwrap();
+                }
+            }));
+        }
+        Pushers { acked, seen_step, stop, trainers }
+    }
+
+    /// Stop them, then check every shard of `pservers`: async, every
+    /// element is minus the pushes acknowledged (each applied once); sync,
+    /// minus the shard's steps (each applied once), and the shard of the
+    /// first element lost no step a trainer saw. Every follower holds what
+    /// its primary holds.
+    async fn stop_and_check(self, env: &Env, pservers: &[Pserver]) {
+        self.stop.store(true, Ordering::SeqCst);
+        for t in self.trainers {
+            t.await.unwrap();
+        }
+        let map = env.cluster.wait_serving(&pservers.iter().collect::<Vec<_>>()).await;
+        let acked = self.acked.load(Ordering::SeqCst);
+        assert!(acked > 0);
+        for shard in 0..map.shard_count() {
+            let primary = pservers.iter().find(|p| Some(p.name()) == map.primary(shard)).unwrap();
+            let step = primary.step(shard).unwrap();
+            let block = env.placement().blocks_on(shard).next().unwrap().id;
+            let value = primary.block(block).unwrap()[0];
+            match env.mode {
+                Mode::Async => {
+                    assert_eq!(value, -(acked as f32), "shard {shard}: {acked} pushes acknowledged")
+                }
+                Mode::Sync => {
+                    assert_eq!(value, -(step as f32), "shard {shard}: each step applied once");
+                    // The trainers read the steps off the first element.
+                    if env.placement().blocks_on(shard).any(|b| b.offset == 0) {
+                        let seen = self.seen_step.load(Ordering::SeqCst);
+                        assert!(step >= seen, "shard {shard} lost a step a trainer saw");
+                    }
+                }
+            }
+        }
+        assert_replicas_agree(&map, &pservers.iter().collect::<Vec<_>>(), &env.placement());
+    }
+}
+
 /// Trainers push ones in a loop while primaries die one after another
 /// (with a fresh pserver started each time); at the end every element is
 /// minus the number of pushes the trainers saw acknowledged (async), or
@@ -169,35 +255,7 @@ async fn no_acknowledged_push_is_lost(mode: Mode, replicas: u32, kills: usize) {
     }
     env.cluster.wait_serving(&pservers.iter().collect::<Vec<_>>()).await;
 
-    let acked = Arc::new(AtomicU64::new(0));
-    let seen_step = Arc::new(AtomicU64::new(0));
-    let stop = Arc::new(std::sync::atomic::AtomicBool::new(false));
-    let mut trainers = Vec::new();
-    for t in 0..2 {
-        let (env, acked, seen_step, stop) = (env.clone(), acked.clone(), seen_step.clone(), stop.clone());
-        trainers.push(tokio::spawn(async move {
-            let mut client = env.client(&format!("t{t}"));
-            let mut grads = ParamBuf::zeros(&specs(len));
-            grads.fill(1.0);
-            let mut params = ParamBuf::zeros(&specs(len));
-            if mode == Mode::Sync {
-                client.join().await.unwrap();
-            }
-            while !stop.load(Ordering::SeqCst) {
-                client.pull(&mut params).await.unwrap();
-                let _ = seen_step.fetch_max((-params.as_slice()[0]) as u64, Ordering::SeqCst);
-                match client.push(&grads, 1.0).await.unwrap() {
-                    PushResult::Accepted => {
-                        acked.fetch_add(1, Ordering::SeqCst);
-                    }
-                    PushResult::Stale => client.join().await.unwrap(),
-                }
-            }
-            if mode == Mode::Sync {
-                client.leave().await.unwrap();
-            }
-        }));
-    }
+    let pushers = Pushers::start(&env).await;
     let mut rng = oar_pserver::SplitMix64::new(7);
     for _ in 0..kills {
         tokio::time::sleep(Duration::from_millis(100 + rng.next_u64() % 200)).await;
@@ -211,33 +269,7 @@ async fn no_acknowledged_push_is_lost(mode: Mode, replicas: u32, kills: usize) {
         env.cluster.wait_serving(&pservers.iter().collect::<Vec<_>>()).await;
     }
     tokio::time::sleep(Duration::from_millis(200)).await;
-    stop.store(true, Ordering::SeqCst);
-    for t in trainers {
-        t.await.unwrap();
-    }
-    let map = env.cluster.wait_serving(&pservers.iter().collect::<Vec<_>>()).await;
-    let mut params = ParamBuf::zeros(&specs(len));
-    env.client("reader").pull(&mut params).await.unwrap();
-    let acked = acked.load(Ordering::SeqCst);
-    assert!(acked > 0);
-    match mode {
-        Mode::Async => {
-            for (i, &x) in params.as_slice().iter().enumerate() {
-                assert_eq!(x, -(acked as f32), "element {i}: {acked} pushes acknowledged");
-            }
-        }
-        Mode::Sync => {
-            for shard in 0..map.shard_count() {
-                let primary = pservers.iter().find(|p| Some(p.name()) == map.primary(shard)).unwrap();
-                let step = primary.step(shard).unwrap();
-                let block = env.placement().blocks_on(shard).next().unwrap().id;
-                let value = primary.block(block).unwrap()[0];
-                assert_eq!(value, -(step as f32), "shard {shard}: each step applied once");
-                assert!(step >= seen_step.load(Ordering::SeqCst), "shard {shard} lost a step a trainer saw");
-            }
-        }
-    }
-    assert_replicas_agree(&map, &pservers.iter().collect::<Vec<_>>(), &env.placement());
+    pushers.stop_and_check(&env, &pservers).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -353,33 +385,7 @@ async fn a_pserver_joins_and_gets_its_share(mode: Mode, replicas: u32, pservers:
         running.push(env.pserver().await);
     }
     let before = env.cluster.wait_serving(&running.iter().collect::<Vec<_>>()).await;
-    let acked = Arc::new(AtomicU64::new(0));
-    let stop = Arc::new(std::sync::atomic::AtomicBool::new(false));
-    let mut trainers = Vec::new();
-    for t in 0..2 {
-        let (env, acked, stop) = (env.clone(), acked.clone(), stop.clone());
-        trainers.push(tokio::spawn(async move {
-            let mut client = env.client(&format!("t{t}"));
-            let mut grads = ParamBuf::zeros(&specs(len));
-            grads.fill(1.0);
-            let mut params = ParamBuf::zeros(&specs(len));
-            if mode == Mode::Sync {
-                client.join().await.unwrap();
-            }
-            while !stop.load(Ordering::SeqCst) {
-                client.pull(&mut params).await.unwrap();
-                match client.push(&grads, 1.0).await.unwrap() {
-                    PushResult::Accepted => {
-                        acked.fetch_add(1, Ordering::SeqCst);
-                    }
-                    PushResult::Stale => client.join().await.unwrap(),
-                }
-            }
-            if mode == Mode::Sync {
-                client.leave().await.unwrap();
-            }
-        }));
-    }
+    let pushers = Pushers::start(&env).await;
     tokio::time::sleep(Duration::from_millis(100)).await;
     let newcomer = env.pserver().await;
     let name = newcomer.name().to_string();
@@ -401,24 +407,7 @@ async fn a_pserver_joins_and_gets_its_share(mode: Mode, replicas: u32, pservers:
         .sum();
     assert_eq!(moved, map.shards_of(&name).len(), "only the newcomer's share moved:\n{before}\n{map}");
     tokio::time::sleep(Duration::from_millis(100)).await;
-    stop.store(true, Ordering::SeqCst);
-    for t in trainers {
-        t.await.unwrap();
-    }
-    let map = env.cluster.wait_serving(&running.iter().collect::<Vec<_>>()).await;
-    let acked = acked.load(Ordering::SeqCst);
-    assert!(acked > 0);
-    for shard in 0..shards {
-        let primary = running.iter().find(|p| Some(p.name()) == map.primary(shard)).unwrap();
-        let step = primary.step(shard).unwrap();
-        let block = env.placement().blocks_on(shard).next().unwrap().id;
-        let value = primary.block(block).unwrap()[0];
-        match mode {
-            Mode::Async => assert_eq!(value, -(acked as f32), "shard {shard}: {acked} pushes acknowledged"),
-            Mode::Sync => assert_eq!(value, -(step as f32), "shard {shard}: each step applied once"),
-        }
-    }
-    assert_replicas_agree(&map, &running.iter().collect::<Vec<_>>(), &env.placement());
+    pushers.stop_and_check(&env, &running).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -524,6 +513,12 @@ async fn bad_replication_calls_are_refused_by_name_and_change_nothing() {
         ),
     ];
     for (request, words) in cases {
+        // A refusal may have sent the follower to sync again: let it finish.
+        let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
+        while !follower.replicas().iter().any(|r| r.shard == 0 && r.role == ReplicaRole::Follower) {
+            assert!(tokio::time::Instant::now() < deadline, "the follower never synced again");
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
         let result = replicate(&env, follower, &request, vec![1.0; block.len]).await;
         match result {
             Err(oar_transport::Error::Remote { error, .. }) => {
