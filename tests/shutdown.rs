@@ -175,3 +175,34 @@ fn a_trainer_stopped_by_sigterm_hands_back_its_task_and_the_job_finishes() {
         assert_eq!(out["shut_down"], false, "{out}");
     }
 }
+
+/// A trainer stopped while its shard is away (its only pserver frozen, so
+/// every call is retried, for minutes by default) still stops: its task
+/// gets the stop grace and its calls their time, then it gives the task
+/// back and exits 0, instead of retrying for `--retry-for`.
+#[test]
+fn a_trainer_stopped_while_its_shard_is_away_stops_within_its_grace() {
+    let cluster = Cluster::start("trainer-term-away");
+    let pserver = cluster.pserver("pserver-0", 60.0);
+    let mut trainer = cluster.trainer_with("trainer-0", &["--stop-grace", "1"]);
+    let mut job = job(1000, "async");
+    job.extend(["--pservers", "1"].map(String::from));
+    let mut master = cluster.master("master", &job);
+    wait_for_pass(&mut master, 1, &[]);
+
+    pserver.signal("STOP");
+    std::thread::sleep(Duration::from_millis(500));
+    let sent = Instant::now();
+    trainer.signal("TERM");
+    // Grace 1 s, then at most a few 5 s bounded calls; the client would
+    // retry for 300 s.
+    let status = trainer.wait(Duration::from_secs(60));
+    let took = sent.elapsed();
+    assert!(status.is_some(), "the trainer did not stop\n{}", trainer.dump());
+    let out = trainer.last_json();
+    assert!(status.is_some_and(|s| s.success()), "{}", trainer.dump());
+    assert_eq!(out["shut_down"], true, "{out}");
+    eprintln!("trainer stopped {:.1} s after SIGTERM with its shard away", took.as_secs_f64());
+    pserver.signal("CONT");
+    master.kill();
+}

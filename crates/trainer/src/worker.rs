@@ -317,7 +317,30 @@ struct InFlight {
 }
 
 impl Loop {
+    /// Train until the job ends or the stop signal. From the stop signal
+    /// on, everything is bounded: the task in hand gets its grace and each
+    /// stop call its time ([`STOP_CALLS_FOR`]), and past all of those the
+    /// trainer stops wherever it is (a call retried against a shard that
+    /// is away would otherwise hold it for as long as the client retries).
     async fn run(&mut self, master: &Arc<MasterClient>) -> Result<()> {
+        let stop = self.stop.clone();
+        let at_most = self.options.stop_grace + 3 * STOP_CALLS_FOR;
+        let ran = tokio::select! {
+            ran = self.run_tasks(master) => Some(ran),
+            () = async { stop.cancelled().await; tokio::time::sleep(at_most).await } => None,
+        };
+        ran.unwrap_or_else(|| {
+            tracing::warn!(
+                trainer = self.options.id,
+                ?at_most,
+                "stopping without finishing what was under way"
+            );
+            self.report.shut_down = true;
+            Ok(())
+        })
+    }
+
+    async fn run_tasks(&mut self, master: &Arc<MasterClient>) -> Result<()> {
         let id = self.options.id.clone();
         // The next task, asked for while the current one trains.
         let mut ahead: Option<AbortOnDropHandle<Result<Fetched>>> = None;
