@@ -125,7 +125,7 @@ fn a_dead_follower_is_dropped_and_a_new_pserver_catches_up() {
 /// trainers are frozen too, so it is exact.
 #[test]
 fn a_deposed_primary_acknowledges_nothing_after_its_pause() {
-    let mut job = Job::start_with("repl-deposed", "async", 2, 3, 2, &["--metrics", "127.0.0.1:0"]);
+    let mut job = Job::start_with("repl-deposed", "async", 2, 3, 2, &["--metrics", "127.0.0.1:0"], &[]);
     let victim_name = job.cluster.primary_of(0);
     let victim = job.live_named(&victim_name);
     let metrics = metrics_addr(&job.pservers[victim]).expect("the pserver serves metrics");
@@ -159,4 +159,44 @@ fn a_deposed_primary_acknowledges_nothing_after_its_pause() {
     job.add_pserver();
     job.wait_healthy();
     job.finish_and_count();
+}
+
+/// With `--rebalance`, a pserver started mid-job takes its share of the
+/// shards over (S·R/P of them, one at a time: a replica added on it catches
+/// up, the primary switches if it must, the old replica goes), while the
+/// trainers push; no acknowledged push is lost or applied twice. (The
+/// first piece of elastic jobs: nothing moves but the newcomer's share.)
+#[test]
+fn a_pserver_started_mid_job_takes_its_share_and_no_push_is_lost() {
+    for (mode, replicas) in [("async", 1), ("async", 2)] {
+        let name = format!("repl-join-{mode}-{replicas}");
+        let pservers = replicas + 1;
+        let mut job = Job::start_with(&name, mode, replicas, pservers, 2, &[], &["--rebalance"]);
+        std::thread::sleep(Duration::from_millis(300));
+        job.add_pserver();
+        let newcomer = format!("{}.", job.pservers[job.pservers.len() - 1].name);
+        // 8 shards: the newcomer's share is 8·R/(R+2), rounded down.
+        let share = (8 * replicas / (replicas + 2)) as usize;
+        let holds = |status: &str| {
+            status.lines().filter(|l| l.trim_start().starts_with("shard ") && l.contains(&newcomer)).count()
+        };
+        let took = wait_until(LONG, || {
+            let status = job.cluster.status();
+            holds(&status) >= share && status.contains("cluster OK")
+        });
+        assert!(took, "{newcomer} never took its share of {share}\n{}", job.dump());
+        let status = job.cluster.status();
+        let model_shards = (0..DATA_SHARDS)
+            .filter(|s| {
+                let prefix = format!("shard {s}:");
+                status.lines().any(|l| l.trim_start().starts_with(&prefix) && l.contains(&newcomer))
+            })
+            .count();
+        // The moves start from the lowest shards: the model's moved, so the
+        // count below covers updates carried across a move.
+        assert!(model_shards > 0, "no model shard moved to {newcomer}\n{status}");
+        eprintln!("{name}: the newcomer holds {} shards, {model_shards} of the model's", holds(&status));
+        std::thread::sleep(Duration::from_millis(300));
+        job.finish_and_count();
+    }
 }

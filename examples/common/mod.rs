@@ -55,6 +55,10 @@ pub struct JobArgs {
     /// pserver's death loses no acknowledged update.
     #[arg(long, default_value_t = 1)]
     pub replicas: u32,
+    /// Move shards while the job runs so that a pserver started mid-job
+    /// takes its share over (one shard at a time, with no update lost).
+    #[arg(long)]
+    pub rebalance: bool,
     /// Largest parameter block, in floats.
     #[arg(long, default_value_t = 1 << 16)]
     pub block_size: usize,
@@ -167,6 +171,7 @@ impl JobArgs {
         config.pservers = self.pservers;
         config.shards = self.shards;
         config.replicas = self.replicas;
+        config.rebalance = self.rebalance;
         config.block_size = self.block_size;
         config.seed = self.seed;
         config.chunk_bytes = self.chunk_bytes;

@@ -392,7 +392,7 @@ mod cluster {
 
     impl ReplicatedJob {
         pub fn start(name: &str, mode: &str, replicas: u32, pservers: u32, trainers: u32) -> ReplicatedJob {
-            Self::start_with(name, mode, replicas, pservers, trainers, &[])
+            Self::start_with(name, mode, replicas, pservers, trainers, &[], &[])
         }
 
         pub fn start_with(
@@ -402,10 +402,13 @@ mod cluster {
             pservers: u32,
             trainers: u32,
             flags: &[&'static str],
+            job_flags: &[&str],
         ) -> ReplicatedJob {
             let cluster = Cluster::start(name);
+            let mut options = replicated_job(mode, replicas, pservers);
+            options.extend(job_flags.iter().map(|f| f.to_string()));
             let mut job = ReplicatedJob {
-                master: cluster.master("master", &replicated_job(mode, replicas, pservers)),
+                master: cluster.master("master", &options),
                 trainers: (0..trainers)
                     .map(|i| cluster.trainer_with(&format!("trainer-{i}"), &["--stop-grace", "0"]))
                     .collect(),

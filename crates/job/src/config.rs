@@ -58,6 +58,10 @@ pub struct JobConfig {
     /// Replicas of each shard, on distinct pservers (1: no replication;
     /// at most `pservers`).
     pub replicas: u32,
+    /// Move replicas while the job runs so that every pserver present
+    /// holds its share: a pserver started mid-job takes shards over
+    /// (`oar_pserver::ShardMap::rebalance`). Off by default.
+    pub rebalance: bool,
     /// Largest parameter block, in floats.
     pub block_size: usize,
     /// Bytes of data per chunk; 0 (the default) sizes chunks from the
@@ -93,6 +97,7 @@ impl JobConfig {
             pservers: 2,
             shards: DEFAULT_SHARDS,
             replicas: 1,
+            rebalance: false,
             block_size: 1 << 16,
             chunk_bytes: 0,
             chunks_per_task: 1,
@@ -198,6 +203,7 @@ impl JobConfig {
             pservers,
             shards,
             replicas,
+            rebalance,
             block_size,
             chunk_bytes,
             chunks_per_task,

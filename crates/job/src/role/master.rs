@@ -135,6 +135,7 @@ async fn run_master(
         shards: config.shards,
         replicas: config.replicas,
         pservers: config.pservers,
+        rebalance: config.rebalance,
         query_timeout: options.call_timeout.min(Duration::from_secs(1)),
         ..CoordinatorOptions::default()
     };
