@@ -243,27 +243,16 @@ impl Run {
     async fn moving_caught_up(&self, topology: &Topology, map: &ShardMap) -> Vec<(u32, String)> {
         let moving: Vec<u32> =
             (0..map.shard_count()).filter(|&s| map.replica_set(s).len() > map.replicas() as usize).collect();
-        let mut asked: Vec<String> = moving.iter().flat_map(|&s| map.replica_set(s).to_vec()).collect();
-        asked.sort();
-        asked.dedup();
-        let answers = oar_transport::join_all(asked.iter().map(|p| self.status_of(topology, p))).await;
-        let mut ready = Vec::new();
-        for (p, answer) in asked.iter().zip(answers) {
-            let Some((version, states)) = answer else { continue };
-            if version != map.version() {
-                continue;
-            }
-            for (shard, role, _) in states {
-                let want = match map.role(shard, p) {
-                    Some(crate::Role::Primary) => ReplicaRole::Primary,
-                    _ => ReplicaRole::Follower,
-                };
-                if moving.contains(&shard) && role == want {
-                    ready.push((shard, p.clone()));
-                }
-            }
-        }
-        ready
+        let asked: Vec<String> = moving.iter().flat_map(|&s| map.replica_set(s).to_vec()).collect();
+        let (states, _) = self.states_under(topology, map, asked).await;
+        let serving = |(p, shard, role, _): &(String, u32, ReplicaRole, u64)| {
+            let want = match map.role(*shard, p) {
+                Some(crate::Role::Primary) => ReplicaRole::Primary,
+                _ => ReplicaRole::Follower,
+            };
+            moving.contains(shard) && *role == want
+        };
+        states.into_iter().filter(serving).map(|(p, shard, _, _)| (shard, p)).collect()
     }
 
     /// The replicas that can take over the shards `gone` was primary of,
@@ -278,24 +267,13 @@ impl Run {
     ) -> HashMap<(u32, String), u64> {
         let shards: Vec<u32> = (0..map.shard_count()).filter(|&s| map.primary(s) == Some(gone)).collect();
         let mut asked: Vec<String> = shards.iter().flat_map(|&s| map.replica_set(s)[1..].to_vec()).collect();
-        asked.sort();
-        asked.dedup();
-        asked.retain(|p| topology.addrs.contains_key(p));
         let deadline = tokio::time::Instant::now() + self.options.election_wait;
         let mut applied = HashMap::new();
         loop {
-            let answers = oar_transport::join_all(asked.iter().map(|p| self.status_of(topology, p))).await;
-            let mut pending = Vec::new();
-            for (p, answer) in asked.iter().zip(answers) {
-                match answer {
-                    Some((version, states)) if version == map.version() => {
-                        for state in states {
-                            if shards.contains(&state.0) && state.1 == ReplicaRole::Follower {
-                                applied.insert((state.0, p.clone()), state.2);
-                            }
-                        }
-                    }
-                    _ => pending.push(p.clone()),
+            let (states, pending) = self.states_under(topology, map, asked).await;
+            for (p, shard, role, at) in states {
+                if shards.contains(&shard) && role == ReplicaRole::Follower {
+                    applied.insert((shard, p), at);
                 }
             }
             if pending.is_empty() || tokio::time::Instant::now() >= deadline {
@@ -311,6 +289,32 @@ impl Run {
             asked = pending;
             tokio::time::sleep(Duration::from_millis(50)).await;
         }
+    }
+
+    /// Ask the registered pservers among `names` (each once) for their
+    /// replicas' states: `(pserver, shard, role, applied)` from those that
+    /// serve under `map`'s version, and the names of those that do not yet
+    /// (or did not answer).
+    async fn states_under(
+        &self,
+        topology: &Topology,
+        map: &ShardMap,
+        mut names: Vec<String>,
+    ) -> (Vec<(String, u32, ReplicaRole, u64)>, Vec<String>) {
+        names.sort();
+        names.dedup();
+        names.retain(|p| topology.addrs.contains_key(p));
+        let answers = oar_transport::join_all(names.iter().map(|p| self.status_of(topology, p))).await;
+        let (mut states, mut pending) = (Vec::new(), Vec::new());
+        for (p, answer) in names.into_iter().zip(answers) {
+            match answer {
+                Some((version, replicas)) if version == map.version() => {
+                    states.extend(replicas.into_iter().map(|(s, role, at)| (p.clone(), s, role, at)));
+                }
+                _ => pending.push(p),
+            }
+        }
+        (states, pending)
     }
 
     /// Pserver `name`'s map version and `(shard, role, applied)` of each replica.

@@ -451,6 +451,19 @@ impl Shared {
         self.map.borrow().as_ref().is_some_and(|m| m.replicas() > 1 || m.replica_set(shard).len() > 1)
     }
 
+    /// A sync store of `shard` keeps its completed steps for the followers
+    /// exactly while the shard is [replicated](Self::replicated). (A store
+    /// that starts recording mid-step forwards that step incomplete, but a
+    /// snapshot waits for any step under way, so a new follower never takes
+    /// it.)
+    fn set_recording(&self, store: &mut ParamStore, shard: u32) {
+        if self.replicated(shard) {
+            store.record_steps();
+        } else {
+            store.stop_recording_steps();
+        }
+    }
+
     /// A slot's state, locked. A poisoned lock is fatal: the thread that
     /// panicked holding it may have left an update half-done.
     fn lock<'a>(&self, slot: &'a Slot) -> std::result::Result<MutexGuard<'a, SlotState>, RemoteError> {
@@ -490,9 +503,7 @@ impl Shared {
         };
         let mut store =
             ParamStore::new(&self.placement, shard, self.options.seed, optimizer, self.options.mode)?;
-        if self.replicated(shard) {
-            store.record_steps();
-        }
+        self.set_recording(&mut store, shard);
         Ok(store)
     }
 
@@ -858,21 +869,12 @@ async fn reconcile(shared: &Arc<Shared>, map: Arc<ShardMap>) {
             let (next, action) = match (role, current) {
                 (Role::Primary, SlotState::Primary { mut store, mut links }) if links.epoch() == epoch => {
                     links.set_followers(followers.iter().map(String::as_str));
-                    if !followers.is_empty() {
-                        // A replica moves in: from now on a sync step is
-                        // forwarded whole (a snapshot waits for any step
-                        // under way, so none is forwarded half recorded).
-                        store.record_steps();
-                    } else if map.replicas() == 1 {
-                        store.stop_recording_steps();
-                    }
+                    shared.set_recording(&mut store, shard);
                     (SlotState::Primary { store, links }, Action::Forward)
                 }
                 (Role::Primary, SlotState::Follower { follower, must_sync: false }) => {
                     let (mut store, applied, history) = follower.promote(epoch);
-                    if followers.is_empty() && map.replicas() == 1 {
-                        store.stop_recording_steps();
-                    }
+                    shared.set_recording(&mut store, shard);
                     tracing::info!(
                         shard,
                         version,
@@ -975,9 +977,8 @@ async fn restore_primary(shared: &Arc<Shared>, slot: &Arc<Slot>, epoch: u64, fol
             Err(e) => return shared.fail(format!("cannot restore shard {shard}: {e}")),
         }
     }
-    if shared.replicated(shard) {
-        store.record_steps();
-    }
+    // Recording follows the map now, not when the store was built.
+    shared.set_recording(&mut store, shard);
     let mut links = Links::new(shard, epoch, 0, History::default());
     links.set_followers(followers.iter().map(String::as_str));
     {
