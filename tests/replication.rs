@@ -171,7 +171,7 @@ fn a_pserver_started_mid_job_takes_its_share_and_no_push_is_lost() {
     for (mode, replicas) in [("async", 1), ("async", 2)] {
         let name = format!("repl-join-{mode}-{replicas}");
         let pservers = replicas + 1;
-        let mut job = Job::start_with(&name, mode, replicas, pservers, 2, &[], &["--rebalance"]);
+        let mut job = Job::start_with(&name, mode, replicas, pservers, 2, &[], &[]);
         std::thread::sleep(Duration::from_millis(300));
         job.add_pserver();
         let newcomer = format!("{}.", job.pservers[job.pservers.len() - 1].name);

@@ -56,8 +56,9 @@ pub struct JobArgs {
     #[arg(long, default_value_t = 1)]
     pub replicas: u32,
     /// Move shards while the job runs so that a pserver started mid-job
-    /// takes its share over (one shard at a time, with no update lost).
-    #[arg(long)]
+    /// takes its share over (one shard at a time, with no update lost);
+    /// `--rebalance false` moves shards only to drain a scale-in.
+    #[arg(long, default_value_t = true, action = clap::ArgAction::Set)]
     pub rebalance: bool,
     /// Largest parameter block, in floats.
     #[arg(long, default_value_t = 1 << 16)]

@@ -351,8 +351,18 @@ mod cluster {
     pub const DATA_SHARDS: usize = 3;
 
     /// A job that runs until it is stopped: `pservers` pservers, `replicas`
-    /// replicas of each of 8 shards.
+    /// replicas of each of 8 shards, the model in blocks of 128 floats.
     pub fn replicated_job(mode: &str, replicas: u32, pservers: u32) -> Vec<String> {
+        replicated_job_in_blocks(mode, replicas, pservers, 128)
+    }
+
+    /// [`replicated_job`] with blocks of `block_size` floats.
+    pub fn replicated_job_in_blocks(
+        mode: &str,
+        replicas: u32,
+        pservers: u32,
+        block_size: u32,
+    ) -> Vec<String> {
         let mut job = a1a_job();
         let more = [
             "--chunk-bytes",
@@ -364,7 +374,7 @@ mod cluster {
             "--shards",
             "8",
             "--block-size",
-            "128",
+            &block_size.to_string(),
             "--mode",
             mode,
             "--replicas",
@@ -388,6 +398,12 @@ mod cluster {
         pub pserver_flags: Vec<&'static str>,
         /// Seconds between the pservers' checkpoints (60 unless set).
         pub checkpoint_interval: f64,
+        /// Shards holding a part of the model.
+        pub data_shards: usize,
+        /// `sync` or `async`.
+        pub mode: String,
+        /// Trainers stopped before the end (SIGTERM), kept for their logs.
+        pub stopped_trainers: Vec<Proc>,
     }
 
     impl ReplicatedJob {
@@ -404,9 +420,27 @@ mod cluster {
             flags: &[&'static str],
             job_flags: &[&str],
         ) -> ReplicatedJob {
+            Self::start_in_blocks(name, mode, replicas, pservers, trainers, flags, job_flags, 128)
+        }
+
+        /// [`start_with`](Self::start_with) with the model in blocks of
+        /// `block_size` floats (128: over 3 of the 8 shards; 32: over all 8).
+        #[allow(clippy::too_many_arguments)]
+        pub fn start_in_blocks(
+            name: &str,
+            mode: &str,
+            replicas: u32,
+            pservers: u32,
+            trainers: u32,
+            flags: &[&'static str],
+            job_flags: &[&str],
+            block_size: u32,
+        ) -> ReplicatedJob {
             let cluster = Cluster::start(name);
-            let mut options = replicated_job(mode, replicas, pservers);
+            let mut options = replicated_job_in_blocks(mode, replicas, pservers, block_size);
             options.extend(job_flags.iter().map(|f| f.to_string()));
+            // a1a's 246 weights and 2 biases, placed by size over 8 shards.
+            let data_shards = if block_size >= 128 { DATA_SHARDS } else { 8 };
             let mut job = ReplicatedJob {
                 master: cluster.master("master", &options),
                 trainers: (0..trainers)
@@ -416,6 +450,9 @@ mod cluster {
                 live: Vec::new(),
                 pserver_flags: flags.to_vec(),
                 checkpoint_interval: 60.0,
+                data_shards,
+                mode: mode.to_string(),
+                stopped_trainers: Vec::new(),
                 cluster,
             };
             for _ in 0..pservers {
@@ -436,7 +473,55 @@ mod cluster {
         }
 
         pub fn everyone(&self) -> Vec<&Proc> {
-            [&self.master].into_iter().chain(&self.trainers).chain(&self.pservers).collect()
+            let all = [&self.master].into_iter().chain(&self.trainers).chain(&self.stopped_trainers);
+            all.chain(&self.pservers).collect()
+        }
+
+        /// Start one more trainer.
+        pub fn add_trainer(&mut self) {
+            let id = format!("trainer-{}", self.trainers.len() + self.stopped_trainers.len());
+            self.trainers.push(self.cluster.trainer_with(&id, &["--stop-grace", "0"]));
+        }
+
+        /// SIGTERM the trainer at `index` (of the running ones) and wait
+        /// until it exits 0; it is kept, with its report, for the count.
+        pub fn stop_trainer(&mut self, index: usize) {
+            let mut trainer = self.trainers.remove(index);
+            trainer.signal("TERM");
+            let others: Vec<&Proc> = self.pservers.iter().chain([&self.master]).collect();
+            assert!(
+                exits(&mut trainer, LONG, &others),
+                "{} did not exit 0\n{}",
+                trainer.name,
+                trainer.dump()
+            );
+            self.stopped_trainers.push(trainer);
+        }
+
+        /// `status --set-pservers count`: its stdout, or its stderr if it
+        /// failed (exit 2 with the reason; any other exit fails the test).
+        pub fn scale(&self, count: u32) -> Result<String, String> {
+            let out = Command::new(super::example("status"))
+                .args(["--etcd", &self.cluster.etcd.endpoint(), "--job", &self.cluster.job])
+                .args(["--set-pservers", &count.to_string()])
+                .output()
+                .unwrap();
+            match out.status.code() {
+                Some(0) => Ok(String::from_utf8_lossy(&out.stdout).into_owned()),
+                Some(2) => Err(String::from_utf8_lossy(&out.stderr).into_owned()),
+                _ => panic!("status --set-pservers {count} failed: {out:?}"),
+            }
+        }
+
+        /// Wait until the live pserver at `index` exits 0 as released (its
+        /// report says so) and forget it.
+        pub fn wait_released(&mut self, index: usize) {
+            let pserver = &mut self.pservers[index];
+            assert!(exits(pserver, LONG, &[]), "{} was not released\n{}", pserver.name, pserver.dump());
+            let out = pserver.last_json();
+            assert_eq!(out["released"], true, "{}: {out}", pserver.name);
+            assert!(out["primaries"].as_object().is_some_and(|p| p.is_empty()), "released holding: {out}");
+            self.live.retain(|&i| i != index);
         }
 
         pub fn dump(&self) -> String {
@@ -505,6 +590,8 @@ mod cluster {
         /// per push (or step) the trainers saw acknowledged.
         pub fn finish_and_count(mut self) -> u64 {
             let mut acknowledged = 0;
+            // Per shard, the pushes the trainers saw it take.
+            let mut shard_acknowledged: BTreeMap<String, u64> = BTreeMap::new();
             for trainer in &mut self.trainers {
                 trainer.signal("TERM");
             }
@@ -512,10 +599,15 @@ mod cluster {
                 let others: Vec<&Proc> = self.pservers.iter().chain([&self.master]).collect();
                 let trainer = &mut self.trainers[t];
                 assert!(exits(trainer, LONG, &others), "{} did not exit 0\n{}", trainer.name, trainer.dump());
+            }
+            for trainer in self.trainers.iter().chain(&self.stopped_trainers) {
                 let out = trainer.last_json();
                 assert_eq!(out["pushed_examples"], out["examples"], "gradients left unpushed: {out}");
                 assert!(!trainer.stderr().contains("gave up pushing"), "{}", trainer.dump());
                 acknowledged += out["pushes"].as_u64().expect("pushes");
+                for (shard, n) in out["shard_pushes"].as_object().unwrap_or_else(|| panic!("{out}")) {
+                    *shard_acknowledged.entry(shard.clone()).or_default() += n.as_u64().unwrap();
+                }
             }
             assert!(acknowledged > 0, "no push acknowledged\n{}", self.dump());
             // The master first, so that no shard moves while the pservers stop.
@@ -529,25 +621,67 @@ mod cluster {
                 self.pservers[i].signal("TERM");
             }
             let mut steps: BTreeMap<String, Vec<u64>> = BTreeMap::new();
+            let mut pushes: BTreeMap<String, Vec<u64>> = BTreeMap::new();
             for &i in &self.live {
                 let pserver = &mut self.pservers[i];
                 assert!(exits(pserver, LONG, &[]), "{} did not stop well\n{}", pserver.name, pserver.dump());
                 let out = pserver.last_json();
                 for (shard, step) in out["primaries"].as_object().unwrap_or_else(|| panic!("{out}")) {
                     steps.entry(shard.clone()).or_default().push(step.as_u64().unwrap());
+                    let applied = out["pushes"][shard].as_u64().unwrap_or_else(|| panic!("{out}"));
+                    pushes.entry(shard.clone()).or_default().push(applied);
                 }
             }
             let with_data: Vec<_> = steps.iter().filter(|(_, s)| s.iter().any(|&s| s > 0)).collect();
-            assert_eq!(with_data.len(), DATA_SHARDS, "shards that applied updates: {steps:?}");
+            assert_eq!(with_data.len(), self.data_shards, "shards that applied updates: {steps:?}");
+            let one_push_one_step =
+                self.trainers.len() + self.stopped_trainers.len() == 1 || self.mode == "async";
             for (shard, applied) in with_data {
+                if one_push_one_step {
+                    assert!(
+                        applied.iter().all(|&a| a == acknowledged),
+                        "shard {shard} applied {applied:?} updates; the trainers saw {acknowledged} acknowledged\n{}",
+                        dump(&self.everyone())
+                    );
+                }
+                let want = shard_acknowledged.get(shard).copied().unwrap_or(0);
                 assert!(
-                    applied.iter().all(|&a| a == acknowledged),
-                    "shard {shard} applied {applied:?} updates; the trainers saw {acknowledged} acknowledged\n{}",
+                    pushes[shard].iter().all(|&p| p == want),
+                    "shard {shard} applied {:?} pushes; the trainers saw it take {want}\n{}",
+                    pushes[shard],
                     dump(&self.everyone())
                 );
             }
             eprintln!("{acknowledged} acknowledged, each applied once on every shard");
+            self.assert_tasks_once();
             acknowledged
+        }
+
+        /// No (task, pass) was accepted twice, and each pass the master
+        /// finished had every task accepted once (the trainers' logs, the
+        /// stopped ones' included).
+        fn assert_tasks_once(&self) {
+            let cut = self.master.stderr().lines().find(|l| l.contains("tasks cut")).map(str::to_string);
+            let tasks: u64 = cut
+                .as_deref()
+                .and_then(|l| log_field(l, "tasks"))
+                .and_then(|t| t.parse().ok())
+                .unwrap_or_else(|| panic!("no task count in the master's log\n{}", self.master.dump()));
+            let passes = self.master.stdout().lines().filter(|l| l.starts_with("pass ")).count() as u32;
+            let trainers: Vec<&Proc> = self.trainers.iter().chain(&self.stopped_trainers).collect();
+            let mut accepted = accepted_reports(&trainers);
+            accepted.sort();
+            let total = accepted.len();
+            accepted.dedup();
+            assert_eq!(accepted.len(), total, "some (task, pass) was accepted twice");
+            for pass in 0..passes {
+                let n = accepted.iter().filter(|(_, p)| *p == pass).count() as u64;
+                assert_eq!(
+                    n, tasks,
+                    "pass {pass} of {passes} finished: {n} of its {tasks} tasks accepted once"
+                );
+            }
+            eprintln!("{passes} passes of {tasks} tasks, each task accepted once per pass");
         }
     }
 

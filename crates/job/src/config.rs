@@ -58,9 +58,11 @@ pub struct JobConfig {
     /// Replicas of each shard, on distinct pservers (1: no replication;
     /// at most `pservers`).
     pub replicas: u32,
-    /// Move replicas while the job runs so that every pserver present
-    /// holds its share: a pserver started mid-job takes shards over
-    /// (`oar_pserver::ShardMap::rebalance`). Off by default.
+    /// Move replicas while the job runs so that every pserver kept holds
+    /// its share: a pserver started mid-job (after a scale-out, or in
+    /// place of one that died) takes shards over
+    /// (`oar_pserver::ShardMap::rebalance`). On by default; off, only a
+    /// scale-in (draining) moves replicas.
     pub rebalance: bool,
     /// Largest parameter block, in floats.
     pub block_size: usize,
@@ -97,7 +99,7 @@ impl JobConfig {
             pservers: 2,
             shards: DEFAULT_SHARDS,
             replicas: 1,
-            rebalance: false,
+            rebalance: true,
             block_size: 1 << 16,
             chunk_bytes: 0,
             chunks_per_task: 1,

@@ -10,6 +10,7 @@
 //! | `config` | the job's options, published once by the master | none |
 //! | `result` | the job's report, once it ended (fenced) | none |
 //! | `trainer/<id>` | trainer id | trainer's |
+//! | `ps_desired` | how many pservers the job wants (decimal; the master writes the first) | none |
 //! | `ps/<name>` | pserver `<name>`'s address (`<name>` is its id and lease) | pserver's |
 //! | `shard_map` | the shard map: version, each shard's replicas, primary first (fenced) | none |
 //! | `pshards/<shard>/<name>` | a replica's state: role, applied update, epoch, step (JSON) | pserver's |
@@ -79,6 +80,10 @@ impl JobKeys {
     pub fn trainer(&self, id: &str) -> String {
         format!("{}trainer/{id}", self.prefix)
     }
+    /// How many pservers the job wants.
+    pub fn ps_desired(&self) -> String {
+        format!("{}ps_desired", self.prefix)
+    }
     /// Prefix of the pservers' registrations.
     pub fn ps_prefix(&self) -> String {
         format!("{}ps/", self.prefix)
@@ -129,6 +134,7 @@ impl JobKeys {
             checkpoints: self.shard_checkpoints(),
             cluster_status: self.pserver_cluster_status(),
             members: self.trainers(),
+            desired: self.ps_desired(),
         }
     }
 }
@@ -148,6 +154,7 @@ mod tests {
         assert_eq!(k.trainer("t1"), "/oar/mnist/trainer/t1");
         assert_eq!(k.ps("ps-a.1f"), "/oar/mnist/ps/ps-a.1f");
         assert_eq!(k.shard_map(), "/oar/mnist/shard_map");
+        assert_eq!(k.ps_desired(), "/oar/mnist/ps_desired");
         assert_eq!(k.pserver_cluster_status(), "/oar/mnist/pserver_cluster_status");
         assert_eq!(k.trainer_id("/oar/mnist/trainer/t1"), Some("t1"));
         assert_eq!(k.trainer_id("/oar/mnist/ps/1"), None);

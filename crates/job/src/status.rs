@@ -127,10 +127,12 @@ impl fmt::Display for JobView {
         }
         let health = self.cluster_status.as_ref();
         let said = |field: &str| health.and_then(|h| h.get(field)).and_then(|v| v.as_str()).unwrap_or("");
+        let wanted = health.and_then(|h| h.get("desired")).and_then(|v| v.as_u64());
         writeln!(
             f,
-            "  pservers: {} registered; cluster {} {}",
+            "  pservers: {} registered, {} wanted; cluster {} {}",
             self.pservers.len(),
+            wanted.map_or("?".to_string(), |w| w.to_string()),
             or(said("status"), "UNKNOWN"),
             said("reason")
         )?;

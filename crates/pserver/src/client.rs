@@ -138,6 +138,8 @@ struct ShardState {
     next_step: Option<u64>,
     /// The shard's primary's epoch when it last answered a pull.
     epoch: u64,
+    /// Pushes the shard acknowledged as taken (not stale).
+    acknowledged: u64,
 }
 
 /// What a push did, over all shards.
@@ -364,6 +366,7 @@ impl PserverClient {
         for (index, stale, taken) in outcomes {
             let shard = &mut self.shards[index as usize];
             shard.seq += 1;
+            shard.acknowledged += u64::from(stale.is_none());
             if let Some(current) = stale {
                 tracing::debug!(index, current, "stale sync push");
                 shard.next_step = None;
@@ -411,10 +414,25 @@ impl PserverClient {
         for (index, step) in steps {
             let shard = &mut self.shards[index as usize];
             shard.seq += 1;
+            shard.acknowledged += 1;
             shard.next_step = None;
             self.pulled(index, step);
         }
         Ok(())
+    }
+
+    /// The pushes shard `shard` acknowledged as taken (a sync push that
+    /// came back stale there was not, even if other shards took it): what
+    /// the shard's [`ParamStore::pushes`](crate::ParamStore::pushes) counts
+    /// of this trainer.
+    pub fn acknowledged(&self, shard: u32) -> u64 {
+        self.shards.get(shard as usize).map_or(0, |s| s.acknowledged)
+    }
+
+    /// [`acknowledged`](Self::acknowledged) of every shard that took any.
+    pub fn acknowledged_by_shard(&self) -> std::collections::BTreeMap<u32, u64> {
+        let counts = self.shards.iter().enumerate().map(|(s, st)| (s as u32, st.acknowledged));
+        counts.filter(|&(_, n)| n > 0).collect()
     }
 
     /// In async mode a pull never waits for a step.

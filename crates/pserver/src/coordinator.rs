@@ -21,11 +21,27 @@
 //!   follower on the live pserver holding the fewest replicas that has
 //!   none of it ([`ShardMap::with_follower`]); it catches up from the
 //!   primary.
+//! - **Scaling.** The job wants `ps_desired` pservers ([`set_pservers`]
+//!   changes it; until then [`CoordinatorOptions::pservers`]). It keeps the
+//!   live pservers [`ShardMap::wanted`] ranks first and **drains** the
+//!   others ([`ShardMap::drain`]): each of their replicas moves to a kept
+//!   pserver (a new replica catches up, the primary switches if needed,
+//!   the old replica goes), and a pserver left holding nothing is
+//!   **released** ([`ShardMap::with_released`]): it stops serving and
+//!   leaves. A pserver that registers beyond the wanted count is released
+//!   at once: the job has no use for it. Restores and new followers go
+//!   only to kept pservers.
+//! - **Balance.** With [`CoordinatorOptions::rebalance`] (the default), it
+//!   also moves replicas from the most loaded kept pservers to the least
+//!   ([`ShardMap::rebalance`]), so a pserver that joins gets its share:
+//!   adding one to `P` moves about `1/(P+1)` of the replicas, all to it.
 //! - **Health.** It writes the cluster's status: `OK` when every shard has
-//!   all its replicas and every replica has caught up, else `UNHEALTHY`
-//!   with the reason (`UNKNOWN` before the first map).
+//!   all its replicas, every replica has caught up and the job has the
+//!   pservers it wants, else `UNHEALTHY` with the reason (`UNKNOWN` before
+//!   the first map).
 //!
-//! Several changes found at once go out as one new map.
+//! Several changes found at once go out as one new map; moves go one at a
+//! time.
 
 use crate::{
     error::{ServiceError, ServiceResult},
@@ -53,23 +69,25 @@ pub struct CoordinatorOptions {
     pub shards: u32,
     /// Replicas per shard.
     pub replicas: u32,
-    /// The pservers the first map waits for.
+    /// The pservers the job wants until the `ps_desired` key says
+    /// otherwise: the first map waits for them (the first in natural name
+    /// order, if more registered).
     pub pservers: u32,
     /// How long a candidate has to answer a failover's question.
     pub query_timeout: Duration,
     /// How long a failover keeps asking candidates that have not seen the
     /// current map yet (or did not answer) before it decides without them.
     pub election_wait: Duration,
-    /// Move replicas to balance the pservers present, one shard at a time
-    /// ([`ShardMap::rebalance`]): a pserver that joins gets its share. Off
-    /// by default: a job turns it on when it may grow (issue 17's elastic
-    /// jobs build on it).
+    /// Move replicas to balance the pservers kept, one shard at a time
+    /// ([`ShardMap::rebalance`]): a pserver that joins gets its share. On
+    /// by default. Off, only draining moves replicas
+    /// ([`ShardMap::drain`]).
     pub rebalance: bool,
 }
 
 impl Default for CoordinatorOptions {
     /// One shard, one replica, one pserver; candidates answer within 1 s,
-    /// and a failover waits up to 2 s for them.
+    /// and a failover waits up to 2 s for them; rebalancing on.
     fn default() -> Self {
         Self {
             keys: PserverKeys::default(),
@@ -78,9 +96,87 @@ impl Default for CoordinatorOptions {
             pservers: 1,
             query_timeout: Duration::from_secs(1),
             election_wait: Duration::from_secs(2),
-            rebalance: false,
+            rebalance: true,
         }
     }
+}
+
+/// How [`set_pservers`] decides.
+#[derive(Clone, Debug, Default)]
+pub struct ScaleOptions {
+    /// Change the count even while a move or an earlier scale is under way
+    /// (for instance when a pserver asked for never came): the coordinator
+    /// plans from wherever the map is.
+    pub force: bool,
+}
+
+/// What [`set_pservers`] changed.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Scaled {
+    /// The wanted pserver count before.
+    pub from: u32,
+    /// The wanted pserver count now.
+    pub to: u32,
+    /// The shard map's version when the count changed.
+    pub map_version: u64,
+}
+
+/// Ask the job's coordinator for `count` pservers. Scaling out, the
+/// pservers that register next (up to `count`) get their share of the
+/// shards; scaling in, the highest-numbered pservers ([`ShardMap::wanted`])
+/// are drained and then released. Returns at once: follow the cluster
+/// status (`OK` again once the job has its pservers and every replica has
+/// caught up).
+///
+/// Refused, naming why, and changing nothing: `count` 0 or above the job's
+/// shard count; no shard map yet (the job's pservers have not started);
+/// and, unless [`ScaleOptions::force`], while a move or an earlier scale is
+/// under way. Fewer pservers than replicas per shard is allowed: the shards
+/// then have as many replicas as pservers, and the status says so.
+pub async fn set_pservers(
+    discovery: &dyn Discovery,
+    keys: &PserverKeys,
+    count: u32,
+    options: ScaleOptions,
+) -> ServiceResult<Scaled> {
+    let refuse = |why: String| ServiceError::Scale(format!("cannot scale to {count} pservers: {why}"));
+    let topology = crate::topology::read(discovery, keys).await?;
+    let Some(map) = topology.map else {
+        return Err(refuse("the job has no shard map yet (its pservers have not all started)".into()));
+    };
+    check_count(count, map.shard_count()).map_err(refuse)?;
+    let holding = map.pservers().len() as u32;
+    let from = match discovery.get(&keys.desired).await? {
+        Some(kv) => parse_count(&kv.value).unwrap_or(holding),
+        None => holding,
+    };
+    if !options.force {
+        let live = sorted(topology.addrs.keys());
+        let wanted = map.wanted(&live, from);
+        let mut under_way = Vec::new();
+        let moving: Vec<u32> =
+            (0..map.shard_count()).filter(|&s| map.replica_set(s).len() > map.replicas() as usize).collect();
+        if !moving.is_empty() {
+            under_way.push(format!("shards {moving:?} are moving"));
+        }
+        let draining: Vec<&str> =
+            map.pservers().into_iter().filter(|p| !wanted.iter().any(|w| w == p)).collect();
+        if !draining.is_empty() {
+            under_way.push(format!("{} being drained", draining.join(", ")));
+        }
+        if holding < from.min(map.shard_count() * map.replicas()) {
+            under_way.push(format!("the job wants {from} pservers and {holding} hold shards"));
+        }
+        if !under_way.is_empty() {
+            return Err(refuse(format!(
+                "a move is in flight ({}): wait until the cluster status is OK, or force it",
+                under_way.join("; ")
+            )));
+        }
+    }
+    discovery.put(&keys.desired, count.to_string().into_bytes(), None).await?;
+    tracing::info!(from, to = count, map_version = map.version(), "wanted pserver count changed");
+    Ok(Scaled { from, to: count, map_version: map.version() })
 }
 
 /// A running coordinator. Dropping it stops it.
@@ -109,10 +205,17 @@ impl Coordinator {
                 options.keys
             )));
         }
+        if !options.keys.desired.is_empty() {
+            // The first wanted count; a standby master finds it there.
+            let count = options.pservers.to_string().into_bytes();
+            discovery.create_if_absent(&options.keys.desired, count, None).await?;
+        }
         let topology = TopologyWatch::start(discovery.clone(), &options.keys).await?;
         let replicas_signal = ChangeSignal::new(&*discovery, &options.keys.replicas).await;
-        let run = Run { discovery, transport, fence, options, topology, status: String::new() };
-        let task = tokio::spawn(run.run(replicas_signal));
+        let desired_signal = ChangeSignal::new(&*discovery, &options.keys.desired).await;
+        let desired = Desired { count: options.pservers, problem: None };
+        let run = Run { discovery, transport, fence, options, topology, status: String::new(), desired };
+        let task = tokio::spawn(run.run(replicas_signal, desired_signal));
         Ok(Coordinator { task: AbortOnDropHandle::new(task) })
     }
 
@@ -135,13 +238,28 @@ struct Run {
     topology: TopologyWatch,
     /// The cluster status last written.
     status: String,
+    /// How many pservers the job wants, as last read.
+    desired: Desired,
+}
+
+/// The job's wanted pserver count, and what was wrong with the last value
+/// read if it could not be used (the count before it stays).
+#[derive(Clone, Debug)]
+struct Desired {
+    count: u32,
+    problem: Option<String>,
 }
 
 impl Run {
-    async fn run(mut self, mut replicas_signal: ChangeSignal) -> ServiceResult<()> {
+    async fn run(
+        mut self,
+        mut replicas_signal: ChangeSignal,
+        mut desired_signal: ChangeSignal,
+    ) -> ServiceResult<()> {
         let mut changes = self.topology.subscribe();
         loop {
             let topology = changes.borrow_and_update().clone();
+            self.read_desired().await;
             let written = match &topology.map {
                 None => self.first_map(&topology).await?,
                 Some(map) => self.maintain(&topology, map).await?,
@@ -158,6 +276,39 @@ impl Run {
             tokio::select! {
                 _ = changes.changed() => {}
                 _ = replicas_signal.wait(Duration::from_secs(1)) => {}
+                _ = desired_signal.wait(Duration::from_secs(1)) => {}
+            }
+        }
+    }
+
+    /// Read the wanted pserver count. Absent: the option's. A value that is
+    /// not a count the map can use is reported in the cluster status and
+    /// the last good count stays.
+    async fn read_desired(&mut self) {
+        let value = match self.discovery.get(&self.options.keys.desired).await {
+            Ok(Some(kv)) => kv.value,
+            Ok(None) => return,
+            Err(e) => {
+                tracing::warn!(error = %e, "cannot read the wanted pserver count; keeping {}", self.desired.count);
+                return;
+            }
+        };
+        match parse_count(&value) {
+            Ok(count) => {
+                if count != self.desired.count {
+                    tracing::info!(
+                        from = self.desired.count,
+                        to = count,
+                        "the job wants a new pserver count"
+                    );
+                }
+                self.desired = Desired { count, problem: None };
+            }
+            Err(why) => {
+                if self.desired.problem.as_deref() != Some(why.as_str()) {
+                    tracing::warn!(%why, keeping = self.desired.count, "bad wanted pserver count");
+                }
+                self.desired.problem = Some(why);
             }
         }
     }
@@ -170,11 +321,12 @@ impl Run {
 
     /// The first map, once enough pservers registered.
     async fn first_map(&self, topology: &Topology) -> ServiceResult<Option<ShardMap>> {
-        if (topology.addrs.len() as u32) < self.options.pservers {
+        if (topology.addrs.len() as u32) < self.desired.count {
             return Ok(None);
         }
         let mut names: Vec<String> = topology.addrs.keys().cloned().collect();
-        names.sort();
+        names.sort_by(|a, b| crate::shard_map::natural_cmp(a, b));
+        names.truncate(self.desired.count as usize);
         let map = ShardMap::initial(self.options.shards, self.options.replicas, &names)?;
         self.write_map(&map).await?;
         Ok(Some(map))
@@ -193,15 +345,13 @@ impl Run {
                 next = without;
             }
         }
-        let live: Vec<&String> = {
-            let mut live: Vec<&String> = topology.addrs.keys().collect();
-            live.sort();
-            live
-        };
-        if !live.is_empty() {
+        let live: Vec<String> = sorted(topology.addrs.keys());
+        let wanted = next.wanted(&live, self.desired.count);
+        let kept: Vec<&String> = wanted.iter().collect();
+        if !kept.is_empty() {
             for shard in 0..next.shard_count() {
                 if next.replica_set(shard).is_empty() {
-                    let to = least_loaded(&next, &live, shard);
+                    let to = least_loaded(&next, &kept, shard);
                     if let Some(to) = to {
                         tracing::warn!(
                             shard,
@@ -215,19 +365,40 @@ impl Run {
             for shard in 0..next.shard_count() {
                 let set = next.replica_set(shard);
                 if !set.is_empty() && (set.len() as u32) < next.replicas() {
-                    if let Some(to) = least_loaded(&next, &live, shard) {
+                    if let Some(to) = least_loaded(&next, &kept, shard) {
                         tracing::info!(shard, pserver = to, "adding a follower");
                         next = next.with_follower(shard, to)?;
                     }
                 }
             }
         }
-        if next == *map && self.options.rebalance && !live.is_empty() {
-            let live: Vec<String> = live.into_iter().cloned().collect();
-            let caught_up = self.moving_caught_up(topology, map).await;
-            if let Some(moved) = map.rebalance(&live, |s, p| caught_up.contains(&(s, p.to_string())))? {
-                tracing::info!(version = moved.version(), "rebalancing: a replica moves");
+        // Moves, once every pserver in the map is alive (a dead one's
+        // shards are the failover's).
+        let all_alive = map.pservers().iter().all(|p| topology.addrs.contains_key(*p));
+        if next == *map && all_alive && !wanted.is_empty() {
+            let caught_up = self.moving_caught_up(topology, map, &wanted).await;
+            let caught_up = |s: u32, p: &str| caught_up.contains(&(s, p.to_string()));
+            let moved = match self.options.rebalance {
+                true => map.rebalance(&wanted, caught_up)?,
+                false => map.drain(&wanted, caught_up)?,
+            };
+            if let Some(moved) = moved {
+                tracing::info!(version = moved.version(), "a replica moves");
                 next = moved;
+            }
+        }
+        // Release the pservers not wanted that hold nothing (drained, or
+        // beyond the wanted count from the start); forget released ones
+        // that left.
+        if next == *map {
+            for p in live.iter().filter(|p| !wanted.contains(p) && map.shards_of(p).is_empty()) {
+                if let Some(released) = next.with_released(p)? {
+                    tracing::info!(pserver = %p, wanted = self.desired.count, "pserver released: the job does not need it");
+                    next = released;
+                }
+            }
+            if let Some(forgotten) = next.without_released_gone(|p| topology.addrs.contains_key(p)) {
+                next = forgotten;
             }
         }
         if next == *map {
@@ -238,11 +409,21 @@ impl Run {
     }
 
     /// The replicas of shards with a move under way (more replicas than
-    /// wanted) that serve their role under the current map: primaries
-    /// primary, the others caught-up followers (asked, as a failover asks).
-    async fn moving_caught_up(&self, topology: &Topology, map: &ShardMap) -> Vec<(u32, String)> {
-        let moving: Vec<u32> =
-            (0..map.shard_count()).filter(|&s| map.replica_set(s).len() > map.replicas() as usize).collect();
+    /// wanted, or a replica on a pserver not `wanted`) that serve their
+    /// role under the current map: primaries primary, the others caught-up
+    /// followers (asked, as a failover asks).
+    async fn moving_caught_up(
+        &self,
+        topology: &Topology,
+        map: &ShardMap,
+        wanted: &[String],
+    ) -> Vec<(u32, String)> {
+        let moving: Vec<u32> = (0..map.shard_count())
+            .filter(|&s| {
+                let set = map.replica_set(s);
+                set.len() > map.replicas() as usize || set.iter().any(|p| !wanted.contains(p))
+            })
+            .collect();
         let asked: Vec<String> = moving.iter().flat_map(|&s| map.replica_set(s).to_vec()).collect();
         let (states, _) = self.states_under(topology, map, asked).await;
         let serving = |(p, shard, role, _): &(String, u32, ReplicaRole, u64)| {
@@ -348,7 +529,7 @@ impl Run {
                 "reason": format!(
                     "no shard map yet: {} of {} pservers registered",
                     topology.addrs.len(),
-                    self.options.pservers
+                    self.desired.count
                 ),
                 "nodes": sorted(topology.addrs.keys()),
             }),
@@ -369,11 +550,32 @@ impl Run {
                 if !syncing.is_empty() {
                     reasons.push(format!("replicas not caught up: {}", syncing.join(", ")));
                 }
+                let live = sorted(topology.addrs.keys());
+                let wanted = map.wanted(&live, self.desired.count);
+                let draining: Vec<&str> =
+                    map.pservers().into_iter().filter(|p| !wanted.iter().any(|w| w == p)).collect();
+                if !draining.is_empty() {
+                    reasons.push(format!("draining {}", draining.join(", ")));
+                }
+                let holding = map.pservers().len();
+                let can_hold = self.desired.count.min(map.shard_count() * map.replicas());
+                if (holding as u32) < can_hold {
+                    reasons.push(format!(
+                        "the job wants {} pservers, {holding} hold shards",
+                        self.desired.count
+                    ));
+                }
+                if let Some(problem) = &self.desired.problem {
+                    reasons.push(problem.clone());
+                }
                 serde_json::json!({
                     "status": if reasons.is_empty() { "OK" } else { "UNHEALTHY" },
                     "reason": reasons.join("; "),
                     "nodes": map.pservers(),
                     "map_version": map.version(),
+                    "desired": self.desired.count,
+                    "draining": draining,
+                    "released": map.released(),
                 })
             }
         };
@@ -414,6 +616,32 @@ impl Run {
         }
         Ok(syncing)
     }
+}
+
+/// A wanted pserver count from its stored bytes: a decimal, at least 1.
+/// (More pservers than replicas to hold is no harm: the surplus is
+/// released; [`set_pservers`] refuses it up front.)
+fn parse_count(value: &[u8]) -> Result<u32, String> {
+    let text = String::from_utf8_lossy(value);
+    match text.trim().parse() {
+        Ok(0) => Err("ps_desired is 0: a job needs at least one pserver".into()),
+        Ok(count) => Ok(count),
+        Err(_) => Err(format!("ps_desired is {text:?}, not a pserver count")),
+    }
+}
+
+/// A wanted pserver count a job of `shards` shards can use: 1 to `shards`.
+fn check_count(count: u32, shards: u32) -> Result<(), String> {
+    if count == 0 {
+        return Err("a job needs at least one pserver, not 0".into());
+    }
+    if count > shards {
+        return Err(format!(
+            "{count} pservers for {shards} shards: a pserver holds whole shards, so at most {shards} can \
+             serve (the shard count is fixed when the job starts)"
+        ));
+    }
+    Ok(())
 }
 
 fn sorted<'a>(names: impl Iterator<Item = &'a String>) -> Vec<String> {

@@ -342,6 +342,9 @@ pub enum ServiceError {
         /// How long the client waited.
         waited: std::time::Duration,
     },
+    /// A scale request was refused ([`crate::set_pservers`]); nothing changed.
+    #[error("{0}")]
+    Scale(String),
     /// A pserver answered something that makes no sense for the request.
     #[error("pserver protocol error: {0}")]
     Protocol(String),

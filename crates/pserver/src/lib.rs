@@ -145,7 +145,7 @@ pub use block::BlockId;
 #[cfg(feature = "service")]
 pub use client::{PserverClient, PserverClientOptions, PushResult};
 #[cfg(feature = "service")]
-pub use coordinator::{Coordinator, CoordinatorOptions};
+pub use coordinator::{set_pservers, Coordinator, CoordinatorOptions, ScaleOptions, Scaled};
 pub use error::{Error, Result};
 #[cfg(feature = "service")]
 pub use error::{ServiceError, ServiceResult};

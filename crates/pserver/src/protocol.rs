@@ -347,6 +347,8 @@ pub enum PsReply {
     SnapshotPart {
         /// The store's step in the snapshot.
         step: u64,
+        /// The pushes the store had applied.
+        pushes: u64,
         /// The part's blocks with their optimizer state's step, in payload order.
         blocks: Vec<(BlockId, u64)>,
         /// The deduplication table (trainer, last seq).

@@ -284,6 +284,8 @@ pub struct SnapshotPart {
     pub upto: u64,
     /// The store's step in the snapshot.
     pub step: u64,
+    /// The pushes the store had applied ([`crate::ParamStore::pushes`]).
+    pub pushes: u64,
     /// Some of the shard's blocks: parameters and optimizer state.
     pub blocks: Vec<(BlockId, Vec<f32>, OptimizerState)>,
     /// The deduplication table (trainer, last seq): every part carries it.
@@ -305,6 +307,7 @@ pub fn snapshot_parts(
         map_version,
         upto,
         step: snapshot.step(),
+        pushes: snapshot.pushes(),
         blocks,
         last_seqs: last_seqs.clone(),
     };
@@ -389,7 +392,7 @@ impl CatchUp {
     /// fit: the shard, the snapshot (`upto`, map version, step), a block
     /// this store does not hold or of the wrong length.
     pub fn part(&mut self, part: SnapshotPart) -> Result<()> {
-        let SnapshotPart { shard, map_version, upto, step, blocks, last_seqs } = part;
+        let SnapshotPart { shard, map_version, upto, step, pushes, blocks, last_seqs } = part;
         if shard != self.shard || upto != self.upto || map_version != self.snapshot_map {
             return Err(Error::Replication(format!(
                 "a snapshot part of shard {shard} at update {upto} (map {map_version}) does not belong to \
@@ -429,6 +432,7 @@ impl CatchUp {
         }
         if self.step.is_none() {
             self.store.set_step(step);
+            self.store.set_pushes(pushes);
             self.step = Some(step);
         }
         Ok(())

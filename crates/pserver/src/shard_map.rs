@@ -15,7 +15,8 @@
 //!   unavailable, and [`ShardMap::health`] says so;
 //! - the version only rises, by one per change;
 //! - each shard's primary epoch (the version that made its primary
-//!   primary) is a version of the map, at most the current one.
+//!   primary) is a version of the map, at most the current one;
+//! - a [released](ShardMap::released) pserver holds no replica.
 
 use serde::{Deserialize, Serialize};
 use std::fmt;
@@ -46,6 +47,9 @@ pub struct ShardMap {
     /// (the primary's *epoch*): updates it numbers carry it, so a replica
     /// can tell whose updates it holds (see [`crate::replica`]).
     epochs: Vec<u64>,
+    /// Pservers drained of every replica and let go: each stops when it
+    /// sees its name here (sorted).
+    released: Vec<PserverId>,
 }
 
 /// Whether every shard has all its replicas.
@@ -83,7 +87,13 @@ impl ShardMap {
         let sets = (0..shards as usize)
             .map(|s| (0..replicas as usize).map(|r| pservers[(s + r) % p].clone()).collect())
             .collect();
-        let map = ShardMap { version: 1, replicas, shards: sets, epochs: vec![1; shards as usize] };
+        let map = ShardMap {
+            version: 1,
+            replicas,
+            shards: sets,
+            epochs: vec![1; shards as usize],
+            released: Vec::new(),
+        };
         map.validate()?;
         Ok(map)
     }
@@ -141,6 +151,59 @@ impl ShardMap {
         all.sort_unstable();
         all.dedup();
         all
+    }
+
+    /// The pservers the job let go after draining them (sorted): each
+    /// stops serving and leaves when it reads its name here.
+    pub fn released(&self) -> &[PserverId] {
+        &self.released
+    }
+
+    /// Whether `pserver` was [released](Self::released).
+    pub fn is_released(&self, pserver: &str) -> bool {
+        self.released.iter().any(|p| p == pserver)
+    }
+
+    /// The map with `pserver`, which holds no replica, released. Errors if
+    /// it still holds one; `None` if it already is released.
+    pub fn with_released(&self, pserver: &str) -> Result<Option<ShardMap>> {
+        if let Some((shard, _)) = self.shards_of(pserver).first() {
+            return Err(Error::Config(format!(
+                "{pserver} still holds a replica of shard {shard}: drain it before releasing it"
+            )));
+        }
+        if self.is_released(pserver) {
+            return Ok(None);
+        }
+        let mut next = self.clone();
+        let at = next.released.binary_search_by(|p| p.as_str().cmp(pserver)).unwrap_or_else(|at| at);
+        next.released.insert(at, pserver.to_string());
+        Ok(Some(next.bumped()))
+    }
+
+    /// The map with the released pservers that are not in `present` (they
+    /// left) forgotten, so the list stays short; `None` if none left.
+    pub fn without_released_gone(&self, present: impl Fn(&str) -> bool) -> Option<ShardMap> {
+        let mut next = self.clone();
+        next.released.retain(|p| present(p));
+        (next.released.len() < self.released.len()).then(|| next.bumped())
+    }
+
+    /// The pservers among `live` that a job of `desired` pservers keeps:
+    /// those holding a replica in this map first, then the others, each
+    /// group in natural name order (`ps-2` before `ps-10`), the first
+    /// `desired` of them. Released pservers are never kept. So a scale-in
+    /// drains the highest-numbered pservers (a Kubernetes StatefulSet
+    /// removes its highest ordinals), and a scale-out or a failover takes
+    /// newcomers in name order.
+    pub fn wanted(&self, live: &[PserverId], desired: u32) -> Vec<PserverId> {
+        let mut ranked: Vec<&PserverId> = live.iter().filter(|p| !self.is_released(p)).collect();
+        ranked.sort_by(|a, b| {
+            let holds = |p: &str| self.shards.iter().any(|set| set.iter().any(|q| q == p));
+            holds(b).cmp(&holds(a)).then_with(|| natural_cmp(a, b))
+        });
+        ranked.dedup();
+        ranked.into_iter().take(desired as usize).cloned().collect()
     }
 
     /// OK, or which shards lack replicas.
@@ -231,6 +294,29 @@ impl ShardMap {
         Ok(Some(next.bumped()))
     }
 
+    /// The map with shard `shard`'s primary dropped and `successor`, one of
+    /// its followers, primary in its place, in one change: a planned
+    /// failover. The successor must have caught up (the caller checks):
+    /// everything the old primary acknowledged, its followers hold, so
+    /// nothing acknowledged is lost, and a push the old primary took but
+    /// did not acknowledge is retried on the successor. Doing it in one
+    /// change spares the old primary a resynchronisation as a follower it
+    /// would be dropped from next.
+    pub fn handed_over(&self, shard: u32, successor: &str) -> Result<ShardMap> {
+        let mut next = self.clone();
+        let set = next.set_mut(shard)?;
+        let at = set.iter().position(|p| p == successor).ok_or_else(|| {
+            Error::Config(format!("{successor} holds no replica of shard {shard}: it cannot take it over"))
+        })?;
+        if at == 0 {
+            return Err(Error::Config(format!("{successor} is shard {shard}'s primary already")));
+        }
+        let promoted = set.remove(at);
+        set[0] = promoted;
+        next.epochs[shard as usize] = self.version + 1;
+        Ok(next.bumped())
+    }
+
     /// The map with shard `shard`, which has no replica left, given to
     /// `pserver` as its primary: it starts from the shard's last checkpoint.
     /// Errors if the shard does not exist or still has a replica.
@@ -266,34 +352,65 @@ impl ShardMap {
         }
     }
 
-    /// The next change toward a balanced map over the pservers `live`
-    /// (each holding `S·R/P` replicas, ±1), or `None` once balanced. One
-    /// change per call, each a move step that never leaves a shard with
+    /// The next change toward a balanced map over the pservers `wanted`
+    /// (each holding `S·R/P` replicas, ±1), or `None` once there. Every
+    /// other pserver in the map is **drained**: its replicas move to wanted
+    /// pservers. (Call it only when every pserver in the map is alive: a
+    /// dead one's shards are the failover's, [`without`](Self::without).)
+    /// One change per call, each a move step that never leaves a shard with
     /// fewer than its replicas:
     ///
     /// 1. a shard with an extra replica (a move under way) whose replicas
-    ///    have all caught up (`caught_up`) drops the one on the most loaded
-    ///    pserver, preferring a follower; if that is the primary, the
-    ///    newest replica becomes primary first;
-    /// 2. else, with no move under way, a shard of the most loaded pserver
-    ///    that the least loaded one does not hold gets a replica there (it
-    ///    catches up), preferring a shard the loaded one only follows (so
-    ///    that no primary has to switch).
+    ///    have all caught up (`caught_up`) drops one: a drained pserver's
+    ///    first, else the one on the most loaded pserver, preferring a
+    ///    follower; if that is the primary, the newest wanted replica
+    ///    takes over from it in the same change ([`handed_over`](Self::handed_over));
+    /// 2. else, with no move under way, a shard held by a drained pserver
+    ///    gets a replica on the least loaded wanted pserver that has none
+    ///    of it; if every wanted pserver has one (fewer wanted pservers
+    ///    than R), the drained replica is dropped instead (handed over to a
+    ///    wanted caught-up replica if it is primary): the shard has fewer
+    ///    replicas than R until pservers are added;
+    /// 3. else a shard of the most loaded wanted pserver that the least
+    ///    loaded one does not hold gets a replica there (it catches up),
+    ///    preferring a shard the loaded one only follows (so that no
+    ///    primary has to switch).
     ///
     /// One move at a time: loads are counted on a map with no move half
     /// done, so a replica never moves twice.
     ///
-    /// Only replicas on loaded pservers move, and only to pservers below
-    /// the mean: adding one pserver to P moves about `S·R/(P+1)` replicas,
-    /// all to it. Pservers in the map but not in `live` are left alone
-    /// (their shards are the failover's, [`without`](Self::without)).
+    /// Only replicas on loaded (or drained) pservers move, and only to
+    /// wanted pservers below the mean: adding one pserver to P moves about
+    /// `S·R/(P+1)` replicas, all to it; draining one moves its replicas and
+    /// nothing else.
     pub fn rebalance(
         &self,
-        live: &[PserverId],
+        wanted: &[PserverId],
         caught_up: impl Fn(u32, &str) -> bool,
+    ) -> Result<Option<ShardMap>> {
+        self.next_move(wanted, caught_up, true)
+    }
+
+    /// What [`rebalance`](Self::rebalance) does without its step 3: only
+    /// the pservers not `wanted` lose replicas (and the moves under way
+    /// finish); the others keep what they hold.
+    pub fn drain(
+        &self,
+        wanted: &[PserverId],
+        caught_up: impl Fn(u32, &str) -> bool,
+    ) -> Result<Option<ShardMap>> {
+        self.next_move(wanted, caught_up, false)
+    }
+
+    fn next_move(
+        &self,
+        wanted: &[PserverId],
+        caught_up: impl Fn(u32, &str) -> bool,
+        balance: bool,
     ) -> Result<Option<ShardMap>> {
         let replicas = self.replicas as usize;
         let load = |p: &str| self.shards.iter().filter(|set| set.iter().any(|q| q == p)).count();
+        let is_wanted = |p: &str| wanted.iter().any(|w| w == p);
         // 1. Finish the moves whose new replica has caught up.
         let mut under_way = 0;
         for (shard, set) in self.shards.iter().enumerate() {
@@ -305,26 +422,50 @@ impl ShardMap {
             if !set.iter().all(|p| caught_up(shard, p)) {
                 continue;
             }
-            // The most loaded holder leaves (among equals a follower); if it
-            // is the primary, the newest other replica takes over first.
+            // A drained holder leaves first, then the most loaded (among
+            // equals a follower); if it is the primary, the newest wanted
+            // replica takes over first.
             let leaving = set
                 .iter()
                 .enumerate()
-                .max_by_key(|(at, p)| (load(p), *at > 0, std::cmp::Reverse(*at)))
+                .max_by_key(|(at, p)| (!is_wanted(p), load(p), *at > 0, std::cmp::Reverse(*at)))
                 .map(|(_, p)| p.clone());
             let Some(leaving) = leaving else { continue };
             if set[0] != leaving {
                 return self.without_follower(shard, &leaving).map(Some);
             }
-            let Some(next) = set.iter().rev().find(|p| **p != leaving) else { continue };
-            return self.with_primary(shard, next);
+            let next = set.iter().rev().find(|p| **p != leaving && is_wanted(p));
+            let Some(next) = next.or_else(|| set.iter().rev().find(|p| **p != leaving)) else { continue };
+            return self.handed_over(shard, next).map(Some);
         }
         if under_way > 0 {
             return Ok(None);
         }
-        // 2. Start a move from the most loaded live pserver to the least.
-        let mut by_load: Vec<(usize, &PserverId)> = live.iter().map(|p| (load(p), p)).collect();
+        let mut by_load: Vec<(usize, &PserverId)> = wanted.iter().map(|p| (load(p), p)).collect();
         by_load.sort();
+        // 2. Drain: a replica on a pserver not wanted goes to the least
+        // loaded wanted pserver without one of that shard.
+        // Where every wanted pserver holds one already (fewer wanted than
+        // R), the shard goes on with fewer replicas: the drained one is
+        // dropped, once a wanted one serves as primary.
+        for (shard, set) in self.shards.iter().enumerate() {
+            let Some(drained) = set.iter().find(|p| !is_wanted(p)) else { continue };
+            let shard = shard as u32;
+            if let Some((_, to)) = by_load.iter().find(|(_, p)| !set.contains(p)) {
+                return self.with_follower(shard, to).map(Some);
+            }
+            if set[0] != *drained {
+                return self.without_follower(shard, drained).map(Some);
+            }
+            let successor = set.iter().rev().find(|p| is_wanted(p) && caught_up(shard, p));
+            if let Some(successor) = successor {
+                return self.handed_over(shard, successor).map(Some);
+            }
+        }
+        // 3. Balance: a move from the most loaded wanted pserver to the least.
+        if !balance {
+            return Ok(None);
+        }
         let (Some(&(low, to)), Some(&(high, from))) = (by_load.first(), by_load.last()) else {
             return Ok(None);
         };
@@ -391,6 +532,9 @@ impl ShardMap {
             if let Some(p) = set.iter().find(|p| p.is_empty()) {
                 return Err(Error::BadShardMap(format!("shard {s} lists an empty pserver id {p:?}")));
             }
+            if let Some(p) = set.iter().find(|p| self.is_released(p)) {
+                return Err(Error::BadShardMap(format!("shard {s} lists {p}, which was released")));
+            }
         }
         Ok(())
     }
@@ -428,10 +572,43 @@ impl ShardMap {
     }
 }
 
+/// Names compared with their runs of digits as numbers: `ps-2` < `ps-10`.
+pub(crate) fn natural_cmp(a: &str, b: &str) -> std::cmp::Ordering {
+    use std::cmp::Ordering;
+    let (mut a, mut b) = (a.as_bytes(), b.as_bytes());
+    loop {
+        match (a.first(), b.first()) {
+            (None, None) => return Ordering::Equal,
+            (None, Some(_)) => return Ordering::Less,
+            (Some(_), None) => return Ordering::Greater,
+            (Some(x), Some(y)) if x.is_ascii_digit() && y.is_ascii_digit() => {
+                let digits = |s: &[u8]| s.iter().take_while(|c| c.is_ascii_digit()).count();
+                let (da, db) = (digits(a), digits(b));
+                let trim = |s: &[u8]| {
+                    let zeros = s.iter().take_while(|&&c| c == b'0').count();
+                    s[zeros.min(s.len().saturating_sub(1))..].to_vec()
+                };
+                let (na, nb) = (trim(&a[..da]), trim(&b[..db]));
+                let order = na.len().cmp(&nb.len()).then_with(|| na.cmp(&nb));
+                if order != Ordering::Equal {
+                    return order;
+                }
+                (a, b) = (&a[da..], &b[db..]);
+            }
+            (Some(x), Some(y)) => {
+                if x != y {
+                    return x.cmp(y);
+                }
+                (a, b) = (&a[1..], &b[1..]);
+            }
+        }
+    }
+}
+
 /// First bytes of an encoded [`ShardMap`].
 const MAGIC: &[u8; 4] = b"OARS";
 /// The encoding's format number, after the magic.
-const FORMAT: u8 = 1;
+const FORMAT: u8 = 2;
 
 impl fmt::Display for ShardMap {
     /// One line per shard: `shard 3: ps-1 (primary), ps-2`.
@@ -497,6 +674,51 @@ mod tests {
     }
 
     #[test]
+    fn scale_in_keeps_the_holders_lowest_numbered_first() {
+        let live: Vec<String> = ["ps-10.a", "ps-2.b", "ps-1.c", "ps-3.d"].map(String::from).to_vec();
+        let map = ShardMap::initial(6, 1, &["ps-10.a".into(), "ps-3.d".into(), "ps-2.b".into()]).unwrap();
+        // Holders first (in natural order), then the newcomer ps-1.
+        assert_eq!(map.wanted(&live, 4), ["ps-2.b", "ps-3.d", "ps-10.a", "ps-1.c"]);
+        assert_eq!(map.wanted(&live, 2), ["ps-2.b", "ps-3.d"]);
+        assert_eq!(natural_cmp("ps-02", "ps-10"), std::cmp::Ordering::Less);
+        assert_eq!(natural_cmp("ps-9x", "ps-9y"), std::cmp::Ordering::Less);
+    }
+
+    #[test]
+    fn a_drained_pserver_is_emptied_then_released() {
+        let all = ids(3);
+        let mut map = ShardMap::initial(6, 2, &all).unwrap();
+        let wanted = &all[..2];
+        let mut steps = 0;
+        while let Some(next) = map.drain(wanted, |_, _| true).unwrap() {
+            for s in 0..6 {
+                assert!(next.replica_set(s).len() >= 2, "shard {s} lost a replica: {next}");
+            }
+            map = next;
+            steps += 1;
+            assert!(steps < 100, "draining does not end");
+        }
+        assert!(map.shards_of("ps-2").is_empty(), "{map}");
+        assert_eq!(map.health(), Health::Ok);
+        let err = ShardMap::initial(2, 1, &ids(1)).unwrap().with_released("ps-0").unwrap_err().to_string();
+        assert!(err.contains("still holds a replica of shard 0"), "{err}");
+        let released = map.with_released("ps-2").unwrap().unwrap();
+        assert!(released.is_released("ps-2") && released.version() == map.version() + 1);
+        assert!(released.with_released("ps-2").unwrap().is_none());
+        assert_eq!(ShardMap::decode(&released.encode()).unwrap(), released);
+        let forgotten = released.without_released_gone(|p| p != "ps-2").unwrap();
+        assert!(forgotten.released().is_empty());
+        // Fewer wanted than replicas: shards go on with fewer replicas.
+        let mut map = ShardMap::initial(4, 2, &all[..2]).unwrap();
+        while let Some(next) = map.drain(&all[..1], |_, _| true).unwrap() {
+            map = next;
+        }
+        for s in 0..4 {
+            assert_eq!(map.replica_set(s), ["ps-0"]);
+        }
+    }
+
+    #[test]
     fn bad_bytes_are_errors_that_say_why() {
         let map = ShardMap::initial(3, 1, &ids(2)).unwrap();
         assert_eq!(ShardMap::decode(&map.encode()).unwrap(), map);
@@ -506,7 +728,7 @@ mod tests {
             (b"nope".to_vec(), "expected magic"),
             (b"OARS".to_vec(), "truncated"),
             (b"OARS\x07".to_vec(), "unsupported format 7"),
-            (b"OARS\x01\xff".to_vec(), "corrupt body"),
+            (b"OARS\x02\xff".to_vec(), "corrupt body"),
             (twice.encode(), "lists a twice"),
             (future.encode(), "shard 1's primary epoch 2 is not a version from 1 to the map's 1"),
         ] {

@@ -213,6 +213,7 @@ pub struct StoreSnapshot {
     optimizer: String,
     state_slots: usize,
     step: u64,
+    pushes: u64,
     blocks: Vec<(BlockId, Arc<BlockData>)>,
     /// Sorted by trainer, so the same state always gives the same bytes.
     last_seqs: Vec<(String, u64)>,
@@ -255,6 +256,12 @@ impl StoreSnapshot {
     /// The store's step when the snapshot was taken.
     pub fn step(&self) -> u64 {
         self.step
+    }
+
+    /// The pushes the store had applied when the snapshot was taken
+    /// ([`ParamStore::pushes`]).
+    pub fn pushes(&self) -> u64 {
+        self.pushes
     }
 
     /// Every held block with its parameters and optimizer state, in
@@ -312,6 +319,8 @@ pub struct ParamStore {
     /// In `BlockId` order.
     held: Vec<Held>,
     step: u64,
+    /// Pushes applied over the store's life (see [`ParamStore::pushes`]).
+    pushes: u64,
     members: BTreeSet<String>,
     /// Sync: trainers that joined while the step was underway; members from the next one.
     joining: BTreeSet<String>,
@@ -324,6 +333,10 @@ pub struct ParamStore {
     updated_count: usize,
     /// Sync: the seq of each trainer's push for the current step.
     step_seqs: HashMap<String, u64>,
+    /// Sync: each trainer's last seq before its push for the current step
+    /// (`None`: it had none), so a snapshot's dedup table stops at the last
+    /// completed step, as its parameters do.
+    step_prev_seqs: HashMap<String, Option<u64>>,
     /// Last accepted seq per trainer.
     last_seq: HashMap<String, u64>,
     /// The blocks taken so far of a trainer's last push, while some are missing.
@@ -406,12 +419,14 @@ impl ParamStore {
             fingerprint: placement.fingerprint(),
             held,
             step: 0,
+            pushes: 0,
             members: BTreeSet::new(),
             joining: BTreeSet::new(),
             pending: (0..blocks).map(|_| BTreeMap::new()).collect(),
             updated: vec![false; blocks],
             updated_count: 0,
             step_seqs: HashMap::new(),
+            step_prev_seqs: HashMap::new(),
             last_seq: HashMap::new(),
             partial: HashMap::new(),
             scratch: Vec::new(),
@@ -445,6 +460,20 @@ impl ParamStore {
         self.step
     }
 
+    /// Number of trainer pushes whose gradients the store applied, over
+    /// its whole life (across restores and replicas): async, the same as
+    /// [`step`](Self::step); sync, each completed step counts every push it
+    /// combined. What an exact "every acknowledged push applied once"
+    /// count compares with the pushes the trainers saw acknowledged.
+    pub fn pushes(&self) -> u64 {
+        self.pushes
+    }
+
+    /// Set the pushes applied (from a checkpoint or a snapshot).
+    pub fn set_pushes(&mut self, pushes: u64) {
+        self.pushes = pushes;
+    }
+
     /// Some trainer's push has come in part (some of its parts taken, not
     /// all): a graceful stop waits for it to complete, since a checkpoint
     /// taken now would hold half of it.
@@ -474,7 +503,17 @@ impl ParamStore {
         if self.step_underway() || self.push_in_parts_underway() {
             return Err(Error::CheckpointStepUnderway { step: self.step });
         }
-        let mut last_seqs: Vec<(String, u64)> = self.last_seq.iter().map(|(t, &s)| (t.clone(), s)).collect();
+        // Pushes buffered for the current sync step (no block updated yet)
+        // are not in the parameters: nor in the dedup table, or a replica
+        // or restore from this snapshot would call their retries duplicates.
+        let mut last_seqs: Vec<(String, u64)> = self
+            .last_seq
+            .iter()
+            .filter_map(|(t, &s)| match self.step_prev_seqs.get(t) {
+                None => Some((t.clone(), s)),
+                Some(prev) => prev.map(|p| (t.clone(), p)),
+            })
+            .collect();
         last_seqs.sort_unstable();
         Ok(StoreSnapshot {
             server: self.server,
@@ -482,6 +521,7 @@ impl ParamStore {
             optimizer: self.optimizer.name().to_string(),
             state_slots: self.optimizer.state_slots(),
             step: self.step,
+            pushes: self.pushes,
             blocks: self.held.iter().map(|h| (h.id, h.data.clone())).collect(),
             last_seqs,
             spares: self.spares.clone(),
@@ -573,6 +613,7 @@ impl ParamStore {
                 self.join(&trainer);
                 if self.take(&trainer, seq, grads.iter().map(|(i, _)| *i)) {
                     self.step += 1;
+                    self.pushes += 1;
                 }
                 Ok(PushOutcome::Applied { step: self.step })
             }
@@ -591,6 +632,7 @@ impl ParamStore {
                     return Err(Error::StepUnderway { trainer, step });
                 }
                 self.join(&trainer);
+                self.step_prev_seqs.entry(trainer.clone()).or_insert(last);
                 self.step_seqs.insert(trainer.clone(), seq);
                 self.take(&trainer, seq, grads.iter().map(|(i, _)| *i));
                 let blocks: Vec<usize> = grads.iter().map(|(i, _)| *i).collect();
@@ -649,6 +691,7 @@ impl ParamStore {
             let d = Self::block_mut(&mut self.held, &self.spares, *i);
             self.optimizer.apply(&mut d.params, g.floats(&mut scratch), &mut d.state);
         }
+        self.pushes += seqs.len() as u64;
         for (trainer, seq) in seqs {
             self.restore_last_seq(&trainer, seq);
         }
@@ -703,6 +746,7 @@ impl ParamStore {
         self.updated.iter_mut().for_each(|u| *u = false);
         self.updated_count = 0;
         self.step_seqs.clear();
+        self.step_prev_seqs.clear();
         self.members.append(&mut self.joining);
         if let Some(r) = &mut self.recording {
             r.current.clear();
@@ -859,9 +903,11 @@ impl ParamStore {
                 r.completed.push(CompletedStep { step: self.step, grads, seqs });
             }
             self.step += 1;
+            self.pushes += self.step_seqs.len() as u64;
             self.updated.iter_mut().for_each(|u| *u = false);
             self.updated_count = 0;
             self.step_seqs.clear();
+            self.step_prev_seqs.clear();
             self.members.append(&mut self.joining);
         }
         complete
@@ -1162,6 +1208,39 @@ mod tests {
         assert!(matches!(st.push(stale), Err(Error::StaleStep { got: 0, current: 1, .. })));
         let retry = push_for(&st, "t", 1, 0, 1.0, |_, _| 1.0);
         assert_eq!(st.push(retry).unwrap(), PushOutcome::Duplicate);
+    }
+
+    #[test]
+    fn a_snapshot_stops_at_the_last_completed_step_dedup_table_included() {
+        let pl = Placement::new(&specs(), 1, 100).unwrap();
+        let mut st = ParamStore::new(&pl, 0, 1, Box::new(Sgd { lr: 1.0 }), Mode::Sync).unwrap();
+        st.join("a");
+        st.join("b");
+        // Step 0 complete: a and b at seq 0; then a's push for step 1 waits for b.
+        st.push(push_for(&st, "a", 0, 0, 1.0, |_, _| 1.0)).unwrap();
+        st.push(push_for(&st, "b", 0, 0, 1.0, |_, _| 1.0)).unwrap();
+        assert_eq!((st.step(), st.pushes()), (1, 2));
+        let buffered = st.push(push_for(&st, "a", 1, 1, 1.0, |_, _| 1.0)).unwrap();
+        assert!(matches!(buffered, PushOutcome::Buffered { .. }), "{buffered:?}");
+        let snap = st.snapshot().unwrap();
+        assert_eq!(snap.last_seqs().collect::<Vec<_>>(), [("a", 0), ("b", 0)], "a's seq 1 is not in it");
+        assert_eq!((snap.step(), snap.pushes()), (1, 2));
+        // A replica from the snapshot takes a's retry: it was never applied there.
+        let mut replica = ParamStore::new(&pl, 0, 1, Box::new(Sgd { lr: 1.0 }), Mode::Sync).unwrap();
+        for (t, seq) in snap.last_seqs() {
+            replica.restore_last_seq(t, seq);
+        }
+        replica.set_step(snap.step());
+        replica.join("a");
+        replica.join("b");
+        let retried = replica.push(push_for(&replica, "a", 1, 1, 1.0, |_, _| 1.0)).unwrap();
+        assert!(matches!(retried, PushOutcome::Buffered { .. }), "{retried:?}");
+        // A step of one trainer that had pushed nothing before: not in the table at all.
+        let mut solo = ParamStore::new(&pl, 0, 1, Box::new(Sgd { lr: 1.0 }), Mode::Sync).unwrap();
+        solo.join("a");
+        solo.join("b");
+        solo.push(push_for(&solo, "a", 0, 0, 1.0, |_, _| 1.0)).unwrap();
+        assert_eq!(solo.snapshot().unwrap().last_seqs().count(), 0);
     }
 
     #[test]

@@ -142,7 +142,7 @@ async fn follow(
     }
 }
 
-async fn read(discovery: &dyn Discovery, keys: &PserverKeys) -> ServiceResult<Topology> {
+pub(crate) async fn read(discovery: &dyn Discovery, keys: &PserverKeys) -> ServiceResult<Topology> {
     let map = match discovery.get(&keys.shard_map).await? {
         None => None,
         Some(kv) => match ShardMap::decode(&kv.value) {

@@ -12,8 +12,9 @@ use common::{keys, Cluster};
 use oar_discovery::{Discovery, MemDiscovery};
 use oar_pserver::{
     protocol::{PsReply, PsRequest, ReplicaRole, UpdateKind, UpdateMeta, PSERVER_METHOD},
-    BlockId, CoordinatorOptions, Init, Mode, OptimizerConfig, ParamBuf, ParamSpec, Placement, Pserver,
-    PserverClient, PserverClientOptions, PserverOptions, PushResult, ShardMap,
+    set_pservers, BlockId, CoordinatorOptions, Init, Mode, OptimizerConfig, ParamBuf, ParamSpec, Placement,
+    Pserver, PserverClient, PserverClientOptions, PserverOptions, PushResult, ScaleOptions, ServiceError,
+    ShardMap,
 };
 use oar_transport::{call, MemNetwork, MemTransport, RemoteErrorKind, RetryPolicy, Transport};
 use std::{
@@ -159,6 +160,9 @@ async fn the_first_map_spreads_the_replicas_and_every_follower_holds_what_its_pr
 /// rejoins), counting the pushes acknowledged and the highest step seen.
 struct Pushers {
     acked: Arc<AtomicU64>,
+    /// Per shard, the pushes it acknowledged as taken (sync: a push stale
+    /// on one shard may be taken on another).
+    per_shard: Arc<std::sync::Mutex<Vec<u64>>>,
     seen_step: Arc<AtomicU64>,
     stop: Arc<std::sync::atomic::AtomicBool>,
     trainers: Vec<tokio::task::JoinHandle<()>>,
@@ -174,11 +178,13 @@ impl Pushers {
             env.discovery.put(&format!("{}t{t}", keys().members), Vec::new(), Some(lease)).await.unwrap();
         }
         let acked = Arc::new(AtomicU64::new(0));
+        let per_shard = Arc::new(std::sync::Mutex::new(vec![0; env.shards as usize]));
         let seen_step = Arc::new(AtomicU64::new(0));
         let stop = Arc::new(std::sync::atomic::AtomicBool::new(false));
         let mut trainers = Vec::new();
         for t in 0..2 {
             let (env, acked, seen_step, stop) = (env.clone(), acked.clone(), seen_step.clone(), stop.clone());
+            let per_shard = per_shard.clone();
             trainers.push(tokio::spawn(async move {
                 let mut client = env.client(&format!("t{t}"));
                 let mut grads = ParamBuf::zeros(&specs(len));
@@ -200,9 +206,13 @@ impl Pushers {
                 if mode == Mode::Sync {
                     client.leave().await.unwrap();
                 }
+                let mut per_shard = per_shard.lock().unwrap();
+                for (shard, count) in per_shard.iter_mut().enumerate() {
+                    *count += client.acknowledged(shard as u32);
+                }
             }));
         }
-        Pushers { acked, seen_step, stop, trainers }
+        Pushers { acked, per_shard, seen_step, stop, trainers }
     }
 
     /// Stop them, then check every shard of `pservers`: async, every
@@ -229,6 +239,9 @@ impl Pushers {
                 }
                 Mode::Sync => {
                     assert_eq!(value, -(step as f32), "shard {shard}: each step applied once");
+                    let pushes = primary.pushes(shard).unwrap();
+                    let acked = self.per_shard.lock().unwrap()[shard as usize];
+                    assert_eq!(pushes, acked, "shard {shard}: {acked} pushes acknowledged, {pushes} applied");
                     // The trainers read the steps off the first element.
                     if env.placement().blocks_on(shard).any(|b| b.offset == 0) {
                         let seen = self.seen_step.load(Ordering::SeqCst);
@@ -387,6 +400,7 @@ async fn a_pserver_joins_and_gets_its_share(mode: Mode, replicas: u32, pservers:
     let before = env.cluster.wait_serving(&running.iter().collect::<Vec<_>>()).await;
     let pushers = Pushers::start(&env).await;
     tokio::time::sleep(Duration::from_millis(100)).await;
+    set_pservers(&*env.discovery, &keys(), pservers + 1, ScaleOptions::default()).await.unwrap();
     let newcomer = env.pserver().await;
     let name = newcomer.name().to_string();
     running.push(newcomer);
@@ -423,6 +437,125 @@ async fn async_two_replicas_a_pserver_joins_and_gets_its_share() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn sync_one_replica_a_pserver_joins_and_gets_its_share() {
     a_pserver_joins_and_gets_its_share(Mode::Sync, 1, 2).await;
+}
+
+/// Wait (up to 30 s) until the map keeps exactly `kept`, each shard has
+/// `min(R, kept)` replicas, each pserver holds its share (±1) and all
+/// serve their roles. The map then.
+async fn wait_balanced(env: &Env, kept: &[&Pserver], replicas: u32) -> ShardMap {
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(30);
+    loop {
+        let map = env.cluster.wait_serving(kept).await;
+        let per_shard = (replicas as usize).min(kept.len());
+        let loads: Vec<usize> = kept.iter().map(|p| map.shards_of(p.name()).len()).collect();
+        let (low, high) = (loads.iter().min().copied(), loads.iter().max().copied());
+        let settled = (0..map.shard_count()).all(|s| map.replica_set(s).len() == per_shard)
+            && map.pservers().len() == kept.len()
+            && high <= low.map(|l| l + 1);
+        if settled {
+            return map;
+        }
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "never balanced over {} pservers:\n{map}",
+            kept.len()
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
+/// Wait (up to 30 s) until `ps` was released.
+async fn wait_released(ps: &Pserver) {
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(30);
+    while !ps.released() {
+        assert!(tokio::time::Instant::now() < deadline, "{} was never released", ps.name());
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    assert!(ps.replicas().is_empty(), "{} was released holding {:?}", ps.name(), ps.replicas());
+}
+
+/// A job scales 2 -> 3 -> 1 pservers while trainers push without pause:
+/// the scale-out moves no more than a third of the state plus one shard,
+/// all to the newcomer; the scale-in drains two pservers and releases them;
+/// every acknowledged push is applied exactly once (async) or every step
+/// once (sync), on every replica. Bad scale requests change nothing. A
+/// pserver that registers beyond the wanted count is released at once.
+async fn scale_out_then_in(mode: Mode, replicas: u32) {
+    let (shards, len) = (8u32, 256usize);
+    let env = Arc::new(Env::with(shards, replicas, 2, len, mode, true).await);
+    let mut running = vec![env.pserver().await, env.pserver().await];
+    wait_balanced(&env, &running.iter().collect::<Vec<_>>(), replicas).await;
+    let pushers = Pushers::start(&env).await;
+    tokio::time::sleep(Duration::from_millis(100)).await;
+
+    let ps_keys = keys();
+    let scale = |count| set_pservers(&*env.discovery, &ps_keys, count, ScaleOptions::default());
+    for (count, why) in [(0, "at least one pserver, not 0"), (9, "9 pservers for 8 shards")] {
+        let err = scale(count).await.unwrap_err();
+        assert!(matches!(err, ServiceError::Scale(_)) && err.to_string().contains(why), "{err}");
+    }
+    let scaled = scale(3).await.unwrap();
+    assert_eq!((scaled.from, scaled.to), (2, 3));
+    // Refused while the scale-out is under way (its pserver not there yet).
+    let err = scale(2).await.unwrap_err().to_string();
+    assert!(err.contains("a move is in flight") && err.contains("wants 3 pservers and 2 hold"), "{err}");
+
+    // Out: the newcomer takes its share, and only that moves.
+    let before: u64 = running.iter().map(Pserver::catch_up_bytes).sum();
+    running.push(env.pserver().await);
+    let map = wait_balanced(&env, &running.iter().collect::<Vec<_>>(), replicas).await;
+    let moved: u64 = running.iter().map(Pserver::catch_up_bytes).sum::<u64>() - before;
+    let replica_bytes = |s: u32| env.placement().blocks_on(s).map(|b| b.len as u64 * 4).sum::<u64>();
+    let state: u64 = (0..shards).map(replica_bytes).sum::<u64>() * replicas as u64;
+    let largest = (0..shards).map(replica_bytes).max().unwrap();
+    assert_eq!(moved, running[2].catch_up_bytes(), "only the newcomer received shards");
+    assert!(
+        moved > 0 && moved <= state / 3 + largest,
+        "moved {moved} bytes of {state} (one shard: {largest})"
+    );
+    eprintln!("scale-out to 3 moved {moved} of {state} bytes\n{map}");
+
+    // In: two are drained and released; the job goes on with one.
+    scale(1).await.unwrap();
+    let kept = map.wanted(&running.iter().map(|p| p.name().to_string()).collect::<Vec<_>>(), 1);
+    let (keep, drained): (Vec<Pserver>, Vec<Pserver>) =
+        running.into_iter().partition(|p| kept.contains(&p.name().to_string()));
+    for ps in &drained {
+        wait_released(ps).await;
+    }
+    for ps in drained {
+        ps.shutdown().await.unwrap();
+    }
+    wait_balanced(&env, &keep.iter().collect::<Vec<_>>(), replicas).await;
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
+    // Released pservers that left are forgotten.
+    while !env.cluster.map().await.unwrap().released().is_empty() {
+        assert!(tokio::time::Instant::now() < deadline, "released pservers never forgotten");
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+
+    // One more, beyond the wanted count: released at once, given nothing.
+    let extra = env.pserver().await;
+    wait_released(&extra).await;
+    extra.shutdown().await.unwrap();
+
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    pushers.stop_and_check(&env, &keep).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn async_one_replica_scales_out_and_in_without_losing_a_push() {
+    scale_out_then_in(Mode::Async, 1).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn async_two_replicas_scale_out_and_in_without_losing_a_push() {
+    scale_out_then_in(Mode::Async, 2).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sync_two_replicas_scale_out_and_in_without_losing_a_step() {
+    scale_out_then_in(Mode::Sync, 2).await;
 }
 
 /// A replication call to `ps`, answered.

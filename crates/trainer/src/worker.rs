@@ -181,6 +181,10 @@ pub struct TrainerReport {
     pub skipped_lines: u64,
     /// The trainer stopped at its stop signal, before the job ended.
     pub shut_down: bool,
+    /// Per shard, the pushes it acknowledged as taken
+    /// ([`PserverClient::acknowledged`]): sync, a push stale on one shard
+    /// may have been taken on another.
+    pub shard_pushes: std::collections::BTreeMap<u32, u64>,
 }
 
 /// Train on tasks from `master` against `pservers` until the master says
@@ -246,6 +250,7 @@ pub async fn run_trainer(
         let leave = async { state.pservers.lock().await.leave().await };
         let _ = tokio::time::timeout(Duration::from_secs(5), leave).await;
     }
+    state.report.shard_pushes = state.pservers.lock().await.acknowledged_by_shard();
     result.map(|()| state.report)
 }
 

@@ -17,6 +17,10 @@ pub struct PserverReport {
     /// The shards it was primary of at the end, with their steps (updates
     /// applied, including those before a failover or a restore).
     pub primaries: std::collections::BTreeMap<u32, u64>,
+    /// For each of those shards, the trainer pushes it applied over its
+    /// life (async: its step; sync: every push each step combined): the
+    /// exact count of acknowledged pushes the tests compare with.
+    pub pushes: std::collections::BTreeMap<u32, u64>,
     /// For each of those shards that applied anything, each trainer's last
     /// push seq there: in async mode trainer `t` had `seq + 1` pushes
     /// applied to the shard, each once (see [`oar_pserver::PrimaryAtStop`]),
@@ -24,6 +28,9 @@ pub struct PserverReport {
     pub trainer_seqs: std::collections::BTreeMap<u32, std::collections::BTreeMap<String, u64>>,
     /// It stopped at the shutdown signal, not at the job's end.
     pub shut_down: bool,
+    /// The job released it: drained of its replicas after a scale-in, or
+    /// beyond the pservers the job wants (`ps_desired`) when it registered.
+    pub released: bool,
 }
 
 /// Run a pserver of the job: read the job's options, register, serve what
@@ -48,8 +55,10 @@ async fn run_pserver(
     let stopped_early = PserverReport {
         name: None,
         primaries: Default::default(),
+        pushes: Default::default(),
         trainer_seqs: Default::default(),
         shut_down: true,
+        released: false,
     };
     let config = read_config(&*ctx.discovery, &ctx.job, options.startup_timeout);
     let Some(config) = unless_shut_down(&shutdown, config).await else { return Ok(stopped_early) };
@@ -77,18 +86,22 @@ async fn run_pserver(
     let server = server?;
     let name = server.name().to_string();
     let mut changed = ChangeSignal::new(&*ctx.discovery, &keys.result()).await;
-    let shut_down = loop {
+    let (shut_down, released) = loop {
+        if server.released() {
+            tracing::info!(name, "released by the job: it holds nothing and the job wants fewer pservers");
+            break (false, true);
+        }
         if let Some(why) = server.stopped() {
             return Err(Error::Stopped(format!("pserver {name}: {why}")));
         }
         if shutdown.is_cancelled() {
             tracing::info!(name, "shut down: last checkpoints, then the registration is released");
-            break true;
+            break (true, false);
         }
         match read_result(&*ctx.discovery, &ctx.job).await {
             Ok(Some(report)) => {
                 tracing::info!(name, state = ?report.state, "the job ended");
-                break false;
+                break (false, false);
             }
             Ok(None) => {}
             // Discovery away: the lease watch decides whether to stop.
@@ -101,9 +114,10 @@ async fn run_pserver(
     };
     let held = server.shutdown().await?;
     let primaries = held.iter().map(|(&shard, at)| (shard, at.step)).collect();
+    let pushes = held.iter().map(|(&shard, at)| (shard, at.pushes)).collect();
     let trainer_seqs =
         held.into_iter().filter(|(_, at)| at.step > 0).map(|(shard, at)| (shard, at.last_seqs)).collect();
-    Ok(PserverReport { name: Some(name), primaries, trainer_seqs, shut_down })
+    Ok(PserverReport { name: Some(name), primaries, pushes, trainer_seqs, shut_down, released })
 }
 
 /// How often a pserver looks whether the job ended, at the longest (a

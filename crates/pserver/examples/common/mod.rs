@@ -43,6 +43,7 @@ mod service {
             checkpoints: "/bench/shard_checkpoint/".into(),
             cluster_status: "/bench/pserver_cluster_status".into(),
             members: "/bench/trainer/".into(),
+            desired: "/bench/ps_desired".into(),
         }
     }
 

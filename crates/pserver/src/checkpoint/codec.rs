@@ -19,6 +19,8 @@ pub const FORMAT_VERSION: u32 = 1;
 
 /// Header bytes before the optimizer name.
 const FIXED_HEADER: u64 = 60;
+/// Header bytes after the optimizer name: the pushes applied.
+const HEADER_EXTENSION: u64 = 8;
 /// param + block + len + optimizer step.
 const BLOCK_HEAD: u64 = 24;
 /// trainer id length + seq: the smallest last-seq entry.
@@ -45,7 +47,7 @@ impl<'a> Encoder<'a> {
         let too_big = |what: String| Error::Config(format!("cannot checkpoint: {what}"));
         let name_len = u32::try_from(name.len())
             .map_err(|_| too_big(format!("optimizer name of {} bytes is too long", name.len())))?;
-        let header_len = u32::try_from(FIXED_HEADER + u64::from(name_len))
+        let header_len = u32::try_from(FIXED_HEADER + u64::from(name_len) + HEADER_EXTENSION)
             .map_err(|_| too_big(format!("optimizer name of {} bytes is too long", name.len())))?;
         let slots = u32::try_from(snapshot.state_slots())
             .map_err(|_| too_big(format!("{} optimizer state slots", snapshot.state_slots())))?;
@@ -76,6 +78,7 @@ impl<'a> Encoder<'a> {
         w.u64(snap.blocks().len() as u64)?;
         w.u32(self.name_len)?;
         w.put(snap.optimizer().as_bytes())?;
+        w.u64(snap.pushes())?;
         for (id, params, state) in snap.blocks() {
             w.u32(id.param)?;
             w.u32(id.block)?;
@@ -193,6 +196,7 @@ struct Header {
     fingerprint: u64,
     server: u32,
     step: u64,
+    pushes: u64,
     unix_time_ms: u64,
     slots: u64,
     blocks: u64,
@@ -391,8 +395,14 @@ fn read_header<R: Read>(r: &mut Body<R>) -> Check<Header> {
         )));
     }
     let optimizer = r.string(name_len, "optimizer name")?;
-    r.skip(header_len - FIXED_HEADER - name_len, "header extension")?;
-    Ok(Header { fingerprint, server, step, unix_time_ms, slots, blocks, optimizer })
+    let mut extension = header_len - FIXED_HEADER - name_len;
+    let mut pushes = 0;
+    if extension >= HEADER_EXTENSION {
+        pushes = r.u64("pushes applied")?;
+        extension -= HEADER_EXTENSION;
+    }
+    r.skip(extension, "header extension")?;
+    Ok(Header { fingerprint, server, step, pushes, unix_time_ms, slots, blocks, optimizer })
 }
 
 /// Read a whole checkpoint through `r` (from its start to its end),
@@ -514,6 +524,7 @@ pub(super) fn load<R: Read + Seek>(r: &mut R, store: &mut ParamStore) -> Check<L
         )));
     }
     store.set_step(second.header.step);
+    store.set_pushes(second.header.pushes);
     for (trainer, seq) in &second.seqs {
         store.restore_last_seq(trainer, *seq);
     }

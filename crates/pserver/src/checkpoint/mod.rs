@@ -42,6 +42,7 @@
 //! | 4 | optimizer state slots per element (`u32`) |
 //! | 8 | number of blocks (`u64`) |
 //! | 4 + n | optimizer name: length (`u32`) and UTF-8 bytes |
+//! | 8 | pushes applied (`u64`, [`ParamStore::pushes`](crate::ParamStore::pushes)); a file without it reads as 0 |
 //! | | *(a later version may add header fields here; the header length skips them)* |
 //! | per block | param (`u32`), block (`u32`), len (`u64`), optimizer step (`u64`), `len` parameters, `slots * len` state values |
 //! | 8 | number of last-seq entries (`u64`), then per entry: trainer id length (`u32`), UTF-8 bytes, last seq (`u64`) |
@@ -173,14 +174,15 @@ mod tests {
         let (_t, _d, _p, b) = saved();
         assert_eq!(&b[..8], &MAGIC);
         assert_eq!(u32::from_le_bytes(b[8..12].try_into().unwrap()), FORMAT_VERSION);
-        assert_eq!(u32::from_le_bytes(b[12..16].try_into().unwrap()), 64, "60 + \"adam\"");
+        assert_eq!(u32::from_le_bytes(b[12..16].try_into().unwrap()), 72, "60 + \"adam\" + pushes");
         assert_eq!(u64::from_le_bytes(b[16..24].try_into().unwrap()), trained().fingerprint());
         assert_eq!(u64::from_le_bytes(b[28..36].try_into().unwrap()), 1, "step");
         assert_eq!(u32::from_le_bytes(b[44..48].try_into().unwrap()), 2, "Adam slots");
         assert_eq!(u64::from_le_bytes(b[48..56].try_into().unwrap()), 4, "blocks 5+5+2+3");
         assert_eq!(&b[60..64], b"adam");
-        // 64 header + 4 * 24 block heads + 15 * 3 floats + 8 + (4 + 1 + 8) seq + 4 CRC.
-        assert_eq!(b.len(), 64 + 4 * 24 + 15 * 3 * 4 + 8 + 13 + 4);
+        assert_eq!(u64::from_le_bytes(b[64..72].try_into().unwrap()), 1, "pushes applied");
+        // 72 header + 4 * 24 block heads + 15 * 3 floats + 8 + (4 + 1 + 8) seq + 4 CRC.
+        assert_eq!(b.len(), 72 + 4 * 24 + 15 * 3 * 4 + 8 + 13 + 4);
         let n = b.len() - 4;
         assert_eq!(u32::from_le_bytes(b[n..].try_into().unwrap()), crc32fast::hash(&b[..n]));
     }
@@ -216,9 +218,9 @@ mod tests {
         assert!(err.contains("header extension"), "{err}");
         // An optimizer name longer than the header.
         let mut b = good.clone();
-        b[56..60].copy_from_slice(&5u32.to_le_bytes());
+        b[56..60].copy_from_slice(&13u32.to_le_bytes());
         let err = load_err(&path, with_crc(b)).to_string();
-        assert!(err.contains("does not fit in the 64-byte header"), "{err}");
+        assert!(err.contains("does not fit in the 72-byte header"), "{err}");
         // A block count of 2^60 is a mismatch with the store, reported as such
         // once the CRC checked out.
         let mut b = good.clone();
@@ -230,7 +232,7 @@ mod tests {
         );
         // A block length of 2^40 likewise, without reading 4 TiB.
         let mut b = good;
-        b[64 + 8..64 + 16].copy_from_slice(&(1u64 << 40).to_le_bytes());
+        b[72 + 8..72 + 16].copy_from_slice(&(1u64 << 40).to_le_bytes());
         let err = load_err(&path, with_crc(b));
         assert!(
             matches!(&err, Error::CheckpointMismatch { reason, .. } if reason.contains("1099511627776 values")),
@@ -242,7 +244,7 @@ mod tests {
     fn non_finite_values_are_refused_even_with_a_good_crc() {
         let (_t, _d, path, mut b) = saved();
         // Second parameter of block 0.0.
-        b[64 + 24 + 4..64 + 24 + 8].copy_from_slice(&f32::NAN.to_le_bytes());
+        b[72 + 24 + 4..72 + 24 + 8].copy_from_slice(&f32::NAN.to_le_bytes());
         let err = load_err(&path, with_crc(b));
         assert!(
             matches!(&err, Error::CorruptCheckpoint { reason, .. } if reason.contains("block 0.0 parameters") && reason.contains("index 1")),

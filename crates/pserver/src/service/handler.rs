@@ -182,10 +182,12 @@ impl PsHandler {
                 Err(Error::StepUnderway { step, .. }) => PsReply::Stale { current: step },
                 Err(e) => return Err(RemoteError::bad_request(e)),
             };
-            // Sync with followers: a push buffered in a step is acknowledged
-            // once the step is complete and replicated, so that a new
-            // primary has it (a retry of it is then a duplicate there).
-            let waits_in_step = (replicated && store.waits_in_step(&pusher, seq)).then(|| store.step());
+            // Sync: a push buffered in a step is acknowledged once the step
+            // is complete (and replicated), so that whoever serves the shard
+            // next has it (a retry of it is then a duplicate there); until
+            // then a primary that goes (it died, or the shard moved) takes
+            // it along unacknowledged, and the trainer pushes it again.
+            let waits_in_step = store.waits_in_step(&pusher, seq).then(|| store.step());
             self.shared.publish(&slot, &state);
             (reply, wait, waits_in_step)
         };

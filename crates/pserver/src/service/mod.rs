@@ -56,7 +56,7 @@ use std::{
     panic::AssertUnwindSafe,
     path::PathBuf,
     sync::{
-        atomic::{AtomicBool, Ordering},
+        atomic::{AtomicBool, AtomicU64, Ordering},
         Arc, Mutex, MutexGuard, PoisonError, RwLock,
     },
     time::Duration,
@@ -85,6 +85,7 @@ struct Metrics {
     step: oar_metrics::Family<Vec<(String, String)>, oar_metrics::Gauge>,
     checkpoint: oar_metrics::Histogram,
     checkpoint_time: oar_metrics::Gauge<f64, std::sync::atomic::AtomicU64>,
+    catch_up_bytes: oar_metrics::Counter,
 }
 
 fn metrics() -> &'static Metrics {
@@ -102,6 +103,7 @@ fn metrics() -> &'static Metrics {
             step: Default::default(),
             checkpoint: oar_metrics::seconds_histogram(),
             checkpoint_time: Default::default(),
+            catch_up_bytes: Default::default(),
         };
         use oar_metrics::register as r;
         r("oar_ps_pushes", "Gradient pushes taken.", m.pushes.clone());
@@ -114,6 +116,11 @@ fn metrics() -> &'static Metrics {
             "oar_ps_replication_wait_seconds",
             "Time an answer waited for the followers to hold what it depends on.",
             m.replication_wait.clone(),
+        );
+        r(
+            "oar_ps_catch_up_bytes",
+            "Bytes of shard snapshots received while catching up (what moving replicas here cost).",
+            m.catch_up_bytes.clone(),
         );
         r("oar_ps_forwarded_updates", "Updates forwarded to followers.", m.forwarded.clone());
         r(
@@ -178,6 +185,12 @@ pub struct PserverKeys {
     /// Prefix under which trainers register (`<members><id>`, under their
     /// leases): a trainer whose key goes leaves the sync barrier.
     pub members: String,
+    /// How many pservers the job wants (a decimal number), changed by
+    /// [`set_pservers`](crate::set_pservers); the coordinator drains the
+    /// others (empty: the coordinator's [`pservers`] option decides).
+    ///
+    /// [`pservers`]: crate::CoordinatorOptions::pservers
+    pub desired: String,
 }
 
 impl PserverKeys {
@@ -361,6 +374,11 @@ struct Shared {
     lease_id: LeaseId,
     /// Set when a graceful shutdown begins: from then on requests are refused.
     draining: AtomicBool,
+    /// Bytes of shard snapshots received while catching up.
+    catch_up_bytes: AtomicU64,
+    /// Set when the shard map released this pserver (drained of every
+    /// replica, not wanted by the job).
+    released: AtomicBool,
     /// Held while a checkpoint file is written.
     saving: Mutex<()>,
 }
@@ -603,6 +621,8 @@ impl Pserver {
             lease: session.guard(),
             lease_id: session.lease(),
             draining: AtomicBool::new(false),
+            released: AtomicBool::new(false),
+            catch_up_bytes: AtomicU64::new(0),
             saving: Mutex::new(()),
             options,
         });
@@ -661,11 +681,21 @@ impl Pserver {
     /// The step of shard `shard`'s store, if it holds one (read even from a
     /// store that a panic stopped).
     pub fn step(&self, shard: u32) -> Option<u64> {
+        self.with_store(shard, ParamStore::step)
+    }
+
+    /// The pushes shard `shard`'s replica here has applied over the
+    /// shard's life ([`ParamStore::pushes`]), if it holds one that serves.
+    pub fn pushes(&self, shard: u32) -> Option<u64> {
+        self.with_store(shard, ParamStore::pushes)
+    }
+
+    fn with_store<T>(&self, shard: u32, f: impl FnOnce(&ParamStore) -> T) -> Option<T> {
         let slot = self.shared.slot(shard)?;
         let state = slot.state.lock().unwrap_or_else(PoisonError::into_inner);
         match &*state {
-            SlotState::Primary { store, .. } => Some(store.step()),
-            SlotState::Follower { follower, .. } => Some(follower.store().step()),
+            SlotState::Primary { store, .. } => Some(f(store)),
+            SlotState::Follower { follower, .. } => Some(f(follower.store())),
             _ => None,
         }
     }
@@ -684,8 +714,22 @@ impl Pserver {
         store.block(id).ok().map(<[f32]>::to_vec)
     }
 
-    /// Why the pserver stopped serving, if it did: its lease was lost, or a
-    /// panic while updating a store.
+    /// Bytes of shard snapshots this pserver received while catching up
+    /// (parameters and optimizer state of the replicas moved or copied to
+    /// it), since it started.
+    pub fn catch_up_bytes(&self) -> u64 {
+        self.shared.catch_up_bytes.load(Ordering::Relaxed)
+    }
+
+    /// Whether the shard map released this pserver: it held nothing and
+    /// the job wants fewer pservers ([`crate::set_pservers`]). It stopped
+    /// serving; [`shutdown`](Self::shutdown) it to leave.
+    pub fn released(&self) -> bool {
+        self.shared.released.load(Ordering::SeqCst)
+    }
+
+    /// Why the pserver stopped serving, if it did: its lease was lost, a
+    /// panic while updating a store, or it was [released](Self::released).
     pub fn stopped(&self) -> Option<String> {
         self.shared.stopped.borrow().clone()
     }
@@ -742,6 +786,7 @@ impl Pserver {
                     slot.shard,
                     PrimaryAtStop {
                         step: store.step(),
+                        pushes: store.pushes(),
                         last_seqs: store.last_seqs().map(|(t, s)| (t.to_string(), s)).collect(),
                     },
                 )),
@@ -780,6 +825,9 @@ pub struct PrimaryAtStop {
     /// The shard's step: updates applied (async: pushes; sync: steps),
     /// including those before a failover or a restore.
     pub step: u64,
+    /// The trainer pushes the shard applied ([`ParamStore::pushes`]),
+    /// including those before a failover, a move or a restore.
+    pub pushes: u64,
     /// Each trainer's last push seq the shard took. A client numbers its
     /// pushes to a shard from 0, one at a time, so in async mode trainer
     /// `t` had `seq + 1` pushes applied there, each once.
@@ -842,6 +890,11 @@ async fn reconcile(shared: &Arc<Shared>, map: Arc<ShardMap>) {
         }
     }
     shared.map.send_replace(Some(map.clone()));
+    if map.is_released(&me) {
+        shared.released.store(true, Ordering::SeqCst);
+        shared.halt(format!("released by shard map version {version}: the job wants fewer pservers"), true);
+        return;
+    }
     let mut restore = Vec::new();
     for (shard, role) in map.shards_of(&me) {
         let slot = {

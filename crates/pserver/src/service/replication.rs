@@ -322,6 +322,8 @@ async fn catch_up(
     for part in 0..parts {
         let request = PsRequest::SnapshotPart { shard, follower: shared.name.clone(), upto, part };
         let (reply, payload) = call(shared, primary, &request, &[]).await?;
+        shared.catch_up_bytes.fetch_add(payload.len() as u64, std::sync::atomic::Ordering::Relaxed);
+        super::metrics().catch_up_bytes.inc_by(payload.len() as u64);
         let part = decode_part(&shared.placement, shard, version, upto, state_slots, reply, payload)?;
         let mut state = slot.state.lock().unwrap_or_else(PoisonError::into_inner);
         let SlotState::CatchingUp { catch_up } = &mut *state else {
@@ -519,6 +521,7 @@ pub(super) fn encode_part(snapshot: &StoreSnapshot, range: Range<usize>) -> (PsR
     }
     let reply = PsReply::SnapshotPart {
         step: snapshot.step(),
+        pushes: snapshot.pushes(),
         blocks: blocks.iter().map(|(id, _, state)| (*id, state.step)).collect(),
         last_seqs: snapshot.last_seqs().map(|(t, s)| (t.to_string(), s)).collect(),
     };
@@ -535,7 +538,7 @@ fn decode_part(
     reply: PsReply,
     payload: Bytes,
 ) -> ServiceResult<SnapshotPart> {
-    let PsReply::SnapshotPart { step, blocks, last_seqs } = reply else {
+    let PsReply::SnapshotPart { step, pushes, blocks, last_seqs } = reply else {
         return Err(ServiceError::Protocol(format!("a snapshot part answered with {reply:?}")));
     };
     let mut at = 0usize;
@@ -565,5 +568,5 @@ fn decode_part(
             payload.len() - at
         )));
     }
-    Ok(SnapshotPart { shard, map_version, upto, step, blocks: out, last_seqs })
+    Ok(SnapshotPart { shard, map_version, upto, step, pushes, blocks: out, last_seqs })
 }

@@ -17,6 +17,7 @@ pub fn keys() -> PserverKeys {
         checkpoints: "/ps-test/shard_checkpoint/".into(),
         cluster_status: "/ps-test/pserver_cluster_status".into(),
         members: "/ps-test/trainer/".into(),
+        desired: "/ps-test/ps_desired".into(),
     }
 }
 
