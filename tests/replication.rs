@@ -161,8 +161,8 @@ fn a_deposed_primary_acknowledges_nothing_after_its_pause() {
     job.finish_and_count();
 }
 
-/// With `--rebalance`, a pserver started mid-job takes its share of the
-/// shards over (S·R/P of them, one at a time: a replica added on it catches
+/// A pserver started mid-job after `status --set-pservers P+1` takes its
+/// share of the shards over (S·R/P of them, one at a time: a replica added on it catches
 /// up, the primary switches if it must, the old replica goes), while the
 /// trainers push; no acknowledged push is lost or applied twice. (The
 /// first piece of elastic jobs: nothing moves but the newcomer's share.)
@@ -173,6 +173,7 @@ fn a_pserver_started_mid_job_takes_its_share_and_no_push_is_lost() {
         let pservers = replicas + 1;
         let mut job = Job::start_with(&name, mode, replicas, pservers, 2, &[], &[]);
         std::thread::sleep(Duration::from_millis(300));
+        job.scale(pservers + 1).expect("scale out");
         job.add_pserver();
         let newcomer = format!("{}.", job.pservers[job.pservers.len() - 1].name);
         // 8 shards: the newcomer's share is 8·R/(R+2), rounded down.

@@ -28,9 +28,10 @@
 //!   pserver (a new replica catches up, the primary switches if needed,
 //!   the old replica goes), and a pserver left holding nothing is
 //!   **released** ([`ShardMap::with_released`]): it stops serving and
-//!   leaves. A pserver that registers beyond the wanted count is released
-//!   at once: the job has no use for it. Restores and new followers go
-//!   only to kept pservers.
+//!   leaves. A pserver that registers beyond the wanted count and was never
+//!   given a replica **stands by**: it holds nothing until a kept pserver
+//!   dies or the count rises, when it is kept in its place (the status
+//!   lists it). Restores and new followers go only to kept pservers.
 //! - **Balance.** With [`CoordinatorOptions::rebalance`] (the default), it
 //!   also moves replicas from the most loaded kept pservers to the least
 //!   ([`ShardMap::rebalance`]), so a pserver that joins gets its share:
@@ -214,7 +215,9 @@ impl Coordinator {
         let replicas_signal = ChangeSignal::new(&*discovery, &options.keys.replicas).await;
         let desired_signal = ChangeSignal::new(&*discovery, &options.keys.desired).await;
         let desired = Desired { count: options.pservers, problem: None };
-        let run = Run { discovery, transport, fence, options, topology, status: String::new(), desired };
+        let held = Default::default();
+        let run =
+            Run { discovery, transport, fence, options, topology, status: String::new(), desired, held };
         let task = tokio::spawn(run.run(replicas_signal, desired_signal));
         Ok(Coordinator { task: AbortOnDropHandle::new(task) })
     }
@@ -240,6 +243,9 @@ struct Run {
     status: String,
     /// How many pservers the job wants, as last read.
     desired: Desired,
+    /// Every pserver a map it saw gave a replica: one of them left holding
+    /// nothing was drained, and is released; one never given any stands by.
+    held: std::collections::HashSet<String>,
 }
 
 /// The job's wanted pserver count, and what was wrong with the last value
@@ -333,7 +339,8 @@ impl Run {
     }
 
     /// Failovers, restores and new followers the current map needs.
-    async fn maintain(&self, topology: &Topology, map: &ShardMap) -> ServiceResult<Option<ShardMap>> {
+    async fn maintain(&mut self, topology: &Topology, map: &ShardMap) -> ServiceResult<Option<ShardMap>> {
+        self.held.extend(map.pservers().into_iter().map(str::to_string));
         let mut next = map.clone();
         for gone in map.pservers() {
             if topology.addrs.contains_key(gone) {
@@ -387,11 +394,12 @@ impl Run {
                 next = moved;
             }
         }
-        // Release the pservers not wanted that hold nothing (drained, or
-        // beyond the wanted count from the start); forget released ones
-        // that left.
+        // Release the drained pservers (not wanted, held replicas, hold
+        // none now); forget released ones that left.
         if next == *map {
-            for p in live.iter().filter(|p| !wanted.contains(p) && map.shards_of(p).is_empty()) {
+            let drained =
+                |p: &&String| !wanted.contains(p) && self.held.contains(*p) && map.shards_of(p).is_empty();
+            for p in live.iter().filter(drained) {
                 if let Some(released) = next.with_released(p)? {
                     tracing::info!(pserver = %p, wanted = self.desired.count, "pserver released: the job does not need it");
                     next = released;
@@ -557,6 +565,11 @@ impl Run {
                 if !draining.is_empty() {
                     reasons.push(format!("draining {}", draining.join(", ")));
                 }
+                let standby: Vec<&String> = live
+                    .iter()
+                    .filter(|p| !wanted.contains(p) && !map.is_released(p) && map.shards_of(p).is_empty())
+                    .filter(|p| !self.held.contains(*p))
+                    .collect();
                 let holding = map.pservers().len();
                 let can_hold = self.desired.count.min(map.shard_count() * map.replicas());
                 if (holding as u32) < can_hold {
@@ -575,6 +588,7 @@ impl Run {
                     "map_version": map.version(),
                     "desired": self.desired.count,
                     "draining": draining,
+                    "standby": standby,
                     "released": map.released(),
                 })
             }

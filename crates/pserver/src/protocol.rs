@@ -349,6 +349,8 @@ pub enum PsReply {
         step: u64,
         /// The pushes the store had applied.
         pushes: u64,
+        /// Sync: the barrier's members.
+        members: Vec<String>,
         /// The part's blocks with their optimizer state's step, in payload order.
         blocks: Vec<(BlockId, u64)>,
         /// The deduplication table (trainer, last seq).

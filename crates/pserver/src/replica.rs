@@ -286,6 +286,8 @@ pub struct SnapshotPart {
     pub step: u64,
     /// The pushes the store had applied ([`crate::ParamStore::pushes`]).
     pub pushes: u64,
+    /// Sync: the barrier's members ([`crate::StoreSnapshot::members`]).
+    pub members: Vec<String>,
     /// Some of the shard's blocks: parameters and optimizer state.
     pub blocks: Vec<(BlockId, Vec<f32>, OptimizerState)>,
     /// The deduplication table (trainer, last seq): every part carries it.
@@ -308,6 +310,7 @@ pub fn snapshot_parts(
         upto,
         step: snapshot.step(),
         pushes: snapshot.pushes(),
+        members: snapshot.members().to_vec(),
         blocks,
         last_seqs: last_seqs.clone(),
     };
@@ -392,7 +395,7 @@ impl CatchUp {
     /// fit: the shard, the snapshot (`upto`, map version, step), a block
     /// this store does not hold or of the wrong length.
     pub fn part(&mut self, part: SnapshotPart) -> Result<()> {
-        let SnapshotPart { shard, map_version, upto, step, pushes, blocks, last_seqs } = part;
+        let SnapshotPart { shard, map_version, upto, step, pushes, members, blocks, last_seqs } = part;
         if shard != self.shard || upto != self.upto || map_version != self.snapshot_map {
             return Err(Error::Replication(format!(
                 "a snapshot part of shard {shard} at update {upto} (map {map_version}) does not belong to \
@@ -433,6 +436,9 @@ impl CatchUp {
         if self.step.is_none() {
             self.store.set_step(step);
             self.store.set_pushes(pushes);
+            for member in &members {
+                self.store.join(member);
+            }
             self.step = Some(step);
         }
         Ok(())
@@ -669,7 +675,6 @@ impl Links {
     /// from epoch `epoch`. Errors if it is not a follower of this shard.
     pub fn sync(&mut self, follower: &str, epoch: u64, applied: u64) -> Result<SyncFrom> {
         let resume = self.can_resume(follower, epoch, applied);
-        let seq = self.seq;
         let link = self.links.get_mut(follower).ok_or_else(|| {
             Error::Replication(format!(
                 "{follower} is not a follower of shard {} in this primary's map",
@@ -684,6 +689,23 @@ impl Links {
             link.synced = true;
             return Ok(SyncFrom::Resume { applied });
         }
+        self.sync_from_snapshot(follower)
+    }
+
+    /// `follower` syncs from a snapshot taken now, even if it could resume:
+    /// the shell's choice when the store holds more than the numbered
+    /// updates say (a shard of one replica applies updates unnumbered
+    /// until a replica moves in; a restored shard starts from its
+    /// checkpoint), so that a follower holding nothing never counts as
+    /// holding everything. Errors if it is not a follower of this shard.
+    pub fn sync_from_snapshot(&mut self, follower: &str) -> Result<SyncFrom> {
+        let seq = self.seq;
+        let link = self.links.get_mut(follower).ok_or_else(|| {
+            Error::Replication(format!(
+                "{follower} is not a follower of shard {} in this primary's map",
+                self.shard
+            ))
+        })?;
         link.queue.clear();
         link.base = seq;
         link.sent = seq;

@@ -214,6 +214,8 @@ pub struct StoreSnapshot {
     state_slots: usize,
     step: u64,
     pushes: u64,
+    /// Sync: the barrier's members (sorted).
+    members: Vec<String>,
     blocks: Vec<(BlockId, Arc<BlockData>)>,
     /// Sorted by trainer, so the same state always gives the same bytes.
     last_seqs: Vec<(String, u64)>,
@@ -262,6 +264,14 @@ impl StoreSnapshot {
     /// ([`ParamStore::pushes`]).
     pub fn pushes(&self) -> u64 {
         self.pushes
+    }
+
+    /// Sync: the trainers the barrier waited for when the snapshot was
+    /// taken (sorted). A replica made from the snapshot counts them too, so
+    /// that, once primary, it does not complete a step without them.
+    /// (Checkpoints do not keep them: trainers rejoin a restored shard.)
+    pub fn members(&self) -> &[String] {
+        &self.members
     }
 
     /// Every held block with its parameters and optimizer state, in
@@ -522,6 +532,7 @@ impl ParamStore {
             state_slots: self.optimizer.state_slots(),
             step: self.step,
             pushes: self.pushes,
+            members: self.members(),
             blocks: self.held.iter().map(|h| (h.id, h.data.clone())).collect(),
             last_seqs,
             spares: self.spares.clone(),

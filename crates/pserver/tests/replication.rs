@@ -479,7 +479,7 @@ async fn wait_released(ps: &Pserver) {
 /// all to the newcomer; the scale-in drains two pservers and releases them;
 /// every acknowledged push is applied exactly once (async) or every step
 /// once (sync), on every replica. Bad scale requests change nothing. A
-/// pserver that registers beyond the wanted count is released at once.
+/// pserver that registers beyond the wanted count stands by.
 async fn scale_out_then_in(mode: Mode, replicas: u32) {
     let (shards, len) = (8u32, 256usize);
     let env = Arc::new(Env::with(shards, replicas, 2, len, mode, true).await);
@@ -534,9 +534,19 @@ async fn scale_out_then_in(mode: Mode, replicas: u32) {
         tokio::time::sleep(Duration::from_millis(10)).await;
     }
 
-    // One more, beyond the wanted count: released at once, given nothing.
+    // One more, beyond the wanted count: it stands by, given nothing, and
+    // the status says so.
     let extra = env.pserver().await;
-    wait_released(&extra).await;
+    let status = loop {
+        let status = env.wait_status(if replicas > 1 { "UNHEALTHY" } else { "OK" }).await;
+        if status["standby"].as_array().is_some_and(|s| s.iter().any(|p| p == extra.name())) {
+            break status;
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    };
+    assert!(extra.replicas().is_empty() && !extra.released(), "{status}");
+    let map = env.cluster.map().await.unwrap();
+    assert!(map.shards_of(extra.name()).is_empty(), "{map}");
     extra.shutdown().await.unwrap();
 
     tokio::time::sleep(Duration::from_millis(100)).await;

@@ -201,16 +201,16 @@ async fn a_trainer_that_dies_inside_a_sync_step_does_not_hang_the_others() {
     dead.join().await.unwrap();
     let mut params = ParamBuf::zeros(&specs());
     alive.pull(&mut params).await.unwrap();
-    let grads = ParamBuf::zeros(&specs());
-    alive.push(&grads, 4.0).await.unwrap();
-    assert_eq!(ps.step(0), Some(0), "the step waits for t2");
-
-    // t1 waits for the step; t2's lease ends instead of its push arriving.
+    // t1's push is answered once its step completes; t2's lease ends
+    // instead of its push arriving.
     let waiting = tokio::spawn(async move {
+        let grads = ParamBuf::zeros(&specs());
+        alive.push(&grads, 4.0).await.unwrap();
         alive.pull(&mut params).await.unwrap();
     });
     tokio::time::sleep(Duration::from_millis(100)).await;
     assert!(!waiting.is_finished());
+    assert_eq!(ps.step(0), Some(0), "the step waits for t2");
     env.discovery.revoke_lease(doomed).await.unwrap();
     tokio::time::timeout(Duration::from_secs(5), waiting)
         .await

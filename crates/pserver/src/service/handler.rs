@@ -223,8 +223,12 @@ impl PsHandler {
                 }
             }
             if tokio::time::timeout_at(deadline, stepped).await.is_err() {
+                let waiting = match self.primary(slot)?.as_deref() {
+                    Some(SlotState::Primary { store, .. }) => store.waiting_for().join(", "),
+                    _ => String::new(),
+                };
                 return Err(RemoteError::unavailable(format!(
-                    "shard {}: step {step} did not complete within {MAX_STEP_WAIT:?}",
+                    "shard {}: step {step} did not complete within {MAX_STEP_WAIT:?} (waiting for: {waiting})",
                     slot.shard
                 )));
             }
@@ -432,8 +436,16 @@ impl PsHandler {
                 "shard {shard}: {follower} is not its follower in this primary's map (version {map_version})"
             )));
         }
-        // A snapshot only when one is needed; none now leaves the link as it is.
-        let snapshot = match links.can_resume(&follower, epoch, applied) {
+        // A snapshot only when one is needed; none now leaves the link as it
+        // is. A follower holding nothing resumes only from a store that
+        // holds nothing either: updates applied while the shard had no
+        // follower (one replica), or before a restore, are not numbered.
+        let pristine = store.step() == 0
+            && store.pushes() == 0
+            && store.members().is_empty()
+            && store.last_seqs().next().is_none();
+        let resume = links.can_resume(&follower, epoch, applied) && (applied > 0 || pristine);
+        let snapshot = match resume {
             true => None,
             false => match store.snapshot() {
                 Ok(snapshot) => Some(snapshot),
@@ -445,7 +457,11 @@ impl PsHandler {
                 Err(e) => return Err(RemoteError::internal(e)),
             },
         };
-        let from = links.sync(&follower, epoch, applied).map_err(RemoteError::bad_request)?;
+        let from = match resume {
+            true => links.sync(&follower, epoch, applied),
+            false => links.sync_from_snapshot(&follower),
+        };
+        let from = from.map_err(RemoteError::bad_request)?;
         let reply = match (from, snapshot) {
             (SyncFrom::Resume { applied }, _) => PsReply::SyncFrom {
                 epoch: links.epoch(),

@@ -298,6 +298,8 @@ struct Slot {
     tasks: Mutex<HashMap<String, AbortOnDropHandle<()>>>,
     /// A sync task is running for it.
     syncing: AtomicBool,
+    /// The role last [published](Shared::publish) (a [`ReplicaRole`] as u8).
+    role: std::sync::atomic::AtomicU8,
 }
 
 /// Whether the slot is primary, and what every follower holds.
@@ -376,6 +378,8 @@ struct Shared {
     draining: AtomicBool,
     /// Bytes of shard snapshots received while catching up.
     catch_up_bytes: AtomicU64,
+    /// Some replica's role changed: publish the states now.
+    role_changed: Notify,
     /// Set when the shard map released this pserver (drained of every
     /// replica, not wanted by the job).
     released: AtomicBool,
@@ -556,6 +560,12 @@ impl Shared {
             changed
         });
         slot.forward.notify_waiters();
+        // A replica that caught up or took over says so at once: the
+        // coordinator's next move waits for it.
+        let role = state.role() as u8;
+        if slot.role.swap(role, Ordering::SeqCst) != role {
+            self.role_changed.notify_one();
+        }
     }
 }
 
@@ -623,6 +633,7 @@ impl Pserver {
             draining: AtomicBool::new(false),
             released: AtomicBool::new(false),
             catch_up_bytes: AtomicU64::new(0),
+            role_changed: Notify::new(),
             saving: Mutex::new(()),
             options,
         });
@@ -910,6 +921,7 @@ async fn reconcile(shared: &Arc<Shared>, map: Arc<ShardMap>) {
                         forward: Notify::new(),
                         tasks: Mutex::new(HashMap::new()),
                         syncing: AtomicBool::new(false),
+                        role: std::sync::atomic::AtomicU8::new(ReplicaRole::Syncing as u8),
                     })
                 })
                 .clone()
@@ -1120,14 +1132,18 @@ async fn trainer_watcher(mut departures: Departures, shared: Arc<Shared>) {
 }
 
 /// Publish each replica's state under `<replicas><shard>/<name>` (JSON)
-/// when it changed, at most every half second: what `oar status` and the
-/// coordinator's health show.
+/// when it changed: at once when a role changed (a replica caught up or
+/// took over: the coordinator's moves wait for that), else at most every
+/// half second (what `oar status` and the coordinator's health show).
 async fn status_publisher(shared: Arc<Shared>) {
     let mut published: HashMap<u32, ReplicaState> = HashMap::new();
     let mut interval = tokio::time::interval(Duration::from_millis(500));
     interval.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     loop {
-        interval.tick().await;
+        tokio::select! {
+            _ = interval.tick() => {}
+            _ = shared.role_changed.notified() => {}
+        }
         if shared.stopped.borrow().is_some() {
             return;
         }

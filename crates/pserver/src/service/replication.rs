@@ -522,6 +522,7 @@ pub(super) fn encode_part(snapshot: &StoreSnapshot, range: Range<usize>) -> (PsR
     let reply = PsReply::SnapshotPart {
         step: snapshot.step(),
         pushes: snapshot.pushes(),
+        members: snapshot.members().to_vec(),
         blocks: blocks.iter().map(|(id, _, state)| (*id, state.step)).collect(),
         last_seqs: snapshot.last_seqs().map(|(t, s)| (t.to_string(), s)).collect(),
     };
@@ -538,7 +539,7 @@ fn decode_part(
     reply: PsReply,
     payload: Bytes,
 ) -> ServiceResult<SnapshotPart> {
-    let PsReply::SnapshotPart { step, pushes, blocks, last_seqs } = reply else {
+    let PsReply::SnapshotPart { step, pushes, members, blocks, last_seqs } = reply else {
         return Err(ServiceError::Protocol(format!("a snapshot part answered with {reply:?}")));
     };
     let mut at = 0usize;
@@ -568,5 +569,5 @@ fn decode_part(
             payload.len() - at
         )));
     }
-    Ok(SnapshotPart { shard, map_version, upto, step, pushes, blocks: out, last_seqs })
+    Ok(SnapshotPart { shard, map_version, upto, step, pushes, members, blocks: out, last_seqs })
 }
