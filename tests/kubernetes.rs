@@ -189,7 +189,9 @@ fn every_manifest_is_valid_and_the_kinds_are_the_expected_ones() {
     let kinds: BTreeSet<&str> =
         passed.values().flatten().filter_map(|resource| resource.split('/').next()).collect();
     let expected: BTreeSet<&str> =
-        ["configmap", "secret", "deployment", "persistentvolumeclaim", "job"].into_iter().collect();
+        ["configmap", "secret", "deployment", "statefulset", "service", "persistentvolumeclaim", "job"]
+            .into_iter()
+            .collect();
     assert_eq!(kinds, expected);
 }
 
@@ -220,7 +222,7 @@ fn the_validator_rejects_broken_manifests() {
 #[test]
 fn master_and_pservers_listen_on_the_pod_ip() {
     let objects = objects();
-    for (kind, name) in [("Deployment", "oar-master"), ("Deployment", "oar-pserver")] {
+    for (kind, name) in [("Deployment", "oar-master"), ("StatefulSet", "oar-pserver")] {
         let c = container(object(&objects, kind, name));
         // The address bound is the one published in etcd: it must be reachable from other pods.
         assert_eq!(flag(&args(c), "--listen"), Some("$(POD_IP):7000"), "{kind} {name}");
@@ -279,7 +281,7 @@ fn the_manifests_agree_with_each_other_and_with_the_binaries() {
     let config = object(&objects, "ConfigMap", "oar-job");
     let secret = object(&objects, "Secret", "oar-certs");
     let dockerfile = read(&root().join("deploy/Dockerfile"));
-    let workloads = [("Deployment", "oar-master"), ("Deployment", "oar-pserver"), ("Job", "oar-trainer")];
+    let workloads = [("Deployment", "oar-master"), ("StatefulSet", "oar-pserver"), ("Job", "oar-trainer")];
     for (kind, name) in workloads {
         let workload = object(&objects, kind, name);
         let c = container(workload);
@@ -329,9 +331,9 @@ fn the_manifests_agree_with_each_other_and_with_the_binaries() {
     // One pod per pserver of the job: the first shard map waits for the
     // master's --pservers of them.
     assert_eq!(flag(&args(container(master)), "--pservers"), Some("$(PSERVERS)"));
-    let pservers = object(&objects, "Deployment", "oar-pserver");
+    let pservers = object(&objects, "StatefulSet", "oar-pserver");
     let wanted: u64 = str_at(config, "/data/PSERVERS").parse().expect("PSERVERS is a number");
-    assert_eq!(at(pservers, "/spec/replicas"), wanted, "pserver Deployment replicas != PSERVERS");
+    assert_eq!(at(pservers, "/spec/replicas"), wanted, "pserver StatefulSet replicas != PSERVERS");
     // Each shard's replicas are on distinct pservers: at most PSERVERS of them.
     assert_eq!(flag(&args(container(master)), "--replicas"), Some("$(REPLICAS)"));
     let replicas: u64 = str_at(config, "/data/REPLICAS").parse().expect("REPLICAS is a number");
@@ -339,6 +341,14 @@ fn the_manifests_agree_with_each_other_and_with_the_binaries() {
     assert_eq!(flag(&args(container(master)), "--shards"), Some("$(SHARDS)"));
     let shards: u64 = str_at(config, "/data/SHARDS").parse().expect("SHARDS is a number");
     assert!(shards >= 1, "no shards");
+    // A StatefulSet for the order of its pod names (a scale-in drains the
+    // highest-numbered pservers, which the StatefulSet then removes), with
+    // its governing headless Service; pods start and stop all at once.
+    assert_eq!(str_at(pservers, "/spec/serviceName"), "oar-pserver");
+    assert_eq!(str_at(pservers, "/spec/podManagementPolicy"), "Parallel");
+    let service = object(&objects, "Service", "oar-pserver");
+    assert_eq!(str_at(service, "/spec/clusterIP"), "None", "a headless Service");
+    assert_eq!(at(service, "/spec/selector"), at(pservers, "/spec/selector/matchLabels"));
     // Pods are not tied to a shard: nothing passes a pod's ordinal.
     let c = container(pservers);
     for env in list_at(c, "/env") {

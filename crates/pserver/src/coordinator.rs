@@ -369,14 +369,13 @@ impl Run {
                     }
                 }
             }
-            for shard in 0..next.shard_count() {
-                let set = next.replica_set(shard);
-                if !set.is_empty() && (set.len() as u32) < next.replicas() {
-                    if let Some(to) = least_loaded(&next, &kept, shard) {
-                        tracing::info!(shard, pserver = to, "adding a follower");
-                        next = next.with_follower(shard, to)?;
-                    }
-                }
+            let replenished = next.replenished(&wanted)?;
+            if replenished != next {
+                tracing::info!(
+                    version = replenished.version(),
+                    "adding followers to shards short of replicas"
+                );
+                next = replenished;
             }
         }
         // Moves, once every pserver in the map is alive (a dead one's

@@ -189,6 +189,29 @@ impl ShardMap {
         (next.released.len() < self.released.len()).then(|| next.bumped())
     }
 
+    /// The map with a follower added to every shard that has a replica but
+    /// fewer than it should, each on the kept pserver (of `wanted`) holding
+    /// the fewest replicas that has none of the shard (ties to the first
+    /// listed); a shard that no kept pserver can take stays short.
+    pub fn replenished(&self, wanted: &[PserverId]) -> Result<ShardMap> {
+        let mut next = self.clone();
+        for shard in 0..next.shard_count() {
+            let set = next.replica_set(shard);
+            if set.is_empty() || set.len() >= next.replicas as usize {
+                continue;
+            }
+            let to = wanted
+                .iter()
+                .filter(|p| next.role(shard, p).is_none())
+                .min_by_key(|p| next.shards_of(p).len())
+                .cloned();
+            if let Some(to) = to {
+                next = next.with_follower(shard, &to)?;
+            }
+        }
+        Ok(next)
+    }
+
     /// The pservers among `live` that a job of `desired` pservers keeps:
     /// those holding a replica in this map first, then the others, each
     /// group in natural name order (`ps-2` before `ps-10`), the first

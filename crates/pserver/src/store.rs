@@ -406,6 +406,29 @@ impl ParamStore {
         optimizer: Box<dyn Optimizer>,
         mode: Mode,
     ) -> Result<Self> {
+        Self::build(placement, server, Some(seed), optimizer, mode)
+    }
+
+    /// [`new`](Self::new) for a replica that restores every block before it
+    /// serves (a catch-up from a snapshot): the blocks hold zeros, not
+    /// their initial values, which would only be overwritten (computing
+    /// them is most of a new store's cost).
+    pub fn new_to_restore(
+        placement: &Placement,
+        server: u32,
+        optimizer: Box<dyn Optimizer>,
+        mode: Mode,
+    ) -> Result<Self> {
+        Self::build(placement, server, None, optimizer, mode)
+    }
+
+    fn build(
+        placement: &Placement,
+        server: u32,
+        seed: Option<u64>,
+        optimizer: Box<dyn Optimizer>,
+        mode: Mode,
+    ) -> Result<Self> {
         if server >= placement.servers() {
             return Err(Error::ServerOutOfRange { server, servers: placement.servers() });
         }
@@ -415,7 +438,7 @@ impl ParamStore {
             .map(|b| {
                 let mut params = vec![0.0; b.len];
                 // Placement only creates blocks of existing parameters.
-                if let Some(spec) = specs.get(b.id.param as usize) {
+                if let (Some(spec), Some(seed)) = (specs.get(b.id.param as usize), seed) {
                     init_values(spec, seed, b.offset, &mut params);
                 }
                 Held { id: b.id, data: Arc::new(BlockData { params, state: optimizer.new_state(b.len) }) }

@@ -288,3 +288,74 @@ proptest! {
         prop_assert_eq!(moved, newcomers);
     }
 }
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(256))]
+
+    /// A job scales to random pserver counts one after another (out and
+    /// in): each time, drain-and-balance steps with replicas catching up at
+    /// random moments end with every replica on a kept pserver
+    /// ([`ShardMap::wanted`]), each shard with `min(R, kept)` replicas,
+    /// the kept pservers balanced (±1), and on the way no shard ever below
+    /// `min(R, kept)` replicas or without its primary.
+    #[test]
+    fn scaling_out_and_in_drains_and_balances_without_losing_a_replica(
+        shards in 4u32..40,
+        replicas in 1u32..=3,
+        first in 1usize..5,
+        counts in proptest::collection::vec(1usize..7, 1..4),
+        lag in proptest::collection::vec(any::<bool>(), 64),
+    ) {
+        let first = first.max(replicas as usize);
+        let all: Vec<String> = (0..8).map(id).collect();
+        let mut map = ShardMap::initial(shards, replicas, &all[..first]).unwrap();
+        let mut steps = 0usize;
+        for &count in &counts {
+            let before = map.clone();
+            let wanted = map.wanted(&all, count as u32);
+            prop_assert_eq!(wanted.len(), count);
+            // Holders are kept first: a scale-out keeps every holder.
+            if count >= before.pservers().len() {
+                for p in before.pservers() {
+                    prop_assert!(wanted.iter().any(|w| w == p), "{} holds shards but is not kept", p);
+                }
+            }
+            let floor = (replicas as usize).min(count);
+            loop {
+                let waiting = lag[steps % lag.len()];
+                steps += 1;
+                prop_assert!(steps < 60 * (shards * replicas) as usize + 200, "scaling does not end");
+                // As the coordinator does: shards short of replicas first
+                // (after a scale below R), then one move.
+                let replenished = map.replenished(&wanted).unwrap();
+                if replenished != map {
+                    replenished.validate().unwrap();
+                    map = replenished;
+                    continue;
+                }
+                match map.rebalance(&wanted, |_, _| !waiting).unwrap() {
+                    Some(next) => {
+                        next.validate().unwrap();
+                        prop_assert_eq!(next.version(), map.version() + 1);
+                        for s in 0..shards {
+                            let set = next.replica_set(s);
+                            prop_assert!(set.len() >= floor.min(map.replica_set(s).len()), "shard {} lost a replica:\n{}", s, next);
+                            prop_assert!(!set.is_empty(), "shard {} has no primary", s);
+                        }
+                        map = next;
+                    }
+                    None if waiting => continue,
+                    None => break,
+                }
+            }
+            for s in 0..shards {
+                let set = map.replica_set(s);
+                prop_assert_eq!(set.len(), floor, "shard {}:\n{}", s, map);
+                prop_assert!(set.iter().all(|p| wanted.contains(p)), "shard {} left on a drained pserver:\n{}", s, map);
+            }
+            let loads: Vec<usize> = wanted.iter().map(|p| map.shards_of(p).len()).collect();
+            let (low, high) = (*loads.iter().min().unwrap(), *loads.iter().max().unwrap());
+            prop_assert!(high <= low + 1, "unbalanced {:?}:\n{}", loads, map);
+        }
+    }
+}

@@ -518,13 +518,18 @@ impl Shared {
     }
 
     /// A fresh store of `shard`: initial values, fresh optimizer state.
-    fn new_store(&self, shard: u32) -> ServiceResult<ParamStore> {
+    /// A store of `shard` with its initial values, or (`to_restore`) one
+    /// whose every block a catch-up is about to overwrite.
+    fn new_store(&self, shard: u32, to_restore: bool) -> ServiceResult<ParamStore> {
         let optimizer = match &self.options.custom_optimizer {
             Some(factory) => factory.build(),
             None => self.options.optimizer.build()?,
         };
-        let mut store =
-            ParamStore::new(&self.placement, shard, self.options.seed, optimizer, self.options.mode)?;
+        let (placement, mode) = (&self.placement, self.options.mode);
+        let mut store = match to_restore {
+            true => ParamStore::new_to_restore(placement, shard, optimizer, mode)?,
+            false => ParamStore::new(placement, shard, self.options.seed, optimizer, mode)?,
+        };
         self.set_recording(&mut store, shard);
         Ok(store)
     }
@@ -1011,7 +1016,7 @@ enum Action {
 /// the initial values): no replica that could take over survived.
 async fn restore_primary(shared: &Arc<Shared>, slot: &Arc<Slot>, epoch: u64, followers: &[String]) {
     let shard = slot.shard;
-    let mut store = match shared.new_store(shard) {
+    let mut store = match shared.new_store(shard, false) {
         Ok(store) => store,
         Err(e) => return shared.fail(format!("cannot build shard {shard}'s store: {e}")),
     };

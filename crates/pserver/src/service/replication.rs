@@ -29,6 +29,9 @@ const MAX_PART_FLOATS: usize = 2 << 20;
 /// it asks (an empty forward).
 const PROBE_AFTER: Duration = Duration::from_millis(50);
 
+/// Snapshot parts a catch-up asks for at once.
+const PARTS_IN_FLIGHT: usize = 4;
+
 /// How long a catch-up waits for the updates after its snapshot.
 const CATCH_UP_WAIT: Duration = Duration::from_secs(30);
 
@@ -312,25 +315,32 @@ async fn catch_up(
 ) -> ServiceResult<()> {
     let shard = slot.shard;
     let history = super::handler::history_from(history).map_err(ServiceError::Protocol)?;
-    let store = shared.new_store(shard)?;
+    let store = shared.new_store(shard, true)?;
     let state_slots = store.optimizer().state_slots();
     {
         let mut state = slot.state.lock().unwrap_or_else(PoisonError::into_inner);
         *state = SlotState::CatchingUp { catch_up: CatchUp::new(shard, version, upto, history, store) };
         shared.publish(slot, &state);
     }
-    for part in 0..parts {
-        let request = PsRequest::SnapshotPart { shard, follower: shared.name.clone(), upto, part };
-        let (reply, payload) = call(shared, primary, &request, &[]).await?;
-        shared.catch_up_bytes.fetch_add(payload.len() as u64, std::sync::atomic::Ordering::Relaxed);
-        super::metrics().catch_up_bytes.inc_by(payload.len() as u64);
-        let part = decode_part(&shared.placement, shard, version, upto, state_slots, reply, payload)?;
-        let mut state = slot.state.lock().unwrap_or_else(PoisonError::into_inner);
-        let SlotState::CatchingUp { catch_up } = &mut *state else {
-            return Err(ServiceError::Protocol(format!("shard {shard}: the catch-up was cancelled")));
-        };
-        catch_up.part(part)?;
-        drop(state);
+    // A few parts in flight at once: the transfer of one overlaps with
+    // the copies of the others (parts may come in any order).
+    let all: Vec<u32> = (0..parts).collect();
+    for window in all.chunks(PARTS_IN_FLIGHT) {
+        let calls = window.iter().map(|&part| {
+            let request = PsRequest::SnapshotPart { shard, follower: shared.name.clone(), upto, part };
+            async move { call(shared, primary, &request, &[]).await }
+        });
+        for answer in oar_transport::join_all(calls).await {
+            let (reply, payload) = answer?;
+            shared.catch_up_bytes.fetch_add(payload.len() as u64, std::sync::atomic::Ordering::Relaxed);
+            super::metrics().catch_up_bytes.inc_by(payload.len() as u64);
+            let part = decode_part(&shared.placement, shard, version, upto, state_slots, reply, payload)?;
+            let mut state = slot.state.lock().unwrap_or_else(PoisonError::into_inner);
+            let SlotState::CatchingUp { catch_up } = &mut *state else {
+                return Err(ServiceError::Protocol(format!("shard {shard}: the catch-up was cancelled")));
+            };
+            catch_up.part(part)?;
+        }
     }
     let deadline = tokio::time::Instant::now() + CATCH_UP_WAIT;
     let applied = loop {
