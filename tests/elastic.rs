@@ -15,7 +15,7 @@
 mod support;
 
 use std::time::Duration;
-use support::{metric_value, metrics_addr, scrape, wait_until, ReplicatedJob as Job, LONG};
+use support::{metric_value, metrics_addr, scrape, wait_until, JobShape, ReplicatedJob as Job, LONG};
 
 /// Floats of the a1a model (123 features × 2 classes + 2 biases).
 const MODEL_FLOATS: u64 = 248;
@@ -44,10 +44,17 @@ fn holders(status: &str) -> usize {
     names.len()
 }
 
-fn grow_and_shrink(name: &str, mode: &str, replicas: u32) {
-    let flags = ["--metrics", "127.0.0.1:0"];
-    let job_flags = ["--optimizer", "adam", "--lr", "0.01"];
-    let mut job = Job::start_in_blocks(name, mode, replicas, 2, 1, &flags, &job_flags, 32);
+fn grow_and_shrink(name: &str, mode: &'static str, replicas: u32) {
+    let shape = JobShape {
+        mode,
+        replicas,
+        pservers: 2,
+        trainers: 1,
+        pserver_flags: vec!["--metrics", "127.0.0.1:0"],
+        job_flags: vec!["--optimizer", "adam", "--lr", "0.01"],
+        block_size: 32,
+    };
+    let mut job = Job::launch(name, shape);
 
     // Trainers 1 → 4: each newcomer gets tasks and (sync) joins the barrier.
     for _ in 0..3 {
@@ -73,6 +80,7 @@ fn grow_and_shrink(name: &str, mode: &str, replicas: u32) {
     assert!(err.contains("a move is in flight"), "{err}");
     job.add_pserver();
     let newcomer = *job.live.last().unwrap();
+    // OK: nothing moves and nothing is left to balance.
     let balanced = wait_until(LONG, || {
         let status = job.cluster.status();
         status.contains("cluster OK") && holders(&status) == 3

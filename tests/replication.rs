@@ -18,13 +18,13 @@ mod support;
 
 use std::time::Duration;
 use support::{
-    is_named, log_field, metric_value, metrics_addr, scrape, seed_from, wait_until, Lcg, Proc,
+    is_named, log_field, metric_value, metrics_addr, scrape, seed_from, wait_until, JobShape, Lcg, Proc,
     ReplicatedJob as Job, DATA_SHARDS, LONG,
 };
 
 /// Kill the primary of a random model shard `rounds` times (seeded), each
 /// time starting a new pserver and waiting until it has caught up.
-fn kill_primaries(name: &str, mode: &str, replicas: u32, trainers: u32) {
+fn kill_primaries(name: &str, mode: &'static str, replicas: u32, trainers: u32) {
     let rounds: usize =
         std::env::var("OAR_REPLICATION_ROUNDS").ok().and_then(|r| r.parse().ok()).unwrap_or(3);
     let seed = seed_from("OAR_REPLICATION_SEED");
@@ -125,7 +125,9 @@ fn a_dead_follower_is_dropped_and_a_new_pserver_catches_up() {
 /// trainers are frozen too, so it is exact.
 #[test]
 fn a_deposed_primary_acknowledges_nothing_after_its_pause() {
-    let mut job = Job::start_with("repl-deposed", "async", 2, 3, 2, &["--metrics", "127.0.0.1:0"], &[]);
+    let pserver_flags = vec!["--metrics", "127.0.0.1:0"];
+    let shape = JobShape { replicas: 2, pservers: 3, trainers: 2, pserver_flags, ..JobShape::default() };
+    let mut job = Job::launch("repl-deposed", shape);
     let victim_name = job.cluster.primary_of(0);
     let victim = job.live_named(&victim_name);
     let metrics = metrics_addr(&job.pservers[victim]).expect("the pserver serves metrics");
@@ -171,7 +173,8 @@ fn a_pserver_started_mid_job_takes_its_share_and_no_push_is_lost() {
     for (mode, replicas) in [("async", 1), ("async", 2)] {
         let name = format!("repl-join-{mode}-{replicas}");
         let pservers = replicas + 1;
-        let mut job = Job::start_with(&name, mode, replicas, pservers, 2, &[], &[]);
+        let mut job =
+            Job::launch(&name, JobShape { mode, replicas, pservers, trainers: 2, ..JobShape::default() });
         std::thread::sleep(Duration::from_millis(300));
         job.scale(pservers + 1).expect("scale out");
         job.add_pserver();

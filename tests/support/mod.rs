@@ -406,36 +406,52 @@ mod cluster {
         pub stopped_trainers: Vec<Proc>,
     }
 
+    /// How a [`ReplicatedJob`] starts.
+    #[derive(Clone, Debug)]
+    pub struct JobShape {
+        /// `sync` or `async`.
+        pub mode: &'static str,
+        pub replicas: u32,
+        pub pservers: u32,
+        pub trainers: u32,
+        /// More flags for every pserver.
+        pub pserver_flags: Vec<&'static str>,
+        /// More job options for the master.
+        pub job_flags: Vec<&'static str>,
+        /// Floats per block: 128 puts a1a's model over 3 of the 8 shards,
+        /// 32 over all 8.
+        pub block_size: u32,
+    }
+
+    impl Default for JobShape {
+        /// Async, one replica, one pserver, one trainer, blocks of 128.
+        fn default() -> Self {
+            JobShape {
+                mode: "async",
+                replicas: 1,
+                pservers: 1,
+                trainers: 1,
+                pserver_flags: Vec::new(),
+                job_flags: Vec::new(),
+                block_size: 128,
+            }
+        }
+    }
+
     impl ReplicatedJob {
-        pub fn start(name: &str, mode: &str, replicas: u32, pservers: u32, trainers: u32) -> ReplicatedJob {
-            Self::start_with(name, mode, replicas, pservers, trainers, &[], &[])
-        }
-
-        pub fn start_with(
+        pub fn start(
             name: &str,
-            mode: &str,
+            mode: &'static str,
             replicas: u32,
             pservers: u32,
             trainers: u32,
-            flags: &[&'static str],
-            job_flags: &[&str],
         ) -> ReplicatedJob {
-            Self::start_in_blocks(name, mode, replicas, pservers, trainers, flags, job_flags, 128)
+            Self::launch(name, JobShape { mode, replicas, pservers, trainers, ..JobShape::default() })
         }
 
-        /// [`start_with`](Self::start_with) with the model in blocks of
-        /// `block_size` floats (128: over 3 of the 8 shards; 32: over all 8).
-        #[allow(clippy::too_many_arguments)]
-        pub fn start_in_blocks(
-            name: &str,
-            mode: &str,
-            replicas: u32,
-            pservers: u32,
-            trainers: u32,
-            flags: &[&'static str],
-            job_flags: &[&str],
-            block_size: u32,
-        ) -> ReplicatedJob {
+        /// Start a job of `shape` and wait until it is healthy.
+        pub fn launch(name: &str, shape: JobShape) -> ReplicatedJob {
+            let JobShape { mode, replicas, pservers, trainers, pserver_flags, job_flags, block_size } = shape;
             let cluster = Cluster::start(name);
             let mut options = replicated_job_in_blocks(mode, replicas, pservers, block_size);
             options.extend(job_flags.iter().map(|f| f.to_string()));
@@ -448,7 +464,7 @@ mod cluster {
                     .collect(),
                 pservers: Vec::new(),
                 live: Vec::new(),
-                pserver_flags: flags.to_vec(),
+                pserver_flags,
                 checkpoint_interval: 60.0,
                 data_shards,
                 mode: mode.to_string(),

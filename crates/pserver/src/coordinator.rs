@@ -37,9 +37,9 @@
 //!   ([`ShardMap::rebalance`]), so a pserver that joins gets its share:
 //!   adding one to `P` moves about `1/(P+1)` of the replicas, all to it.
 //! - **Health.** It writes the cluster's status: `OK` when every shard has
-//!   all its replicas, every replica has caught up and the job has the
-//!   pservers it wants, else `UNHEALTHY` with the reason (`UNKNOWN` before
-//!   the first map).
+//!   all its replicas, every replica has caught up, nothing moves or is
+//!   left to balance and the job has the pservers it wants, else `UNHEALTHY` with the reason
+//!   (`UNKNOWN` before the first map).
 //!
 //! Several changes found at once go out as one new map; moves go one at a
 //! time.
@@ -553,6 +553,12 @@ impl Run {
                         ));
                     }
                 }
+                let moving: Vec<u32> = (0..map.shard_count())
+                    .filter(|&s| map.replica_set(s).len() > map.replicas() as usize)
+                    .collect();
+                if !moving.is_empty() {
+                    reasons.push(format!("shards moving: {moving:?}"));
+                }
                 let syncing = self.syncing(map).await?;
                 if !syncing.is_empty() {
                     reasons.push(format!("replicas not caught up: {}", syncing.join(", ")));
@@ -569,6 +575,12 @@ impl Run {
                     .filter(|p| !wanted.contains(p) && !map.is_released(p) && map.shards_of(p).is_empty())
                     .filter(|p| !self.held.contains(*p))
                     .collect();
+                // Balancing moves still to come (rebalance evens loads to ±1).
+                let loads: Vec<usize> = wanted.iter().map(|p| map.shards_of(p).len()).collect();
+                let uneven = loads.iter().max().zip(loads.iter().min()).is_some_and(|(h, l)| *h > l + 1);
+                if self.options.rebalance && uneven && draining.is_empty() {
+                    reasons.push(format!("balancing: replicas per pserver {loads:?}"));
+                }
                 let holding = map.pservers().len();
                 let can_hold = self.desired.count.min(map.shard_count() * map.replicas());
                 if (holding as u32) < can_hold {

@@ -303,18 +303,7 @@ impl ShardMap {
     /// The map with `pserver` made shard `shard`'s primary (it must hold a
     /// replica); the old primary stays a follower. `None` if it already is.
     pub fn with_primary(&self, shard: u32, pserver: &str) -> Result<Option<ShardMap>> {
-        let mut next = self.clone();
-        let set = next.set_mut(shard)?;
-        let at = set.iter().position(|p| p == pserver).ok_or_else(|| {
-            Error::Config(format!("{pserver} holds no replica of shard {shard}: it cannot be its primary"))
-        })?;
-        if at == 0 {
-            return Ok(None);
-        }
-        let promoted = set.remove(at);
-        set.insert(0, promoted);
-        next.epochs[shard as usize] = self.version + 1;
-        Ok(Some(next.bumped()))
+        self.promoted(shard, pserver, false)
     }
 
     /// The map with shard `shard`'s primary dropped and `successor`, one of
@@ -326,18 +315,28 @@ impl ShardMap {
     /// change spares the old primary a resynchronisation as a follower it
     /// would be dropped from next.
     pub fn handed_over(&self, shard: u32, successor: &str) -> Result<ShardMap> {
+        self.promoted(shard, successor, true)?
+            .ok_or_else(|| Error::Config(format!("{successor} is shard {shard}'s primary already")))
+    }
+
+    /// `pserver` made shard `shard`'s primary, the old primary kept as a
+    /// follower or (`drop_old`) dropped; `None` if it is primary already.
+    fn promoted(&self, shard: u32, pserver: &str, drop_old: bool) -> Result<Option<ShardMap>> {
         let mut next = self.clone();
         let set = next.set_mut(shard)?;
-        let at = set.iter().position(|p| p == successor).ok_or_else(|| {
-            Error::Config(format!("{successor} holds no replica of shard {shard}: it cannot take it over"))
+        let at = set.iter().position(|p| p == pserver).ok_or_else(|| {
+            Error::Config(format!("{pserver} holds no replica of shard {shard}: it cannot be its primary"))
         })?;
         if at == 0 {
-            return Err(Error::Config(format!("{successor} is shard {shard}'s primary already")));
+            return Ok(None);
         }
         let promoted = set.remove(at);
-        set[0] = promoted;
+        match drop_old {
+            true => set[0] = promoted,
+            false => set.insert(0, promoted),
+        }
         next.epochs[shard as usize] = self.version + 1;
-        Ok(next.bumped())
+        Ok(Some(next.bumped()))
     }
 
     /// The map with shard `shard`, which has no replica left, given to

@@ -437,14 +437,16 @@ impl PsHandler {
             )));
         }
         // A snapshot only when one is needed; none now leaves the link as it
-        // is. A follower holding nothing resumes only from a store that
-        // holds nothing either: updates applied while the shard had no
-        // follower (one replica), or before a restore, are not numbered.
+        // is. A follower that never caught up (epoch 0, nothing applied)
+        // resumes only from a store that holds nothing either: updates
+        // applied while the shard had no follower (one replica), or before
+        // a restore, are not numbered.
         let pristine = store.step() == 0
             && store.pushes() == 0
             && store.members().is_empty()
             && store.last_seqs().next().is_none();
-        let resume = links.can_resume(&follower, epoch, applied) && (applied > 0 || pristine);
+        let fresh = epoch == 0 && applied == 0;
+        let resume = links.can_resume(&follower, epoch, applied) && (!fresh || pristine);
         let snapshot = match resume {
             true => None,
             false => match store.snapshot() {

@@ -942,7 +942,19 @@ async fn reconcile(shared: &Arc<Shared>, map: Arc<ShardMap>) {
                     shared.set_recording(&mut store, shard);
                     (SlotState::Primary { store, links }, Action::Forward)
                 }
-                (Role::Primary, SlotState::Follower { follower, must_sync: false }) => {
+                // A follower asked to sync again (its link overflowed, or a
+                // poke from before it caught up) still holds every update
+                // its primary acknowledged (acknowledgements wait for every
+                // follower in the map): promoting it loses nothing
+                // acknowledged, where restoring the checkpoint would.
+                (Role::Primary, SlotState::Follower { follower, must_sync }) => {
+                    if must_sync {
+                        tracing::warn!(
+                            shard,
+                            version,
+                            "made primary while due to sync again: promoted as it is"
+                        );
+                    }
                     let (mut store, applied, history) = follower.promote(epoch);
                     shared.set_recording(&mut store, shard);
                     tracing::info!(
