@@ -685,11 +685,7 @@ mod cluster {
                 .unwrap_or_else(|| panic!("no task count in the master's log\n{}", self.master.dump()));
             let passes = self.master.stdout().lines().filter(|l| l.starts_with("pass ")).count() as u32;
             let trainers: Vec<&Proc> = self.trainers.iter().chain(&self.stopped_trainers).collect();
-            let mut accepted = accepted_reports(&trainers);
-            accepted.sort();
-            let total = accepted.len();
-            accepted.dedup();
-            assert_eq!(accepted.len(), total, "some (task, pass) was accepted twice");
+            let accepted = accepted_once(&trainers);
             for pass in 0..passes {
                 let n = accepted.iter().filter(|(_, p)| *p == pass).count() as u64;
                 assert_eq!(
@@ -920,6 +916,17 @@ mod cluster {
         out
     }
 
+    /// The (task, pass) of every report the trainers saw accepted, sorted,
+    /// checked to hold none twice.
+    pub fn accepted_once(trainers: &[&Proc]) -> Vec<(u64, u32)> {
+        let mut accepted = accepted_reports(trainers);
+        accepted.sort();
+        let total = accepted.len();
+        accepted.dedup();
+        assert_eq!(accepted.len(), total, "some (task, pass) was accepted twice");
+        accepted
+    }
+
     /// Every task of every pass was finished exactly once: the master's
     /// report counts `tasks_per_pass` finished tasks in each of `passes`
     /// passes, and no (task, pass) was accepted twice by any trainer (dead
@@ -934,11 +941,7 @@ mod cluster {
     ) {
         assert_eq!(report["passes"], passes, "{report}");
         assert_eq!(report["tasks_done"].as_u64(), Some(tasks_per_pass * passes as u64), "{report}");
-        let mut accepted = accepted_reports(trainers);
-        accepted.sort();
-        let total = accepted.len();
-        accepted.dedup();
-        assert_eq!(accepted.len(), total, "some (task, pass) was accepted twice");
+        let accepted = accepted_once(trainers);
         for pass in 0..passes {
             let n = accepted.iter().filter(|(_, p)| *p == pass).count() as u64;
             assert!(n <= tasks_per_pass, "pass {pass}: {n} tasks accepted, more than {tasks_per_pass}");

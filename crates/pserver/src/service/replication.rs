@@ -29,8 +29,11 @@ const MAX_PART_FLOATS: usize = 2 << 20;
 /// it asks (an empty forward).
 const PROBE_AFTER: Duration = Duration::from_millis(50);
 
-/// Snapshot parts a catch-up asks for at once.
-const PARTS_IN_FLIGHT: usize = 4;
+/// Snapshot parts a catch-up asks for at once. One: on the 2-core
+/// development machine two or four in flight made a 120 MB catch-up
+/// slower (233 and 311–365 ms against 190–210 ms; BENCHMARKS.md, "Moving
+/// shards"), the copies competing for the same cores and memory.
+const PARTS_IN_FLIGHT: usize = 1;
 
 /// How long a catch-up waits for the updates after its snapshot.
 const CATCH_UP_WAIT: Duration = Duration::from_secs(30);
@@ -322,8 +325,7 @@ async fn catch_up(
         *state = SlotState::CatchingUp { catch_up: CatchUp::new(shard, version, upto, history, store) };
         shared.publish(slot, &state);
     }
-    // A few parts in flight at once: the transfer of one overlaps with
-    // the copies of the others (parts may come in any order).
+    // PARTS_IN_FLIGHT parts asked for at once (they may come in any order).
     let all: Vec<u32> = (0..parts).collect();
     for window in all.chunks(PARTS_IN_FLIGHT) {
         let calls = window.iter().map(|&part| {
