@@ -6,13 +6,16 @@
 //! with batch sizes differing per trainer, so the pservers' combination
 //! (weighted by examples, in trainer-id order) is what is under test. The
 //! reference applies the same optimizer to the mean gradient of the union.
+//!
+//! The elastic run does the same while the job changes shape (trainers
+//! 1 → 4 → 2, pservers 2 → 3 → 1), over QUIC and a real etcd.
 
 use oar::{
     discovery::{Discovery, MemDiscovery},
     job::keys::JobKeys,
     pserver::{
         Coordinator, CoordinatorOptions, Mode, OptimizerConfig, ParamBuf, Placement, Pserver, PserverClient,
-        PserverClientOptions, PserverOptions, PushResult,
+        PserverClientOptions, PserverOptions,
     },
     trainer::{
         model::{Example, Model},
@@ -156,6 +159,7 @@ async fn sync_mlp_with_adam_matches_one_process_on_the_union() {
 }
 
 /// Trainer `k`'s batch at step `s` in the elastic run: `12 + 4k` examples.
+#[cfg(feature = "etcd")]
 fn elastic_batch(data: &[Example], k: usize, s: usize) -> &[Example] {
     let len = 12 + 4 * k;
     let start = (s * 97 + k * 31) % (data.len() - len);
@@ -163,21 +167,30 @@ fn elastic_batch(data: &[Example], k: usize, s: usize) -> &[Example] {
 }
 
 /// The trainers present at each phase of the elastic run, and its steps.
+#[cfg(feature = "etcd")]
 const PHASES: [(&[usize], std::ops::Range<usize>); 3] =
     [(&[0], 0..4), (&[0, 1, 2, 3], 4..60), (&[0, 2], 60..150)];
 
 /// Whether trainer `k` takes part in phase `p`'s start: it trains in it,
 /// or leaves at it.
+#[cfg(feature = "etcd")]
 fn involved(p: usize, k: usize) -> bool {
     PHASES[p].0.contains(&k) || (p > 0 && PHASES[p - 1].0.contains(&k))
 }
 
 /// Sync mode while the job changes shape: trainers 1 → 4 → 2 (joining and
 /// leaving between steps) and pservers 2 → 3 → 1 (shards moving while
-/// steps run). The parameters equal one process applying, step by step,
-/// the mean gradient over the union of the batches of the trainers present
-/// at that step: the combine rule, unchanged by the moves.
+/// steps run), over QUIC and a real etcd. The parameters equal one process
+/// applying, step by step, the mean gradient over the union of the batches
+/// of the trainers present at that step: the combine rule, unchanged by
+/// the moves.
+#[cfg(feature = "etcd")]
 async fn elastic(replicas: u32) {
+    use oar::{
+        discovery::{EtcdDiscovery, EtcdServer},
+        pserver::PushResult,
+        transport::{DevCa, QuicTransport, Transport},
+    };
     let reader = ReaderOptions { format: Format::Libsvm, features: 123, classes: 2, skip_bad_lines: false };
     let data = read_glob(&format!("{}/testdata/a1a", env!("CARGO_MANIFEST_DIR")), &reader).unwrap();
     let model: Arc<dyn Model> = ModelConfig::Softmax { features: 123, classes: 2 }.build().unwrap().into();
@@ -186,8 +199,10 @@ async fn elastic(replicas: u32) {
     let (shards, block_size) = (8, 16);
     let placement = Arc::new(Placement::new(&specs, shards, block_size).unwrap());
 
-    let discovery: Arc<dyn Discovery> = Arc::new(MemDiscovery::new());
-    let transport = Arc::new(MemTransport::new(MemNetwork::new()));
+    let etcd = EtcdServer::start().unwrap_or_else(|e| panic!("cannot start etcd for the test: {e}"));
+    let discovery: Arc<dyn Discovery> = Arc::new(EtcdDiscovery::connect(&[etcd.endpoint()]).await.unwrap());
+    let tls = DevCa::new().unwrap().tls_config("elastic").unwrap();
+    let transport: Arc<dyn Transport> = Arc::new(QuicTransport::new(tls).unwrap());
     let keys = JobKeys::new("elastic-equivalence").unwrap();
     let lease = discovery.grant_lease(Duration::from_secs(600)).await.unwrap();
     let fence =
@@ -207,7 +222,7 @@ async fn elastic(replicas: u32) {
             seed: SEED,
             ..PserverOptions::default()
         };
-        Pserver::start(discovery.clone(), transport.clone(), "mem:0", options)
+        Pserver::start(discovery.clone(), transport.clone(), "127.0.0.1:0", options)
     };
     let mut pservers = vec![start_pserver().await.unwrap(), start_pserver().await.unwrap()];
 
@@ -327,11 +342,13 @@ async fn elastic(replicas: u32) {
     assert!(relative_error(ParamBuf::init(&specs, SEED).as_slice(), params.as_slice()) > 1e-3);
 }
 
+#[cfg(feature = "etcd")]
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn sync_steps_match_one_process_while_trainers_join_and_leave_and_shards_move() {
     elastic(1).await;
 }
 
+#[cfg(feature = "etcd")]
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn sync_steps_match_one_process_while_trainers_and_replicated_shards_move() {
     elastic(2).await;
