@@ -70,7 +70,14 @@ pub async fn run_local(
     let mut trainers = tokio::task::JoinSet::new();
     for t in 0..options.trainers {
         let (ctx, options, stop) = (ctx.clone(), role(format!("trainer-{t:03}")), trainers_stop.clone());
-        trainers.spawn(async move { role::trainer(&ctx, &options, stop).await.map(drop) });
+        trainers.spawn(async move {
+            match role::trainer(&ctx, &options, stop).await {
+                // A trainer that came after the job ended had nothing to
+                // do: the master's report says how the job went.
+                Ok(_) | Err(Error::JobOver { .. }) => Ok(()),
+                Err(e) => Err(e),
+            }
+        });
     }
     let master_options = role("master".into());
     let master = role::master(ctx, config, &master_options, servers_stop.clone(), on_progress);
