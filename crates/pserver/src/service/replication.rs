@@ -29,12 +29,6 @@ const MAX_PART_FLOATS: usize = 2 << 20;
 /// it asks (an empty forward).
 const PROBE_AFTER: Duration = Duration::from_millis(50);
 
-/// Snapshot parts a catch-up asks for at once. One: on the 2-core
-/// development machine two or four in flight made a 120 MB catch-up
-/// slower (233 and 311–365 ms against 190–210 ms; BENCHMARKS.md, "Moving
-/// shards"), the copies competing for the same cores and memory.
-const PARTS_IN_FLIGHT: usize = 1;
-
 /// How long a catch-up waits for the updates after its snapshot.
 const CATCH_UP_WAIT: Duration = Duration::from_secs(30);
 
@@ -325,24 +319,20 @@ async fn catch_up(
         *state = SlotState::CatchingUp { catch_up: CatchUp::new(shard, version, upto, history, store) };
         shared.publish(slot, &state);
     }
-    // PARTS_IN_FLIGHT parts asked for at once (they may come in any order).
-    let all: Vec<u32> = (0..parts).collect();
-    for window in all.chunks(PARTS_IN_FLIGHT) {
-        let calls = window.iter().map(|&part| {
-            let request = PsRequest::SnapshotPart { shard, follower: shared.name.clone(), upto, part };
-            async move { call(shared, primary, &request, &[]).await }
-        });
-        for answer in oar_transport::join_all(calls).await {
-            let (reply, payload) = answer?;
-            shared.catch_up_bytes.fetch_add(payload.len() as u64, std::sync::atomic::Ordering::Relaxed);
-            super::metrics().catch_up_bytes.inc_by(payload.len() as u64);
-            let part = decode_part(&shared.placement, shard, version, upto, state_slots, reply, payload)?;
-            let mut state = slot.state.lock().unwrap_or_else(PoisonError::into_inner);
-            let SlotState::CatchingUp { catch_up } = &mut *state else {
-                return Err(ServiceError::Protocol(format!("shard {shard}: the catch-up was cancelled")));
-            };
-            catch_up.part(part)?;
-        }
+    // One part at a time: on the 2-core development machine two or four
+    // in flight made a 120 MB catch-up slower (BENCHMARKS.md, "Moving
+    // shards"), the copies competing for the same cores and memory.
+    for part in 0..parts {
+        let request = PsRequest::SnapshotPart { shard, follower: shared.name.clone(), upto, part };
+        let (reply, payload) = call(shared, primary, &request, &[]).await?;
+        shared.catch_up_bytes.fetch_add(payload.len() as u64, std::sync::atomic::Ordering::Relaxed);
+        super::metrics().catch_up_bytes.inc_by(payload.len() as u64);
+        let part = decode_part(&shared.placement, shard, version, upto, state_slots, reply, payload)?;
+        let mut state = slot.state.lock().unwrap_or_else(PoisonError::into_inner);
+        let SlotState::CatchingUp { catch_up } = &mut *state else {
+            return Err(ServiceError::Protocol(format!("shard {shard}: the catch-up was cancelled")));
+        };
+        catch_up.part(part)?;
     }
     let deadline = tokio::time::Instant::now() + CATCH_UP_WAIT;
     let applied = loop {
