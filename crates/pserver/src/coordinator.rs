@@ -354,21 +354,12 @@ impl Run {
         }
         let live: Vec<String> = sorted(topology.addrs.keys());
         let wanted = next.wanted(&live, self.desired.count);
-        let kept: Vec<&String> = wanted.iter().collect();
-        if !kept.is_empty() {
-            for shard in 0..next.shard_count() {
-                if next.replica_set(shard).is_empty() {
-                    let to = least_loaded(&next, &kept, shard);
-                    if let Some(to) = to {
-                        tracing::warn!(
-                            shard,
-                            pserver = to,
-                            "no replica left: restoring the shard from its checkpoint"
-                        );
-                        next = next.with_restored(shard, to)?;
-                    }
-                }
+        if !wanted.is_empty() {
+            let (restored, given) = next.restored(&wanted)?;
+            for (shard, pserver) in given {
+                tracing::warn!(shard, pserver, "no replica left: restoring the shard from its checkpoint");
             }
+            next = restored;
             let replenished = next.replenished(&wanted)?;
             if replenished != next {
                 tracing::info!(
@@ -673,13 +664,4 @@ fn sorted<'a>(names: impl Iterator<Item = &'a String>) -> Vec<String> {
     let mut names: Vec<String> = names.cloned().collect();
     names.sort();
     names
-}
-
-/// The live pserver holding the fewest replicas in `map` that holds none
-/// of `shard` (ties to the first name).
-fn least_loaded<'a>(map: &ShardMap, live: &[&'a String], shard: u32) -> Option<&'a str> {
-    live.iter()
-        .filter(|p| map.role(shard, p).is_none())
-        .min_by_key(|p| map.shards_of(p).len())
-        .map(|p| p.as_str())
 }

@@ -196,20 +196,43 @@ impl ShardMap {
     pub fn replenished(&self, wanted: &[PserverId]) -> Result<ShardMap> {
         let mut next = self.clone();
         for shard in 0..next.shard_count() {
-            let set = next.replica_set(shard);
-            if set.is_empty() || set.len() >= next.replicas as usize {
+            let len = next.replica_set(shard).len();
+            if len == 0 || len >= next.replicas as usize {
                 continue;
             }
-            let to = wanted
-                .iter()
-                .filter(|p| next.role(shard, p).is_none())
-                .min_by_key(|p| next.shards_of(p).len())
-                .cloned();
-            if let Some(to) = to {
+            if let Some(to) = next.least_loaded(wanted, shard) {
                 next = next.with_follower(shard, &to)?;
             }
         }
         Ok(next)
+    }
+
+    /// The map with every shard that has no replica left given to the kept
+    /// pserver (of `wanted`) holding the fewest replicas, which restores it
+    /// from its last checkpoint ([`with_restored`](Self::with_restored));
+    /// the shards so given, in order.
+    pub fn restored(&self, wanted: &[PserverId]) -> Result<(ShardMap, Vec<(u32, PserverId)>)> {
+        let (mut next, mut given) = (self.clone(), Vec::new());
+        for shard in 0..next.shard_count() {
+            if !next.replica_set(shard).is_empty() {
+                continue;
+            }
+            if let Some(to) = next.least_loaded(wanted, shard) {
+                next = next.with_restored(shard, &to)?;
+                given.push((shard, to));
+            }
+        }
+        Ok((next, given))
+    }
+
+    /// The pserver of `wanted` holding the fewest replicas that has none of
+    /// `shard` (ties to the first listed).
+    fn least_loaded(&self, wanted: &[PserverId], shard: u32) -> Option<PserverId> {
+        wanted
+            .iter()
+            .filter(|p| self.role(shard, p).is_none())
+            .min_by_key(|p| self.shards_of(p).len())
+            .cloned()
     }
 
     /// The pservers among `live` that a job of `desired` pservers keeps:
