@@ -81,6 +81,7 @@ impl Pusher {
                 seq: self.sent / blocks,
                 step: 0,
                 weight: 1.0,
+                rows: Vec::new(),
             };
             let t = Instant::now();
             let reply = call(

@@ -36,7 +36,7 @@
 
 use crate::{
     error::{ServiceError as Error, ServiceResult as Result},
-    protocol::{BlockSpan, PsReply, PsRequest, PSERVER_METHOD},
+    protocol::{BlockSpan, PsReply, PsRequest, PulledShard, ShardRows, TableRows, PSERVER_METHOD},
     topology::TopologyWatch,
     ParamBuf, Placement, PserverKeys, PushOutcome,
 };
@@ -203,7 +203,7 @@ impl PserverClient {
         loop {
             let now = topology.current();
             let missing: Vec<u32> =
-                self.inner.shards_with_blocks().filter(|&s| now.primary_addr(s).is_none()).collect();
+                self.inner.shards_in_use().filter(|&s| now.primary_addr(s).is_none()).collect();
             if missing.is_empty() {
                 return Ok(());
             }
@@ -255,7 +255,7 @@ impl PserverClient {
     pub async fn pull(&mut self, params: &mut ParamBuf) -> Result<()> {
         let fingerprint = self.inner.placement.fingerprint();
         let deadline = tokio::time::Instant::now() + self.inner.retry.give_up_after;
-        let mut pending: Vec<u32> = self.inner.shards_with_blocks().collect();
+        let mut pending: Vec<u32> = self.inner.shards_in_use().collect();
         while !pending.is_empty() {
             for &index in &pending {
                 let shard = &mut self.shards[index as usize];
@@ -280,7 +280,7 @@ impl PserverClient {
                     max_wait_ms: PULL_WAIT.as_millis() as u64,
                 })
                 .collect();
-            let replies = self.exchange(&parts, calls, None, Some(&mut *params)).await?;
+            let replies = self.exchange(&parts, calls, None, &[], Some(&mut *params)).await?;
             // Per shard: every part ready, at the lowest step any part was at
             // (so a sync push is never for a step some block has not reached).
             let mut pulled: Vec<(u32, Option<u64>)> = Vec::new();
@@ -322,12 +322,27 @@ impl PserverClient {
     /// the placement's blocks, to every shard at once, each block sent from
     /// where it is in `grads`.
     pub async fn push(&mut self, grads: &ParamBuf, weight: f32) -> Result<PushResult> {
+        self.push_rows(grads, &[], weight).await
+    }
+
+    /// [`push`](Self::push) with row gradients of the sparse tables: each
+    /// row goes to its shard ([`Placement::row_shard`]) in the same push
+    /// as the shard's blocks (its first part), so it is applied once, and
+    /// in sync mode in the same step.
+    pub async fn push_rows(
+        &mut self,
+        grads: &ParamBuf,
+        rows: &[TableGrads<'_>],
+        weight: f32,
+    ) -> Result<PushResult> {
         let fingerprint = self.inner.placement.fingerprint();
-        let all: Vec<u32> = self.inner.shards_with_blocks().collect();
+        let all: Vec<u32> = self.inner.shards_in_use().collect();
         let parts = self.parts(&all);
+        let (metas, extra) = self.route_rows(&parts, rows)?;
         let calls = parts
             .iter()
-            .map(|part| {
+            .zip(metas)
+            .map(|(part, rows)| {
                 let state = self.shards[part.index as usize];
                 PsRequest::Push {
                     shard: part.index,
@@ -337,10 +352,11 @@ impl PserverClient {
                     seq: state.seq,
                     step: state.pulled_step,
                     weight,
+                    rows,
                 }
             })
             .collect();
-        let replies = self.exchange(&parts, calls, Some(grads), None).await?;
+        let replies = self.exchange(&parts, calls, Some(grads), &extra, None).await?;
         // Per shard: stale if any part was; else taken if any part was (the
         // rest were retries of parts already taken).
         let mut outcomes: Vec<(u32, Option<u64>, bool)> = Vec::new();
@@ -383,21 +399,37 @@ impl PserverClient {
     /// each shard applies the push and answers with its parameters after it.
     /// Sync pservers refuse it.
     pub async fn push_pull(&mut self, grads: &ParamBuf, weight: f32, params: &mut ParamBuf) -> Result<()> {
+        self.push_pull_rows(grads, &[], weight, params).await
+    }
+
+    /// [`push_pull`](Self::push_pull) with row gradients, as
+    /// [`push_rows`](Self::push_rows) sends them (the rows are pushed, the
+    /// dense parameters pulled back).
+    pub async fn push_pull_rows(
+        &mut self,
+        grads: &ParamBuf,
+        rows: &[TableGrads<'_>],
+        weight: f32,
+        params: &mut ParamBuf,
+    ) -> Result<()> {
         let fingerprint = self.inner.placement.fingerprint();
-        let all: Vec<u32> = self.inner.shards_with_blocks().collect();
+        let all: Vec<u32> = self.inner.shards_in_use().collect();
         let parts = self.parts(&all);
+        let (metas, extra) = self.route_rows(&parts, rows)?;
         let calls = parts
             .iter()
-            .map(|part| PsRequest::PushPull {
+            .zip(metas)
+            .map(|(part, rows)| PsRequest::PushPull {
                 shard: part.index,
                 fingerprint,
                 blocks: part.blocks,
                 trainer: self.inner.trainer.clone(),
                 seq: self.shards[part.index as usize].seq,
                 weight,
+                rows,
             })
             .collect();
-        let replies = self.exchange(&parts, calls, Some(grads), Some(params)).await?;
+        let replies = self.exchange(&parts, calls, Some(grads), &extra, Some(params)).await?;
         let mut steps: Vec<(u32, u64)> = Vec::new();
         for (part, reply) in replies {
             let PsReply::PushedPulled { step, .. } = reply else {
@@ -417,6 +449,157 @@ impl PserverClient {
             shard.acknowledged += 1;
             shard.next_step = None;
             self.pulled(index, step);
+        }
+        Ok(())
+    }
+
+    /// Row gradients sorted to their shards: per part of `parts`, its
+    /// request's row descriptions and their values' bytes (only the first
+    /// part of each shard carries any, see [`crate::Push`]). Errors for a
+    /// table that does not exist or values that do not fit its dim.
+    fn route_rows(
+        &self,
+        parts: &[Part],
+        rows: &[TableGrads<'_>],
+    ) -> Result<RoutedRows> {
+        let placement = &self.inner.placement;
+        let mut metas: Vec<Vec<TableRows>> = parts.iter().map(|_| Vec::new()).collect();
+        let mut bytes: Vec<Vec<u8>> = parts.iter().map(|_| Vec::new()).collect();
+        if rows.is_empty() {
+            return Ok((metas, bytes));
+        }
+        // The first part of each shard.
+        let mut first: HashMap<u32, usize> = HashMap::new();
+        for (k, part) in parts.iter().enumerate() {
+            first.entry(part.index).or_insert(k);
+        }
+        for r in rows {
+            let dim = check_table_rows(placement, r.table, r.ids.len(), r.grads.len())?;
+            let mut by_part: HashMap<usize, usize> = HashMap::new();
+            for (id, g) in r.ids.iter().zip(r.grads.chunks_exact(dim)) {
+                let shard = placement.row_shard(r.table, *id).unwrap_or_default();
+                let Some(&k) = first.get(&shard) else { continue };
+                let at = *by_part.entry(k).or_insert_with(|| {
+                    metas[k].push(TableRows { table: r.table, ids: Vec::new() });
+                    metas[k].len() - 1
+                });
+                metas[k][at].ids.push(*id);
+                bytes[k].extend_from_slice(&oar_transport::f32s_as_le_bytes(g));
+            }
+        }
+        Ok((metas, bytes))
+    }
+
+    /// Pull rows of the sparse tables: for each `(table, ids)` of `rows`,
+    /// the ids' values into `out` (same position, `ids.len() * dim` values,
+    /// replaced). One call per pserver for all the shards it is primary
+    /// of; a shard that moved is asked again where the map points. In sync
+    /// mode after a push, waits for the step that push belongs to, as
+    /// [`pull`](Self::pull) does. A row not created yet reads as its
+    /// initial value.
+    pub async fn pull_rows(&mut self, rows: &[(u32, &[u64])], out: &mut [Vec<f32>]) -> Result<()> {
+        let placement = self.inner.placement.clone();
+        if out.len() != rows.len() {
+            return Err(Error::Protocol(format!("{} outputs for {} tables' rows", out.len(), rows.len())));
+        }
+        // Per shard, per request table: (positions in the caller's ids).
+        let mut wanted: std::collections::BTreeMap<u32, Vec<(usize, Vec<usize>)>> = Default::default();
+        for (k, (table, ids)) in rows.iter().enumerate() {
+            let dim =
+                check_table_rows(&placement, *table, ids.len(), ids.len() * dim_of(&placement, *table))?;
+            out[k].clear();
+            out[k].resize(ids.len() * dim, 0.0);
+            for (i, id) in ids.iter().enumerate() {
+                let shard = placement.row_shard(*table, *id).unwrap_or_default();
+                let per = wanted.entry(shard).or_default();
+                match per.iter_mut().find(|(t, _)| *t == k) {
+                    Some((_, at)) => at.push(i),
+                    None => per.push((k, vec![i])),
+                }
+            }
+        }
+        let fingerprint = placement.fingerprint();
+        let deadline = tokio::time::Instant::now() + self.inner.retry.give_up_after;
+        let mut pending: Vec<u32> = wanted.keys().copied().collect();
+        while !pending.is_empty() {
+            // One call per pserver: group the shards by their primary now.
+            let topology = self.inner.topology().await?.current();
+            let mut groups: std::collections::BTreeMap<String, Vec<u32>> = Default::default();
+            for &shard in &pending {
+                let name = topology.primary_addr(shard).map(|(name, _)| name.to_string()).unwrap_or_default();
+                groups.entry(name).or_default().push(shard);
+            }
+            let calls = groups.into_values().map(|shards| {
+                let request = PsRequest::PullRows {
+                    fingerprint,
+                    shards: shards
+                        .iter()
+                        .map(|&shard| ShardRows {
+                            shard,
+                            tables: wanted[&shard]
+                                .iter()
+                                .map(|(k, at)| TableRows {
+                                    table: rows[*k].0,
+                                    ids: at.iter().map(|&i| rows[*k].1[i]).collect(),
+                                })
+                                .collect(),
+                        })
+                        .collect(),
+                    min_step: shards.iter().filter_map(|&s| self.shards[s as usize].next_step).max(),
+                    max_wait_ms: PULL_WAIT.as_millis() as u64,
+                };
+                let inner = &self.inner;
+                async move {
+                    let mut payload = Collected::default();
+                    let reply = inner.call(shards[0], &request, &[], &mut payload).await;
+                    (shards, reply, payload.0)
+                }
+            });
+            let mut waiting = Vec::new();
+            for (shards, reply, payload) in oar_transport::join_all(calls).await {
+                let answers = match reply? {
+                    PsReply::PulledRows { shards: answers } if answers.len() == shards.len() => answers,
+                    other => return Err(Error::Protocol(format!("a row pull was answered with {other:?}"))),
+                };
+                let mut values =
+                    payload.chunks_exact(4).map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]));
+                for (shard, answer) in shards.into_iter().zip(answers) {
+                    match answer {
+                        PulledShard::Rows { .. } => {
+                            for (k, at) in &wanted[&shard] {
+                                let dim = dim_of(&placement, rows[*k].0);
+                                for &i in at {
+                                    for v in &mut out[*k][i * dim..(i + 1) * dim] {
+                                        *v = values.next().ok_or_else(|| {
+                                            Error::Protocol(format!("shard {shard}'s rows ended early"))
+                                        })?;
+                                    }
+                                }
+                            }
+                        }
+                        PulledShard::NotReady { .. } | PulledShard::NotPrimary { .. } => waiting.push(shard),
+                    }
+                }
+                if values.next().is_some() {
+                    return Err(Error::Protocol("a row pull's payload is longer than its rows".into()));
+                }
+            }
+            if !waiting.is_empty() {
+                if tokio::time::Instant::now() >= deadline {
+                    return Err(Error::BarrierTimeout {
+                        shards: waiting,
+                        waited: self.inner.retry.give_up_after,
+                    });
+                }
+                let topology = self.inner.topology().await?;
+                topology
+                    .newer_than(
+                        topology.current().map.as_ref().map_or(0, |m| m.version()),
+                        Duration::from_millis(50),
+                    )
+                    .await;
+            }
+            pending = waiting;
         }
         Ok(())
     }
@@ -449,13 +632,10 @@ impl PserverClient {
 
     /// One call without blocks to every shard that holds blocks.
     async fn on_all(&self, make: impl FnMut(u32) -> PsRequest) -> Result<Vec<(u32, PsReply)>> {
-        let all: Vec<Part> = self
-            .inner
-            .shards_with_blocks()
-            .map(|index| Part { index, blocks: BlockSpan::new(0, 0) })
-            .collect();
+        let all: Vec<Part> =
+            self.inner.shards_in_use().map(|index| Part { index, blocks: BlockSpan::new(0, 0) }).collect();
         let calls = all.iter().map(|part| part.index).map(make).collect();
-        let replies = self.exchange(&all, calls, None, None).await?;
+        let replies = self.exchange(&all, calls, None, &[], None).await?;
         Ok(replies.into_iter().map(|(part, reply)| (part.index, reply)).collect())
     }
 
@@ -470,6 +650,7 @@ impl PserverClient {
         parts: &[Part],
         requests: Vec<PsRequest>,
         grads: Option<&ParamBuf>,
+        extra: &[Vec<u8>],
         params: Option<&mut ParamBuf>,
     ) -> Result<Vec<(Part, PsReply)>> {
         let placement = &self.inner.placement;
@@ -479,14 +660,21 @@ impl PserverClient {
         };
         let payloads: Vec<Vec<std::borrow::Cow<'_, [u8]>>> = parts
             .iter()
-            .map(|part| match grads {
-                Some(grads) => part_blocks(placement, part)
-                    .map(|b| {
-                        let param = grads.param(b.id.param as usize);
-                        oar_transport::f32s_as_le_bytes(&param[b.offset..b.offset + b.len])
-                    })
-                    .collect(),
-                None => Vec::new(),
+            .enumerate()
+            .map(|(k, part)| {
+                let mut pieces: Vec<std::borrow::Cow<'_, [u8]>> = match grads {
+                    Some(grads) => part_blocks(placement, part)
+                        .map(|b| {
+                            let param = grads.param(b.id.param as usize);
+                            oar_transport::f32s_as_le_bytes(&param[b.offset..b.offset + b.len])
+                        })
+                        .collect(),
+                    None => Vec::new(),
+                };
+                if let Some(rows) = extra.get(k).filter(|r| !r.is_empty()) {
+                    pieces.push(std::borrow::Cow::Borrowed(rows.as_slice()));
+                }
+                pieces
             })
             .collect();
         let message_bytes: usize = payloads.iter().flatten().map(|p| p.len()).sum::<usize>()
@@ -592,9 +780,46 @@ impl PserverClient {
     }
 }
 
+/// Per part of a push: its request's row descriptions, and their values' bytes.
+type RoutedRows = (Vec<Vec<TableRows>>, Vec<Vec<u8>>);
+
+/// One sparse table's row gradients for a push: `grads` holds
+/// `ids.len() * dim` values, row after row. Ids must be unique (sum a
+/// batch's gradients per id first).
+#[derive(Clone, Copy, Debug)]
+pub struct TableGrads<'a> {
+    /// The table's index in [`Placement::tables`].
+    pub table: u32,
+    /// The rows.
+    pub ids: &'a [u64],
+    /// Their gradients.
+    pub grads: &'a [f32],
+}
+
+/// The dim of table `table` (0 if it does not exist).
+fn dim_of(placement: &Placement, table: u32) -> usize {
+    placement.tables().get(table as usize).map_or(0, |t| t.dim)
+}
+
+/// Table `table` exists and `values` fit `ids` rows of it: its dim.
+fn check_table_rows(placement: &Placement, table: u32, ids: usize, values: usize) -> Result<usize> {
+    let tables = placement.tables();
+    let t = tables.get(table as usize).ok_or(crate::Error::NoSuchTable { table, tables: tables.len() })?;
+    if values != ids * t.dim {
+        return Err(crate::Error::RowGradLength {
+            table: t.name.clone(),
+            expected: ids * t.dim,
+            got: values,
+        }
+        .into());
+    }
+    Ok(t.dim)
+}
+
 /// Each of `shards`' blocks, cut into parts of at most `max_bytes` (a
 /// larger block alone), in shard then block order. Shards without blocks
-/// have no part.
+/// have no part, or, in a job with sparse tables, one without blocks (for
+/// their rows).
 fn cut_parts(placement: &Placement, shards: &[u32], max_bytes: usize) -> Vec<Part> {
     let mut parts = Vec::new();
     for &index in shards {
@@ -608,7 +833,7 @@ fn cut_parts(placement: &Placement, shards: &[u32], max_bytes: usize) -> Vec<Par
             bytes += len;
             end += 1;
         }
-        if end > start {
+        if end > start || (end == 0 && !placement.tables().is_empty()) {
             parts.push(Part { index, blocks: BlockSpan::new(start, end) });
         }
     }
@@ -766,9 +991,11 @@ impl Inner {
         self.topology.get_or_try_init(|| TopologyWatch::start(self.discovery.clone(), &self.keys)).await
     }
 
-    /// The shards that hold at least one block (the others take no call).
-    fn shards_with_blocks(&self) -> impl Iterator<Item = u32> + '_ {
-        (0..self.placement.servers()).filter(|&s| self.placement.blocks_on(s).next().is_some())
+    /// The shards that hold at least one block, or every shard in a job
+    /// with sparse tables (the others take no call).
+    fn shards_in_use(&self) -> impl Iterator<Item = u32> + '_ {
+        let tables = !self.placement.tables().is_empty();
+        (0..self.placement.servers()).filter(move |&s| tables || self.placement.blocks_on(s).next().is_some())
     }
 
     /// A connection to shard `index`'s primary, with its name and the map's

@@ -298,9 +298,113 @@ pub enum Error {
     /// A stored shard map that does not decode or breaks its rules.
     #[error("bad shard map: {0}")]
     BadShardMap(String),
+    /// Two sparse tables of one model share a name.
+    #[error("sparse table name {name:?} is used twice")]
+    DuplicateTable {
+        /// The repeated name.
+        name: String,
+    },
+    /// A push or pull names a sparse table the model does not have.
+    #[error("sparse table #{table} does not exist: the model has {tables}")]
+    NoSuchTable {
+        /// The table index asked for.
+        table: u32,
+        /// How many tables there are.
+        tables: usize,
+    },
+    /// One push carries two row gradients for one table.
+    #[error("{who} pushed rows of sparse table {table:?} twice in one push")]
+    TableTwice {
+        /// The trainer (or "the primary").
+        who: String,
+        /// The table.
+        table: String,
+    },
+    /// Rows in a push part that is not the push's first (see `Push`).
+    #[error(
+        "{trainer} pushed rows in a part that is not its push's first (rows travel with the first block)"
+    )]
+    RowsNotInFirstPart {
+        /// The trainer.
+        trainer: String,
+    },
+    /// A row sent to a shard that does not hold it.
+    #[error("{who}: row {id} of table {table:?} belongs to shard {owner}, not shard {shard}")]
+    RowNotOnShard {
+        /// What carried it ("a pull", a trainer, "the primary").
+        who: String,
+        /// The table.
+        table: String,
+        /// The row.
+        id: u64,
+        /// The shard it was sent to.
+        shard: u32,
+        /// The shard that holds it.
+        owner: u32,
+    },
     /// A recorded `CheckpointInfo` (e.g. read back from discovery) did not decode.
     #[error("bad checkpoint record: {0}")]
     BadCheckpointRecord(String),
+    /// A sparse table's spec, policy or optimizer slots are invalid, or a
+    /// snapshot restored into a table it does not fit.
+    #[error("sparse table {table:?}: {reason}")]
+    BadTable {
+        /// The table's name.
+        table: String,
+        /// What is wrong.
+        reason: String,
+    },
+    /// A row gradient's length is not the number of ids times the table's dim.
+    #[error("sparse table {table:?}: row gradient has {got} values, expected {expected}")]
+    RowGradLength {
+        /// The table's name.
+        table: String,
+        /// `ids.len() * dim`.
+        expected: usize,
+        /// The gradient's length.
+        got: usize,
+    },
+    /// A row gradient holds NaN or an infinity.
+    #[error("sparse table {table:?}: gradient of row {id} has non-finite value {value} at index {index}")]
+    RowNonFinite {
+        /// The table's name.
+        table: String,
+        /// The row's id.
+        id: u64,
+        /// Index inside the row.
+        index: usize,
+        /// The value found.
+        value: f32,
+    },
+    /// A row id appears twice in one pull or push.
+    #[error("sparse table {table:?}: row {id} appears more than once in one call")]
+    DuplicateRow {
+        /// The table's name.
+        table: String,
+        /// The repeated id.
+        id: u64,
+    },
+    /// A pull or push names more rows than one call may.
+    #[error("sparse table {table:?}: {got} rows in one call, at most {max} allowed")]
+    TooManyRows {
+        /// The table's name.
+        table: String,
+        /// Rows in the call.
+        got: usize,
+        /// The limit.
+        max: usize,
+    },
+    /// A restored row or candidate is invalid (a length, a non-finite
+    /// value, a zero count) or does not fit the table (over its cap).
+    #[error("sparse table {table:?}: restore of row {id}: {reason}")]
+    RestoreRow {
+        /// The table's name.
+        table: String,
+        /// The row's id.
+        id: u64,
+        /// What is wrong.
+        reason: String,
+    },
 }
 
 /// The crate's result type.

@@ -105,7 +105,7 @@
 //!
 //! // A trainer pushes a gradient of ones for every block of this shard.
 //! let grads = placement.blocks_on(1).map(|b| (b.id, vec![1.0; b.len].into())).collect();
-//! let push = Push { trainer: "trainer-0".into(), seq: 1, step: 0, weight: 1.0, grads };
+//! let push = Push { trainer: "trainer-0".into(), seq: 1, step: 0, weight: 1.0, grads, rows: Vec::new() };
 //! assert_eq!(store.push(push.clone())?, PushOutcome::Applied { step: 1 });
 //! // A retry of the same push is not applied twice.
 //! assert_eq!(store.push(push)?, PushOutcome::Duplicate);
@@ -136,6 +136,7 @@ pub mod rng;
 #[cfg(feature = "service")]
 pub mod service;
 pub mod shard_map;
+pub mod sparse;
 pub mod spec;
 pub mod store;
 #[cfg(feature = "service")]
@@ -157,5 +158,9 @@ pub use rng::{hash_str, SplitMix64};
 #[cfg(feature = "service")]
 pub use service::{OptimizerFactory, PrimaryAtStop, Pserver, PserverKeys, PserverOptions};
 pub use shard_map::{Health, PserverId, Role, ShardMap};
+pub use sparse::{
+    init_row, row_bytes, row_shard, Candidate, Eviction, RowPolicy, RowRecord, SparseTable, TableSnapshot,
+    TableSpec, TableStats,
+};
 pub use spec::{init_values, validate_specs, Init, ParamBuf, ParamSpec};
-pub use store::{CompletedStep, Grad, Mode, ParamStore, Push, PushOutcome, StoreSnapshot};
+pub use store::{CompletedStep, Grad, Mode, ParamStore, Push, PushOutcome, RowGrads, StoreSnapshot};

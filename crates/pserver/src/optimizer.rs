@@ -48,6 +48,25 @@ pub trait Optimizer: Send + Sync + 'static {
     /// (A rule that panics stops the pserver: see the `service` module.)
     fn apply(&self, params: &mut [f32], grad: &[f32], state: &mut OptimizerState);
 
+    /// One row's update (a sparse table's row, see [`crate::sparse`]): like
+    /// [`apply`](Self::apply), with the state as a step counter and slot
+    /// slices (slot `k` of the row at `slots[k * params.len()..]`), because a
+    /// table keeps each row's state inline with its values rather than as an
+    /// [`OptimizerState`]. Each row counts its own `step`, so Adam's bias
+    /// correction is per row ("lazy Adam").
+    ///
+    /// The default builds an [`OptimizerState`], calls `apply` and copies the
+    /// state back (an allocation per row), so a user's rule that implements
+    /// only `apply` works on rows too; the built-ins override it to run on
+    /// the slices directly, with the same bits as `apply`.
+    fn apply_row(&self, params: &mut [f32], grad: &[f32], step: &mut u64, slots: &mut [f32]) {
+        let mut state = OptimizerState { step: *step, slots: slots.to_vec() };
+        self.apply(params, grad, &mut state);
+        *step = state.step;
+        let n = slots.len().min(state.slots.len());
+        slots[..n].copy_from_slice(&state.slots[..n]);
+    }
+
     /// Fresh state for a block of `len` elements: step 0, all slots zero.
     fn new_state(&self, len: usize) -> OptimizerState {
         OptimizerState { step: 0, slots: vec![0.0; self.state_slots().saturating_mul(len)] }
@@ -76,8 +95,9 @@ trait Kernel {
 
 /// The built-in rules' [`Optimizer::apply`]: `K`'s update over the common
 /// prefix of `params`, `grad` and each slot array (slot `k` is
-/// `state.slots[k * len..]`, cut to `len` and to what exists), then the step
-/// counted.
+/// `slots[k * len..]`, cut to `len` and to what exists), then the step
+/// counted. [`Optimizer::apply`] passes its [`OptimizerState`]'s fields,
+/// [`Optimizer::apply_row`] a table row's slices: one loop for both.
 ///
 /// Two slots go in runs of [`RUN`] elements, each run of both slots read
 /// into locals before either is written back. Why: the two slots are one
@@ -87,12 +107,12 @@ trait Kernel {
 /// CPU like it may depend on it (4K aliasing). Element by element Adam ran
 /// 4x slower on this project's AMD EPYC machine (7 GB/s instead of 20-30).
 /// The arithmetic per element is the same either way.
-fn apply_kernel<K: Kernel>(rule: &K, params: &mut [f32], grad: &[f32], state: &mut OptimizerState) {
-    let t = state.step.saturating_add(1);
+fn apply_kernel<K: Kernel>(rule: &K, params: &mut [f32], grad: &[f32], step: &mut u64, slots: &mut [f32]) {
+    let t = step.saturating_add(1);
     let k = rule.step(t);
     let len = params.len();
-    let cut = len.min(state.slots.len());
-    let (s0, rest) = state.slots.split_at_mut(cut);
+    let cut = len.min(slots.len());
+    let (s0, rest) = slots.split_at_mut(cut);
     let cut = len.min(rest.len());
     let s1 = &mut rest[..cut];
     match K::SLOTS {
@@ -127,7 +147,7 @@ fn apply_kernel<K: Kernel>(rule: &K, params: &mut [f32], grad: &[f32], state: &m
             two_slots::<K>(k, p, g, a_runs.into_remainder(), b_runs.into_remainder());
         }
     }
-    state.step = t;
+    *step = t;
 }
 
 /// `K`'s update over elements with two slots, element by element.
@@ -154,7 +174,10 @@ macro_rules! builtin {
                 <$rule as Kernel>::SLOTS
             }
             fn apply(&self, params: &mut [f32], grad: &[f32], state: &mut OptimizerState) {
-                apply_kernel(self, params, grad, state);
+                apply_kernel(self, params, grad, &mut state.step, &mut state.slots);
+            }
+            fn apply_row(&self, params: &mut [f32], grad: &[f32], step: &mut u64, slots: &mut [f32]) {
+                apply_kernel(self, params, grad, step, slots);
             }
         }
     )*};
@@ -555,6 +578,49 @@ mod tests {
                 assert_eq!(bits(&p), bits(&want_p), "{} n = {n}: parameters", opt.name());
                 assert_eq!(bits(&st.slots), bits(&want_st.slots), "{} n = {n}: slots", opt.name());
                 assert_eq!(st.step, 5);
+            }
+        }
+    }
+
+    /// A user's rule that implements only `apply` (SGD with a step-scaled
+    /// rate and a running sum in its one slot).
+    struct Decaying;
+
+    impl Optimizer for Decaying {
+        fn name(&self) -> &str {
+            "decaying"
+        }
+        fn state_slots(&self) -> usize {
+            1
+        }
+        fn apply(&self, params: &mut [f32], grad: &[f32], state: &mut OptimizerState) {
+            state.step += 1;
+            let lr = 0.5 / state.step as f32;
+            for ((p, &g), s) in params.iter_mut().zip(grad).zip(&mut state.slots) {
+                *s += g;
+                *p -= lr * g;
+            }
+        }
+    }
+
+    #[test]
+    fn apply_row_gives_the_bits_of_apply() {
+        for n in [0, 1, RUN - 1, RUN + 1, 3 * RUN + 5, 200] {
+            let user: Box<dyn Optimizer> = Box::new(Decaying);
+            for opt in builtins().into_iter().chain([user]) {
+                let mut p = random(n, 1);
+                let slots: Vec<f32> = random(opt.state_slots() * n, 3).iter().map(|x| x.abs()).collect();
+                let mut st = OptimizerState { step: 2, slots };
+                let (mut row_p, mut row_step, mut row_slots) = (p.clone(), st.step, st.slots.clone());
+                for step in 0..3 {
+                    let g = random(n, 10 + step);
+                    opt.apply(&mut p, &g, &mut st);
+                    opt.apply_row(&mut row_p, &g, &mut row_step, &mut row_slots);
+                }
+                let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+                assert_eq!(bits(&p), bits(&row_p), "{} n = {n}: parameters", opt.name());
+                assert_eq!(bits(&st.slots), bits(&row_slots), "{} n = {n}: slots", opt.name());
+                assert_eq!((st.step, row_step), (5, 5), "{}", opt.name());
             }
         }
     }

@@ -10,6 +10,7 @@ use std::collections::BinaryHeap;
 use crate::block::BlockId;
 use crate::error::{Error, Result};
 use crate::rng::Fnv64;
+use crate::sparse::{row_shard, TableSpec};
 use crate::spec::{validate_specs, ParamSpec};
 
 /// Where one block lives and which elements of its parameter it covers.
@@ -45,6 +46,8 @@ pub struct Placement {
     by_server: Vec<Vec<usize>>,
     /// Elements held by each shard.
     loads: Vec<usize>,
+    /// Sparse tables: their rows go to shard `row_shard(name, id, servers)`.
+    tables: Vec<TableSpec>,
     fingerprint: u64,
 }
 
@@ -137,8 +140,54 @@ impl Placement {
             first,
             by_server,
             loads,
+            tables: Vec::new(),
             fingerprint: h.finish(),
         })
+    }
+
+    /// This placement with sparse tables beside its dense blocks. A row of
+    /// table `t` lives on shard [`row_shard`]`(name, id, servers)` and
+    /// replicates and moves with that shard. The tables' names, dims,
+    /// initialisers and row policies join the fingerprint (they must agree
+    /// on every pserver and trainer).
+    ///
+    /// Errors: an invalid table spec, two tables of one name, more tables
+    /// than fit in a `u32`.
+    pub fn with_tables(mut self, tables: Vec<TableSpec>) -> Result<Self> {
+        let mut names = std::collections::BTreeSet::new();
+        for table in &tables {
+            table.validate()?;
+            if !names.insert(table.name.as_str()) {
+                return Err(Error::DuplicateTable { name: table.name.clone() });
+            }
+        }
+        if u32::try_from(tables.len()).is_err() {
+            return Err(Error::DuplicateTable { name: format!("{} tables", tables.len()) });
+        }
+        let mut h = Fnv64::new();
+        h.write_u64(self.fingerprint);
+        h.write_u64(tables.len() as u64);
+        for table in &tables {
+            // Name, dim, initialiser and policy all count (every process
+            // runs the same build, so the debug form is the same).
+            let text = format!("{table:?}");
+            h.write_u64(text.len() as u64);
+            h.write(text.as_bytes());
+        }
+        self.fingerprint = h.finish();
+        self.tables = tables;
+        Ok(self)
+    }
+
+    /// The sparse tables, in the order pushes and pulls number them.
+    pub fn tables(&self) -> &[TableSpec] {
+        &self.tables
+    }
+
+    /// The shard holding row `id` of table `table` (an index into
+    /// [`tables`](Self::tables)); `None` for a table that does not exist.
+    pub fn row_shard(&self, table: u32, id: u64) -> Option<u32> {
+        self.tables.get(table as usize).map(|t| row_shard(&t.name, id, self.servers))
     }
 
     /// Every block, in [`BlockId`] order.

@@ -89,6 +89,10 @@ pub enum PsRequest {
         step: u64,
         /// Examples behind the gradient (weights the sync combination).
         weight: f32,
+        /// Row gradients of the sparse tables (in the push's first part
+        /// only, see [`crate::Push`]); their values follow the blocks' in
+        /// the payload.
+        rows: Vec<TableRows>,
     },
     /// The parameters of the blocks `blocks` of `shard`.
     Pull {
@@ -119,6 +123,23 @@ pub enum PsRequest {
         seq: u64,
         /// Examples behind the gradient.
         weight: f32,
+        /// Row gradients, as in [`PsRequest::Push`] (pushed, not pulled back).
+        rows: Vec<TableRows>,
+    },
+    /// Rows of sparse tables, of every shard named that this pserver is
+    /// the primary of: one call per pserver for a batch's rows. Answered
+    /// [`PsReply::PulledRows`]; the values, shard by shard and table by
+    /// table in request order, in the payload.
+    PullRows {
+        /// Placement fingerprint.
+        fingerprint: u64,
+        /// The rows wanted, by shard.
+        shards: Vec<ShardRows>,
+        /// Sync mode: wait until each shard reached this step.
+        min_step: Option<u64>,
+        /// How long the server may wait for `min_step` before answering a
+        /// shard `ready: false`.
+        max_wait_ms: u64,
     },
     /// Primary to follower: updates of `shard`, in order, the first numbered
     /// `updates[0].seq`. The payload holds their gradients, one after the
@@ -186,6 +207,46 @@ pub enum PsRequest {
     Status,
 }
 
+/// Rows of one sparse table in a call: their ids (values, `ids.len() *
+/// dim` floats, in the payload).
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct TableRows {
+    /// The table's index in [`crate::Placement::tables`].
+    pub table: u32,
+    /// The rows.
+    pub ids: Vec<u64>,
+}
+
+/// The rows a [`PsRequest::PullRows`] wants of one shard.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct ShardRows {
+    /// The logical shard.
+    pub shard: u32,
+    /// Its rows wanted, per table.
+    pub tables: Vec<TableRows>,
+}
+
+/// How one shard of a [`PsRequest::PullRows`] was answered.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub enum PulledShard {
+    /// Its rows are in the payload, as of this step.
+    Rows {
+        /// The shard's step.
+        step: u64,
+    },
+    /// Not before `min_step` came: no values in the payload.
+    NotReady {
+        /// The shard's step.
+        step: u64,
+    },
+    /// This pserver is not its primary (under map `map_version`): no
+    /// values; look it up again.
+    NotPrimary {
+        /// The map version this pserver serves under.
+        map_version: u64,
+    },
+}
+
 /// One forwarded update's description; its values are in the payload.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub struct UpdateMeta {
@@ -211,6 +272,8 @@ pub enum UpdateKind {
         weight: f32,
         /// Its blocks, in payload order.
         blocks: Vec<BlockId>,
+        /// Its row gradients, after the blocks in the payload.
+        rows: Vec<TableRows>,
     },
     /// A trainer joined the barrier.
     Join(String),
@@ -223,6 +286,8 @@ pub enum UpdateKind {
         step: u64,
         /// The updated blocks, in payload order.
         blocks: Vec<BlockId>,
+        /// The combined row gradients, after the blocks in the payload.
+        rows: Vec<TableRows>,
         /// The (trainer, seq) of every push the step took, so that the
         /// followers deduplicate a retried push as the primary does.
         seqs: Vec<(String, u64)>,
@@ -301,6 +366,11 @@ pub enum PsReply {
         step: u64,
         /// False when `min_step` was not reached in time (no payload then).
         ready: bool,
+    },
+    /// Answer to [`PsRequest::PullRows`], shard by shard in request order.
+    PulledRows {
+        /// Each shard's answer.
+        shards: Vec<PulledShard>,
     },
     /// Answer to [`PsRequest::PushPull`]: what happened to the push, and
     /// the parameters after it in the payload.

@@ -10,6 +10,7 @@ use crate::block::BlockId;
 use crate::error::{Error, Result};
 use crate::optimizer::{Optimizer, OptimizerState};
 use crate::placement::Placement;
+use crate::sparse::{row_shard, SparseTable, TableSnapshot, MAX_ROWS_PER_CALL};
 use crate::spec::init_values;
 
 /// How pushes become updates.
@@ -110,12 +111,33 @@ fn first_non_finite(bytes: &[u8]) -> Option<(usize, f32)> {
     None
 }
 
-/// One trainer's gradients for some or all of the blocks a server holds.
+/// One sparse table's row gradients in a push: `grads` holds
+/// `ids.len() * dim` values, row after row, in `ids` order.
+#[derive(Clone, Debug, PartialEq)]
+pub struct RowGrads {
+    /// The table: its index in [`Placement::tables`].
+    pub table: u32,
+    /// The rows, each once, all of this shard
+    /// ([`Placement::row_shard`]).
+    pub ids: Vec<u64>,
+    /// Their gradients.
+    pub grads: Grad,
+}
+
+/// One trainer's gradients for some or all of the blocks a server holds,
+/// and for the rows of its sparse tables.
 ///
 /// A large gradient may come in parts (the client cuts a shard's blocks
 /// into messages of bounded size, so neither side holds the whole of it
 /// at once): each part is a `Push` with the same `seq` and its own blocks.
 /// The push is whole once every held block has come under that `seq`.
+///
+/// In a job with sparse tables, the row gradients travel in the push's
+/// **first part**: the one carrying the shard's first block, or the only
+/// part of a shard that holds no block. That part carries `rows` even if
+/// empty (a trainer that touched no row of the shard), and no other part
+/// carries any: so the rows are taken once with their part, and the sync
+/// barrier knows when every member's rows are in.
 #[derive(Clone, Debug, PartialEq)]
 pub struct Push {
     /// Trainer id; also the order in which sync gradients are summed.
@@ -132,8 +154,12 @@ pub struct Push {
     /// mini-batch size. Async: validated but not used (the gradient is
     /// applied as is).
     pub weight: f32,
-    /// One gradient per block of this part (at least one), in any order.
+    /// One gradient per block of this part (at least one, unless the
+    /// shard holds no block), in any order.
     pub grads: Vec<(BlockId, Grad)>,
+    /// Row gradients per sparse table, each table at most once (see above:
+    /// only in the first part; empty in a job without tables).
+    pub rows: Vec<RowGrads>,
 }
 
 /// What a push did.
@@ -217,6 +243,8 @@ pub struct StoreSnapshot {
     /// Sync: the barrier's members (sorted).
     members: Vec<String>,
     blocks: Vec<(BlockId, Arc<BlockData>)>,
+    /// The sparse tables' rows (copy-on-write, like the blocks).
+    tables: Vec<TableSnapshot>,
     /// Sorted by trainer, so the same state always gives the same bytes.
     last_seqs: Vec<(String, u64)>,
     /// Where the blocks only this snapshot holds go when it is dropped.
@@ -284,6 +312,11 @@ impl StoreSnapshot {
     pub fn last_seqs(&self) -> impl ExactSizeIterator<Item = (&str, u64)> + '_ {
         self.last_seqs.iter().map(|(t, s)| (t.as_str(), *s))
     }
+
+    /// The sparse tables' rows and statistics, in [`Placement::tables`] order.
+    pub fn tables(&self) -> &[TableSnapshot] {
+        &self.tables
+    }
 }
 
 impl std::fmt::Debug for StoreSnapshot {
@@ -323,11 +356,15 @@ impl std::fmt::Debug for StoreSnapshot {
 /// is kept only for information.
 pub struct ParamStore {
     server: u32,
+    /// How many shards the job has (to check a row belongs to this one).
+    shards: u32,
     mode: Mode,
     optimizer: Box<dyn Optimizer>,
     fingerprint: u64,
     /// In `BlockId` order.
     held: Vec<Held>,
+    /// This shard's rows of each sparse table, in [`Placement::tables`] order.
+    tables: Vec<SparseTable>,
     step: u64,
     /// Pushes applied over the store's life (see [`ParamStore::pushes`]).
     pushes: u64,
@@ -337,7 +374,12 @@ pub struct ParamStore {
     /// Sync: per held block, the gradients (weight, values) for the current
     /// step by trainer (sorted), until the block is updated.
     pending: Vec<BTreeMap<String, (f32, Grad)>>,
-    /// Sync: per held block, whether it is updated for the current step.
+    /// Sync, with tables: the row gradients (weight, rows) for the current
+    /// step by trainer, until the rows are updated. The rows count as one
+    /// more unit of the barrier after the blocks (see [`Push`]).
+    pending_rows: BTreeMap<String, (f32, Vec<RowGrads>)>,
+    /// Sync: per unit (held block, then the rows if the shard has tables),
+    /// whether it is updated for the current step.
     updated: Vec<bool>,
     /// Sync: how many blocks are updated for the current step.
     updated_count: usize,
@@ -349,7 +391,8 @@ pub struct ParamStore {
     step_prev_seqs: HashMap<String, Option<u64>>,
     /// Last accepted seq per trainer.
     last_seq: HashMap<String, u64>,
-    /// The blocks taken so far of a trainer's last push, while some are missing.
+    /// The units (blocks, then rows) taken so far of a trainer's last push,
+    /// while some are missing.
     partial: HashMap<String, Vec<bool>>,
     /// One block's combined gradient (sync), kept between steps.
     scratch: Vec<f32>,
@@ -369,6 +412,9 @@ pub struct CompletedStep {
     /// Each updated block's combined gradient, in block order. A step
     /// completed by its last members leaving may leave blocks out.
     pub grads: Vec<(BlockId, Vec<f32>)>,
+    /// The combined row gradients, per table that had any (ids sorted),
+    /// applied in that order.
+    pub rows: Vec<RowGrads>,
     /// The (trainer, seq) of every push it took, sorted: a follower
     /// records them, so a push retried on it once it is primary is a
     /// duplicate there too.
@@ -378,6 +424,7 @@ pub struct CompletedStep {
 #[derive(Debug, Default)]
 struct Recording {
     current: Vec<(usize, Vec<f32>)>,
+    current_rows: Vec<RowGrads>,
     completed: Vec<CompletedStep>,
 }
 
@@ -406,26 +453,29 @@ impl ParamStore {
         optimizer: Box<dyn Optimizer>,
         mode: Mode,
     ) -> Result<Self> {
-        Self::build(placement, server, Some(seed), optimizer, mode)
+        Self::build(placement, server, seed, true, optimizer, mode)
     }
 
     /// [`new`](Self::new) for a replica that restores every block before it
     /// serves (a catch-up from a snapshot): the blocks hold zeros, not
     /// their initial values, which would only be overwritten (computing
-    /// them is most of a new store's cost).
+    /// them is most of a new store's cost). `seed` still gives the initial
+    /// values of the sparse tables' rows not created yet.
     pub fn new_to_restore(
         placement: &Placement,
         server: u32,
+        seed: u64,
         optimizer: Box<dyn Optimizer>,
         mode: Mode,
     ) -> Result<Self> {
-        Self::build(placement, server, None, optimizer, mode)
+        Self::build(placement, server, seed, false, optimizer, mode)
     }
 
     fn build(
         placement: &Placement,
         server: u32,
-        seed: Option<u64>,
+        seed: u64,
+        init: bool,
         optimizer: Box<dyn Optimizer>,
         mode: Mode,
     ) -> Result<Self> {
@@ -438,25 +488,34 @@ impl ParamStore {
             .map(|b| {
                 let mut params = vec![0.0; b.len];
                 // Placement only creates blocks of existing parameters.
-                if let (Some(spec), Some(seed)) = (specs.get(b.id.param as usize), seed) {
+                if let (Some(spec), true) = (specs.get(b.id.param as usize), init) {
                     init_values(spec, seed, b.offset, &mut params);
                 }
                 Held { id: b.id, data: Arc::new(BlockData { params, state: optimizer.new_state(b.len) }) }
             })
             .collect();
+        let tables = placement
+            .tables()
+            .iter()
+            .map(|spec| SparseTable::new(spec.clone(), seed, optimizer.state_slots()))
+            .collect::<Result<Vec<_>>>()?;
         let blocks = held.len();
+        let units = blocks + usize::from(!tables.is_empty());
         Ok(Self {
             server,
+            shards: placement.servers(),
             mode,
             optimizer,
             fingerprint: placement.fingerprint(),
             held,
+            tables,
             step: 0,
             pushes: 0,
             members: BTreeSet::new(),
             joining: BTreeSet::new(),
             pending: (0..blocks).map(|_| BTreeMap::new()).collect(),
-            updated: vec![false; blocks],
+            pending_rows: BTreeMap::new(),
+            updated: vec![false; units],
             updated_count: 0,
             step_seqs: HashMap::new(),
             step_prev_seqs: HashMap::new(),
@@ -557,6 +616,7 @@ impl ParamStore {
             pushes: self.pushes,
             members: self.members(),
             blocks: self.held.iter().map(|h| (h.id, h.data.clone())).collect(),
+            tables: self.tables.iter().map(SparseTable::snapshot).collect(),
             last_seqs,
             spares: self.spares.clone(),
         })
@@ -588,7 +648,7 @@ impl ParamStore {
         // A push it left half taken will not be completed: forget which
         // parts came, so that checkpoints need not wait for it.
         self.partial.remove(trainer);
-        if self.mode == Mode::Sync && self.settle(0..self.held.len()) {
+        if self.mode == Mode::Sync && self.settle(0..self.units()) {
             Some(self.step)
         } else {
             None
@@ -620,17 +680,21 @@ impl ParamStore {
     /// mode, the step, a second push for the same step, and a newcomer
     /// while the step is underway. Any error leaves the store unchanged.
     pub fn push(&mut self, push: Push) -> Result<PushOutcome> {
-        let Push { trainer, seq, step, weight, grads } = push;
+        let Push { trainer, seq, step, weight, grads, rows } = push;
         let last = self.last_seq.get(&trainer).copied();
         let continues = last == Some(seq);
         if last.is_some_and(|last| seq < last) || (continues && !self.partial.contains_key(&trainer)) {
             return Ok(PushOutcome::Duplicate);
         }
         let grads = self.check_grads(&trainer, weight, grads)?;
+        let rows = self.check_rows(&trainer, &grads, rows)?;
+        let rows_unit = self.held.len();
+        let units: Vec<usize> =
+            grads.iter().map(|(i, _)| *i).chain(rows.as_ref().map(|_| rows_unit)).collect();
         if continues {
             let taken = &self.partial[&trainer];
-            let again = grads.iter().filter(|(i, _)| taken[*i]).count();
-            if again == grads.len() {
+            let again = units.iter().filter(|&&i| taken[i]).count();
+            if again == units.len() {
                 return Ok(PushOutcome::Duplicate);
             }
             if again > 0 {
@@ -644,8 +708,12 @@ impl ParamStore {
                     let d = Self::block_mut(&mut self.held, &self.spares, *i);
                     self.optimizer.apply(&mut d.params, g.floats(&mut scratch), &mut d.state);
                 }
+                for r in rows.iter().flatten() {
+                    let table = &mut self.tables[r.table as usize];
+                    table.apply(&r.ids, r.grads.floats(&mut scratch), self.step, self.optimizer.as_ref());
+                }
                 self.join(&trainer);
-                if self.take(&trainer, seq, grads.iter().map(|(i, _)| *i)) {
+                if self.take(&trainer, seq, units.into_iter()) {
                     self.step += 1;
                     self.pushes += 1;
                 }
@@ -662,18 +730,20 @@ impl ParamStore {
                     return Err(Error::AlreadyBuffered { step, seq, buffered_seq, trainer });
                 }
                 let newcomer = !self.members.contains(&trainer);
-                if (newcomer && self.step_underway()) || grads.iter().any(|(i, _)| self.updated[*i]) {
+                if (newcomer && self.step_underway()) || units.iter().any(|&i| self.updated[i]) {
                     return Err(Error::StepUnderway { trainer, step });
                 }
                 self.join(&trainer);
                 self.step_prev_seqs.entry(trainer.clone()).or_insert(last);
                 self.step_seqs.insert(trainer.clone(), seq);
-                self.take(&trainer, seq, grads.iter().map(|(i, _)| *i));
-                let blocks: Vec<usize> = grads.iter().map(|(i, _)| *i).collect();
+                self.take(&trainer, seq, units.iter().copied());
                 for (i, g) in grads {
                     self.pending[i].insert(trainer.clone(), (weight, g));
                 }
-                if self.settle(blocks) {
+                if let Some(rows) = rows {
+                    self.pending_rows.insert(trainer.clone(), (weight, rows));
+                }
+                if self.settle(units) {
                     Ok(PushOutcome::Applied { step: self.step })
                 } else {
                     Ok(PushOutcome::Buffered { step: self.step, waiting_for: self.waiting_for_count() })
@@ -707,7 +777,7 @@ impl ParamStore {
     /// step may be underway, and every gradient must be for a held block,
     /// once, of the right length and finite; else nothing changes.
     pub fn apply_step(&mut self, completed: CompletedStep) -> Result<()> {
-        let CompletedStep { step, grads, seqs } = completed;
+        let CompletedStep { step, grads, seqs, rows } = completed;
         if self.mode != Mode::Sync {
             return Err(Error::Replication(format!("step {step}: an async store takes pushes, not steps")));
         }
@@ -720,10 +790,15 @@ impl ParamStore {
         }
         let grads = grads.into_iter().map(|(id, g)| (id, Grad::Floats(g))).collect();
         let grads = self.check_grads("the primary", 1.0, grads)?;
+        self.check_row_grads("the primary", &rows)?;
         let mut scratch = Vec::new();
         for (i, g) in &grads {
             let d = Self::block_mut(&mut self.held, &self.spares, *i);
             self.optimizer.apply(&mut d.params, g.floats(&mut scratch), &mut d.state);
+        }
+        for r in &rows {
+            let table = &mut self.tables[r.table as usize];
+            table.apply(&r.ids, r.grads.floats(&mut scratch), self.step, self.optimizer.as_ref());
         }
         self.pushes += seqs.len() as u64;
         for (trainer, seq) in seqs {
@@ -777,6 +852,7 @@ impl ParamStore {
     pub fn set_step(&mut self, step: u64) {
         self.step = step;
         self.pending.iter_mut().for_each(BTreeMap::clear);
+        self.pending_rows.clear();
         self.updated.iter_mut().for_each(|u| *u = false);
         self.updated_count = 0;
         self.step_seqs.clear();
@@ -784,6 +860,7 @@ impl ParamStore {
         self.members.append(&mut self.joining);
         if let Some(r) = &mut self.recording {
             r.current.clear();
+            r.current_rows.clear();
         }
     }
 
@@ -878,11 +955,11 @@ impl ParamStore {
     /// makes the push whole.
     fn take(&mut self, trainer: &str, seq: u64, blocks: impl ExactSizeIterator<Item = usize>) -> bool {
         let fresh = self.last_seq.insert(trainer.to_string(), seq) != Some(seq);
-        if fresh && blocks.len() == self.held.len() {
+        let n = self.units();
+        if fresh && blocks.len() == n {
             self.partial.remove(trainer);
             return true;
         }
-        let n = self.held.len();
         let taken = self.partial.entry(trainer.to_string()).or_default();
         if fresh {
             taken.clear();
@@ -899,10 +976,24 @@ impl ParamStore {
     /// Whether member `m` has not pushed some block not yet updated (for a
     /// shard without blocks: has not pushed for the step).
     fn is_missing(&self, m: &str) -> bool {
-        if self.held.is_empty() {
+        if self.units() == 0 {
             return !self.step_seqs.contains_key(m);
         }
-        (0..self.held.len()).any(|i| !self.updated[i] && !self.pending[i].contains_key(m))
+        (0..self.units()).any(|i| !self.updated[i] && !self.pushed(i, m))
+    }
+
+    /// Sync: whether `m` pushed unit `i` (a block, or the rows) for the step.
+    fn pushed(&self, i: usize, m: &str) -> bool {
+        match self.pending.get(i) {
+            Some(pending) => pending.contains_key(m),
+            None => self.pending_rows.contains_key(m),
+        }
+    }
+
+    /// Units of the sync barrier and of a push: the held blocks, then the
+    /// rows if the shard has sparse tables.
+    fn units(&self) -> usize {
+        self.held.len() + usize::from(!self.tables.is_empty())
     }
 
     fn waiting_for_count(&self) -> usize {
@@ -914,27 +1005,37 @@ impl ParamStore {
     /// complete the step. True when the step completed.
     fn settle(&mut self, blocks: impl IntoIterator<Item = usize>) -> bool {
         for i in blocks {
-            let ready = !self.updated[i]
-                && !self.pending[i].is_empty()
-                && self.members.iter().all(|m| self.pending[i].contains_key(m));
-            if ready {
-                self.update_block(i);
+            let (empty, all) = match self.pending.get(i) {
+                Some(p) => (p.is_empty(), self.members.iter().all(|m| p.contains_key(m))),
+                None => (
+                    self.pending_rows.is_empty(),
+                    self.members.iter().all(|m| self.pending_rows.contains_key(m)),
+                ),
+            };
+            if !self.updated[i] && !empty && all {
+                if i < self.held.len() {
+                    self.update_block(i);
+                } else {
+                    self.update_rows(i);
+                }
             }
         }
-        let complete = if self.held.is_empty() {
+        let units = self.units();
+        let complete = if units == 0 {
             !self.step_seqs.is_empty() && !self.members.iter().any(|m| self.is_missing(m))
         } else {
-            self.updated_count > 0 && (self.updated_count == self.held.len() || self.members.is_empty())
+            self.updated_count > 0 && (self.updated_count == units || self.members.is_empty())
         };
         if complete {
             if let Some(r) = &mut self.recording {
                 let mut grads: Vec<(usize, Vec<f32>)> = std::mem::take(&mut r.current);
                 grads.sort_unstable_by_key(|(i, _)| *i);
                 let grads = grads.into_iter().map(|(i, g)| (self.held[i].id, g)).collect();
+                let rows = std::mem::take(&mut r.current_rows);
                 let mut seqs: Vec<(String, u64)> =
                     self.step_seqs.iter().map(|(t, &s)| (t.clone(), s)).collect();
                 seqs.sort_unstable();
-                r.completed.push(CompletedStep { step: self.step, grads, seqs });
+                r.completed.push(CompletedStep { step: self.step, grads, seqs, rows });
             }
             self.step += 1;
             self.pushes += self.step_seqs.len() as u64;
@@ -973,6 +1074,150 @@ impl ParamStore {
             r.current.push((i, self.scratch.clone()));
         }
         self.updated[i] = true;
+        self.updated_count += 1;
+    }
+}
+
+impl ParamStore {
+    /// This shard's rows of each sparse table, in [`Placement::tables`] order.
+    pub fn tables(&self) -> &[SparseTable] {
+        &self.tables
+    }
+
+    /// Table `table`, to restore rows into (from a checkpoint or a snapshot).
+    pub fn table_mut(&mut self, table: u32) -> Result<&mut SparseTable> {
+        let tables = self.tables.len();
+        self.tables.get_mut(table as usize).ok_or(Error::NoSuchTable { table, tables })
+    }
+
+    /// The values of rows `ids` of table `table` into `out` (`ids.len() *
+    /// dim`, replaced): a row not created yet (or expired) reads as its
+    /// initial value. Changes nothing: every change happens on push, so
+    /// followers that see only pushes stay identical to their primary.
+    ///
+    /// Errors: no such table, more ids than [`MAX_ROWS_PER_CALL`], an id of
+    /// another shard.
+    pub fn pull_rows(&self, table: u32, ids: &[u64], out: &mut Vec<f32>) -> Result<()> {
+        let t =
+            self.tables.get(table as usize).ok_or(Error::NoSuchTable { table, tables: self.tables.len() })?;
+        if ids.len() > MAX_ROWS_PER_CALL {
+            return Err(Error::TooManyRows {
+                table: t.spec().name.clone(),
+                got: ids.len(),
+                max: MAX_ROWS_PER_CALL,
+            });
+        }
+        self.check_row_shard("a pull", t, ids)?;
+        out.clear();
+        out.resize(ids.len() * t.spec().dim, 0.0);
+        t.gather(ids, self.step, out);
+        Ok(())
+    }
+
+    /// Every id of `ids` is one of this shard's rows of `t`.
+    fn check_row_shard(&self, who: &str, t: &SparseTable, ids: &[u64]) -> Result<()> {
+        let name = &t.spec().name;
+        if let Some(&id) = ids.iter().find(|&&id| row_shard(name, id, self.shards) != self.server) {
+            return Err(Error::RowNotOnShard {
+                who: who.to_string(),
+                table: name.clone(),
+                id,
+                shard: self.server,
+                owner: row_shard(name, id, self.shards),
+            });
+        }
+        Ok(())
+    }
+
+    /// Validate the rows of a push part whose checked blocks are `grads`:
+    /// `Some(rows)` if this part is the push's first (it carries the rows
+    /// unit, see [`Push`]), `None` otherwise.
+    fn check_rows(
+        &self,
+        trainer: &str,
+        grads: &[(usize, Grad)],
+        rows: Vec<RowGrads>,
+    ) -> Result<Option<Vec<RowGrads>>> {
+        if self.tables.is_empty() {
+            if let Some(r) = rows.first() {
+                return Err(Error::NoSuchTable { table: r.table, tables: 0 });
+            }
+            return Ok(None);
+        }
+        let first = self.held.is_empty() || grads.first().is_some_and(|(i, _)| *i == 0);
+        if !first {
+            if !rows.is_empty() {
+                return Err(Error::RowsNotInFirstPart { trainer: trainer.to_string() });
+            }
+            return Ok(None);
+        }
+        self.check_row_grads(trainer, &rows)?;
+        Ok(Some(rows))
+    }
+
+    /// Row gradients fit their tables: each table once, ids of this shard,
+    /// each once, the right length, finite, within [`MAX_ROWS_PER_CALL`].
+    fn check_row_grads(&self, who: &str, rows: &[RowGrads]) -> Result<()> {
+        let mut seen = vec![false; self.tables.len()];
+        let mut scratch = Vec::new();
+        for r in rows {
+            let tables = self.tables.len();
+            let t = self.tables.get(r.table as usize).ok_or(Error::NoSuchTable { table: r.table, tables })?;
+            if std::mem::replace(&mut seen[r.table as usize], true) {
+                return Err(Error::TableTwice { who: who.to_string(), table: t.spec().name.clone() });
+            }
+            if !r.grads.whole() {
+                return Err(Error::RowGradLength {
+                    table: t.spec().name.clone(),
+                    expected: r.ids.len() * t.spec().dim,
+                    got: r.grads.len(),
+                });
+            }
+            self.check_row_shard(who, t, &r.ids)?;
+            t.check(&r.ids, r.grads.floats(&mut scratch))?;
+        }
+        Ok(())
+    }
+
+    /// Sync: combine the rows every trainer pushed for the step (weighted
+    /// mean over all of them, a trainer that did not touch a row adding
+    /// zero to it; summed in trainer-id order), apply them once in id
+    /// order, and drop them.
+    fn update_rows(&mut self, unit: usize) {
+        let pushed = std::mem::take(&mut self.pending_rows);
+        let total = pushed.values().fold(0.0, |t, (w, _)| t + w);
+        let mut combined: Vec<BTreeMap<u64, Vec<f32>>> = vec![BTreeMap::new(); self.tables.len()];
+        let mut scratch = Vec::new();
+        for (w, rows) in pushed.values() {
+            for r in rows {
+                let dim = self.tables[r.table as usize].spec().dim;
+                let values = r.grads.floats(&mut scratch);
+                for (id, g) in r.ids.iter().zip(values.chunks_exact(dim)) {
+                    let acc = combined[r.table as usize].entry(*id).or_insert_with(|| vec![0.0; dim]);
+                    axpy(acc, *w, g);
+                }
+            }
+        }
+        for (t, rows) in combined.into_iter().enumerate() {
+            if rows.is_empty() {
+                continue;
+            }
+            let dim = self.tables[t].spec().dim;
+            let mut ids = Vec::with_capacity(rows.len());
+            let mut grads = Vec::with_capacity(rows.len() * dim);
+            for (id, g) in rows {
+                ids.push(id);
+                grads.extend_from_slice(&g);
+            }
+            if total != 1.0 {
+                div(&mut grads, total);
+            }
+            self.tables[t].apply(&ids, &grads, self.step, self.optimizer.as_ref());
+            if let Some(r) = &mut self.recording {
+                r.current_rows.push(RowGrads { table: t as u32, ids, grads: Grad::Floats(grads) });
+            }
+        }
+        self.updated[unit] = true;
         self.updated_count += 1;
     }
 }
@@ -1058,7 +1303,7 @@ mod tests {
             .blocks()
             .map(|(id, p, _)| (id, Grad::Floats((0..p.len()).map(|i| f(id, i)).collect())))
             .collect();
-        Push { trainer: trainer.into(), seq, step, weight, grads }
+        Push { trainer: trainer.into(), seq, step, weight, grads, rows: Vec::new() }
     }
 
     fn snapshot(store: &ParamStore) -> Vec<Vec<f32>> {

@@ -227,7 +227,14 @@ impl Job {
                     }
                 };
                 self.seqs[trainer] = seq;
-                Push { trainer: TRAINERS[trainer].into(), seq, step, weight: 1.0 + trainer as f32, grads }
+                Push {
+                    trainer: TRAINERS[trainer].into(),
+                    seq,
+                    step,
+                    weight: 1.0 + trainer as f32,
+                    grads,
+                    rows: Vec::new(),
+                }
             }
         };
         self.last_push[trainer] = Some(push.clone());
@@ -419,11 +426,13 @@ impl Job {
                                 step: 0,
                                 weight: 1.0,
                                 grads: vec![(id, Grad::Floats(vec![0.5; len + 1]))],
+                                rows: Vec::new(),
                             }),
                             Mode::Sync => Update::Step(oar_pserver::CompletedStep {
                                 step: follower.store().step(),
                                 grads: vec![(id, vec![0.5; len + 1])],
                                 seqs: Vec::new(),
+                                rows: Vec::new(),
                             }),
                         };
                         "length"

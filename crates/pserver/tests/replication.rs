@@ -599,7 +599,14 @@ async fn bad_replication_calls_are_refused_by_name_and_change_nothing() {
     let applied = before.0.iter().find(|r| r.shard == 0).unwrap().applied;
     let push = |seq: u64, blocks: Vec<BlockId>| UpdateMeta {
         seq,
-        kind: UpdateKind::Push { trainer: "t9".into(), seq: 1, step: 0, weight: 1.0, blocks },
+        kind: UpdateKind::Push {
+            trainer: "t9".into(),
+            seq: 1,
+            step: 0,
+            weight: 1.0,
+            blocks,
+            rows: Vec::new(),
+        },
     };
     let epoch = map.epoch(0);
     let version = map.version();

@@ -113,8 +113,16 @@ async fn raw_push_blocks(
     blocks: BlockSpan,
 ) -> Result<PsReply, oar_transport::Error> {
     let conn = env.transport.connect(ps.addr()).await.unwrap();
-    let request =
-        PsRequest::Push { shard: 0, fingerprint, blocks, trainer: "t1".into(), seq, step: 0, weight: 1.0 };
+    let request = PsRequest::Push {
+        shard: 0,
+        fingerprint,
+        blocks,
+        trainer: "t1".into(),
+        seq,
+        step: 0,
+        weight: 1.0,
+        rows: Vec::new(),
+    };
     call(conn.as_ref(), PSERVER_METHOD, &request, f32s_to_bytes(&grad), Duration::from_secs(1))
         .await
         .map(|(r, _): (PsReply, Bytes)| r)
@@ -157,6 +165,7 @@ async fn bad_pushes_are_refused_by_name_and_change_nothing() {
         seq: 2,
         step: 0,
         weight: 1.0,
+        rows: Vec::new(),
     };
     let payload = f32s_to_bytes(&vec![0.0; total()]);
     let result = call(conn.as_ref(), PSERVER_METHOD, &elsewhere, payload, Duration::from_secs(1))
@@ -324,6 +333,7 @@ async fn a_push_pull_applies_once_and_answers_the_parameters_after_it() {
         trainer: "t1".into(),
         seq: 0,
         weight: 4.0,
+        rows: Vec::new(),
     };
     let (reply, payload): (PsReply, Bytes) = call(
         conn.as_ref(),
@@ -350,6 +360,7 @@ async fn a_sync_pserver_refuses_a_push_pull_by_name() {
         trainer: "t1".into(),
         seq: 0,
         weight: 1.0,
+        rows: Vec::new(),
     };
     let result = call(
         conn.as_ref(),
@@ -566,6 +577,7 @@ async fn a_panic_midway_through_a_push_stops_the_pserver_and_a_replacement_loads
                 seq: 2,
                 step: 0,
                 weight: 1.0,
+                rows: Vec::new(),
             },
             vec![1.0; total()],
         ),
@@ -577,6 +589,7 @@ async fn a_panic_midway_through_a_push_stops_the_pserver_and_a_replacement_loads
                 trainer: "t1".into(),
                 seq: 3,
                 weight: 1.0,
+                rows: Vec::new(),
             },
             vec![1.0; total()],
         ),

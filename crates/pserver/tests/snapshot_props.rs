@@ -109,8 +109,14 @@ fn run(mode: Mode, block_size: usize, events: Vec<Event>) -> Result<(), TestCase
                         seqs[trainer]
                     }
                 };
-                let push =
-                    Push { trainer: TRAINERS[trainer].into(), seq, step: store.step(), weight: 1.0, grads };
+                let push = Push {
+                    trainer: TRAINERS[trainer].into(),
+                    seq,
+                    step: store.step(),
+                    weight: 1.0,
+                    grads,
+                    rows: Vec::new(),
+                };
                 let got = outcome(store.push(push.clone()));
                 prop_assert_eq!(got, outcome(twin.push(push)));
             }

@@ -395,7 +395,8 @@ fn run(
                         (id, g)
                     })
                     .collect();
-                let push = Push { trainer: t.to_string(), seq, step, weight, grads: pushed };
+                let push =
+                    Push { trainer: t.to_string(), seq, step, weight, grads: pushed, rows: Vec::new() };
                 let members_before = store.members();
                 let got = match store.push(push) {
                     Ok(PushOutcome::Duplicate) => Expect::Duplicate,

@@ -2,7 +2,10 @@
 //! regression and a one-hidden-layer MLP, with matrix products through
 //! `matrixmultiply`), data readers (libsvm, CSV), a synthetic dataset
 //! generator, evaluation, and the training loop ([`worker`]) that trains on
-//! a master's tasks against the pservers. Registering with a job and the
+//! a master's tasks against the pservers. Sparse models over embedding tables
+//! keyed by `u64` id: the [`SparseModel`] trait, the built-in CTR models
+//! ([`CtrModelConfig`]: logistic regression and a factorization machine) and
+//! their id readers ([`id_reader`]). Registering with a job and the
 //! roles around the loop are `oar-job`'s.
 //!
 //! ```
@@ -22,17 +25,23 @@
 #![cfg_attr(not(feature = "worker"), allow(rustdoc::broken_intra_doc_links))]
 
 pub mod config;
+pub mod ctr;
 pub mod datagen;
 mod error;
 pub mod eval;
+pub mod id_reader;
 mod math;
 pub mod mlp;
 pub mod model;
 pub mod reader;
 pub mod schedule;
 pub mod softmax;
+pub mod sparse_model;
 #[cfg(feature = "worker")]
 pub mod worker;
 
 pub use config::ModelConfig;
+pub use ctr::CtrModelConfig;
 pub use error::{Error, Result};
+pub use id_reader::IdExample;
+pub use sparse_model::{RowBatch, SparseModel};

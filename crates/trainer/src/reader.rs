@@ -76,7 +76,7 @@ pub fn parse_line(line: &str, opts: &ReaderOptions) -> std::result::Result<Optio
     }
 }
 
-fn parse_label(token: &str, classes: usize) -> std::result::Result<u32, String> {
+pub(crate) fn parse_label(token: &str, classes: usize) -> std::result::Result<u32, String> {
     let token = token.trim();
     let value: Option<f64> = token.parse::<f64>().ok().filter(|v| v.fract() == 0.0);
     if classes == 2 {
@@ -92,7 +92,7 @@ fn parse_label(token: &str, classes: usize) -> std::result::Result<u32, String> 
     }
 }
 
-fn parse_value(token: &str, what: impl Fn() -> String) -> std::result::Result<f32, String> {
+pub(crate) fn parse_value(token: &str, what: impl Fn() -> String) -> std::result::Result<f32, String> {
     match token.trim().parse::<f32>() {
         Ok(v) if v.is_finite() => Ok(v),
         Ok(_) => Err(format!("{} value {token:?} is not finite", what())),
@@ -203,7 +203,7 @@ pub fn read_chunk(chunk: &Chunk, opts: &ReaderOptions) -> Result<ChunkData> {
 
 /// The 1-based line number of the line at `offset`; if it cannot be found
 /// (the file changed under us), line 0 with the byte offset in the reason.
-fn locate(path: &str, offset: u64, reason: String) -> (u64, String) {
+pub(crate) fn locate(path: &str, offset: u64, reason: String) -> (u64, String) {
     match line_number_at(path, offset) {
         Ok(line) => (line, reason),
         Err(e) => (0, format!("{reason} (at byte offset {offset}; line number unknown: {e})")),
@@ -262,7 +262,7 @@ fn examples_of(pattern: &str, chunks: &[Chunk], opts: &ReaderOptions) -> Result<
 }
 
 /// A chunk size larger than any file, so each file is one chunk.
-const WHOLE_FILE: u64 = 1 << 62;
+pub(crate) const WHOLE_FILE: u64 = 1 << 62;
 
 #[cfg(test)]
 mod tests {

@@ -10,6 +10,7 @@ use std::path::Path;
 use crate::block::BlockId;
 use crate::error::{Error, Result};
 use crate::optimizer::OptimizerState;
+use crate::sparse::{Candidate, RowRecord, TableStats};
 use crate::store::{ParamStore, StoreSnapshot};
 
 /// The first 8 bytes of every checkpoint file.
@@ -96,6 +97,40 @@ impl<'a> Encoder<'a> {
             w.put(trainer.as_bytes())?;
             w.u64(seq)?;
         }
+        // The sparse tables, if the model has any (rows and candidates in
+        // id order: the same table always gives the same bytes).
+        if !snap.tables().is_empty() {
+            w.u64(snap.tables().len() as u64)?;
+            for table in snap.tables() {
+                let name = &table.spec().name;
+                w.u32(
+                    u32::try_from(name.len())
+                        .map_err(|_| io::Error::other("table name longer than 4 GiB"))?,
+                )?;
+                w.put(name.as_bytes())?;
+                w.u64(table.spec().dim as u64)?;
+                let stats = table.stats();
+                for counter in [stats.admitted, stats.evicted, stats.expired, stats.dropped_candidates] {
+                    w.u64(counter)?;
+                }
+                w.u64(table.rows() as u64)?;
+                for row in table.records() {
+                    w.u64(row.id)?;
+                    w.u64(row.step)?;
+                    w.u32(row.count)?;
+                    w.u64(row.last_seen)?;
+                    w.f32s(row.params)?;
+                    w.f32s(row.slots)?;
+                }
+                let candidates: Vec<Candidate> = table.candidates().collect();
+                w.u64(candidates.len() as u64)?;
+                for c in candidates {
+                    w.u64(c.id)?;
+                    w.u32(c.count)?;
+                    w.u64(c.last_seen)?;
+                }
+            }
+        }
         Ok(())
     }
 }
@@ -178,6 +213,8 @@ struct Expect {
     optimizer: String,
     slots: u64,
     blocks: Vec<(BlockId, usize)>,
+    /// The sparse tables' names and dims.
+    tables: Vec<(String, u64)>,
 }
 
 impl Expect {
@@ -188,6 +225,7 @@ impl Expect {
             optimizer: store.optimizer().name().to_string(),
             slots: store.optimizer().state_slots() as u64,
             blocks: store.blocks().map(|(id, p, _)| (id, p.len())).collect(),
+            tables: store.tables().iter().map(|t| (t.spec().name.clone(), t.spec().dim as u64)).collect(),
         }
     }
 }
@@ -238,6 +276,8 @@ impl Header {
 struct Scanned {
     header: Header,
     seqs: Vec<(String, u64)>,
+    /// Each table's life counters (its rows and candidates went to `on_row`).
+    table_stats: Vec<TableStats>,
     checksum: u32,
     bytes: u64,
 }
@@ -414,6 +454,7 @@ fn scan<R: Read + Seek>(
     r: &mut R,
     expect: &Expect,
     on_block: &mut dyn FnMut(BlockId, Vec<f32>, OptimizerState) -> Check<()>,
+    on_row: &mut dyn FnMut(usize, TableEntry<'_>) -> Check<()>,
 ) -> Check<Scanned> {
     let size = r.seek(SeekFrom::End(0)).map_err(|e| Reject::Io("seeking", e))?;
     r.seek(SeekFrom::Start(0)).map_err(|e| Reject::Io("seeking", e))?;
@@ -444,14 +485,22 @@ fn scan<R: Read + Seek>(
             let seq = r.u64("last seq")?;
             seqs.push((trainer, seq));
         }
-    } else {
+    }
+    let mut table_stats = Vec::new();
+    if problem.is_none() {
+        match scan_tables(&mut r, &header, expect, on_row)? {
+            Ok(stats) => table_stats = stats,
+            Err(p) => problem = Some(p),
+        }
+    }
+    if problem.is_some() {
         // Only to tell corruption from a mismatch.
         r.skip(r.remaining(), "the rest")?;
     }
     let checksum = r.finish()?;
     match problem {
         Some(p) => Err(p),
-        None => Ok(Scanned { header, seqs, checksum, bytes: size }),
+        None => Ok(Scanned { header, seqs, table_stats, checksum, bytes: size }),
     }
 }
 
@@ -493,6 +542,80 @@ fn scan_blocks<R: Read>(
     Ok(None)
 }
 
+/// A table's row or candidate as a scan hands it on.
+pub(super) enum TableEntry<'a> {
+    Row(RowRecord<'a>),
+    Candidate(Candidate),
+}
+
+/// The sparse tables section (absent in a file of a model without
+/// tables): `Ok(Ok(stats))` per table, `Ok(Err)` for a mismatch with the
+/// store, `Err` for corruption.
+fn scan_tables<R: Read>(
+    r: &mut Body<R>,
+    h: &Header,
+    expect: &Expect,
+    on_row: &mut dyn FnMut(usize, TableEntry<'_>) -> Check<()>,
+) -> Check<std::result::Result<Vec<TableStats>, Reject>> {
+    let count = if r.remaining() == 0 { 0 } else { r.u64("table count")? };
+    if count != expect.tables.len() as u64 {
+        return Ok(Err(Reject::Mismatch(format!(
+            "{count} sparse tables in the file, this store has {}",
+            expect.tables.len()
+        ))));
+    }
+    let mut all = Vec::with_capacity(expect.tables.len());
+    for (t, (name, dim)) in expect.tables.iter().enumerate() {
+        let len = u64::from(r.u32("table name length")?);
+        let file_name = r.string(len, "table name")?;
+        let file_dim = r.u64("table dim")?;
+        if file_name != *name || file_dim != *dim {
+            return Ok(Err(Reject::Mismatch(format!(
+                "sparse table #{t} is {file_name:?} of dim {file_dim} in the file, {name:?} of dim {dim} in this store"
+            ))));
+        }
+        let mut stats = TableStats {
+            admitted: r.u64("table counter")?,
+            evicted: r.u64("table counter")?,
+            expired: r.u64("table counter")?,
+            dropped_candidates: r.u64("table counter")?,
+            ..TableStats::default()
+        };
+        let rows = r.u64("row count")?;
+        let floats = dim.saturating_mul(1 + h.slots);
+        r.need(rows.saturating_mul(28 + floats * 4), &format!("{rows} rows of table {name:?}"))?;
+        for _ in 0..rows {
+            let id = r.u64("row id")?;
+            let step = r.u64("row optimizer step")?;
+            let count = r.u32("row count")?;
+            let last_seen = r.u64("row last seen")?;
+            let params = r.f32s(*dim, &format!("row {id} of table {name:?}"))?;
+            let slots = r.f32s(dim.saturating_mul(h.slots), &format!("row {id} optimizer slots"))?;
+            if let Some(i) = params.iter().chain(&slots).position(|x| !x.is_finite()) {
+                return Err(Reject::Corrupt(format!(
+                    "row {id} of table {name:?} holds a non-finite value at index {i}"
+                )));
+            }
+            let row = RowRecord { id, params: &params, step, slots: &slots, count, last_seen };
+            on_row(t, TableEntry::Row(row))?;
+        }
+        let candidates = r.u64("candidate count")?;
+        r.need(candidates.saturating_mul(20), &format!("{candidates} candidates of table {name:?}"))?;
+        for _ in 0..candidates {
+            let c = Candidate {
+                id: r.u64("candidate id")?,
+                count: r.u32("candidate count")?,
+                last_seen: r.u64("candidate last seen")?,
+            };
+            on_row(t, TableEntry::Candidate(c))?;
+        }
+        stats.rows = to_usize(rows, "row count")?;
+        stats.candidates = to_usize(candidates, "candidate count")?;
+        all.push(stats);
+    }
+    Ok(Ok(all))
+}
+
 /// What a checkpoint that loaded held besides its blocks.
 pub(super) struct Loaded {
     pub(super) step: u64,
@@ -507,10 +630,25 @@ pub(super) struct Loaded {
 /// not a second copy of the store). The step and the last seqs are set last.
 pub(super) fn load<R: Read + Seek>(r: &mut R, store: &mut ParamStore) -> Check<Loaded> {
     let expect = Expect::of(store);
-    let first = scan(r, &expect, &mut |_, _, _| Ok(()))?;
-    let second = scan(r, &expect, &mut |id, params, state| {
-        store.restore_block(id, params, state).map_err(|e| Reject::Corrupt(e.to_string()))
-    })
+    let first = scan(r, &expect, &mut |_, _, _| Ok(()), &mut |_, _| Ok(()))?;
+    // Blocks and rows go to two closures that both restore into the store.
+    let store = std::cell::RefCell::new(store);
+    let second = scan(
+        r,
+        &expect,
+        &mut |id, params, state| {
+            store.borrow_mut().restore_block(id, params, state).map_err(|e| Reject::Corrupt(e.to_string()))
+        },
+        &mut |t, entry| {
+            let mut store = store.borrow_mut();
+            let table = store.table_mut(t as u32).map_err(|e| Reject::Corrupt(e.to_string()))?;
+            match entry {
+                TableEntry::Row(row) => table.restore_row(row),
+                TableEntry::Candidate(c) => table.restore_candidate(c),
+            }
+            .map_err(|e| Reject::Corrupt(e.to_string()))
+        },
+    )
     .map_err(|r| {
         Reject::Corrupt(format!(
             "the file changed on disk between its verification and its restore ({}); the store may be partly restored",
@@ -522,6 +660,12 @@ pub(super) fn load<R: Read + Seek>(r: &mut R, store: &mut ParamStore) -> Check<L
             "the file changed on disk between its verification (crc32 {:08x}) and its restore ({:08x}); the store may be partly restored",
             first.checksum, second.checksum
         )));
+    }
+    let store = store.into_inner();
+    for (t, stats) in second.table_stats.iter().enumerate() {
+        if let Ok(table) = store.table_mut(t as u32) {
+            table.restore_counters(stats);
+        }
     }
     store.set_step(second.header.step);
     store.set_pushes(second.header.pushes);

@@ -140,7 +140,7 @@ mod tests {
     fn trained() -> ParamStore {
         let mut st = store(1);
         let grads = st.blocks().map(|(id, p, _)| (id, vec![0.5; p.len()].into())).collect();
-        st.push(Push { trainer: "t".into(), seq: 3, step: 0, weight: 1.0, grads }).unwrap();
+        st.push(Push { trainer: "t".into(), seq: 3, step: 0, weight: 1.0, grads, rows: Vec::new() }).unwrap();
         st
     }
 

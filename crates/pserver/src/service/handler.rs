@@ -3,9 +3,11 @@
 
 use super::{metrics, replication, HeldSnapshot, Shared, Slot, SlotState, SNAPSHOT_KEEP};
 use crate::{
-    protocol::{BlockSpan, PsReply, PsRequest, ReplicaState, PSERVER_METHOD},
+    protocol::{
+        BlockSpan, PsReply, PsRequest, PulledShard, ReplicaState, ShardRows, TableRows, PSERVER_METHOD,
+    },
     replica::{History, SyncFrom, Update},
-    Error, Grad, Mode, ParamStore, Push, PushOutcome,
+    Error, Grad, Mode, ParamStore, Push, PushOutcome, RowGrads,
 };
 use async_trait::async_trait;
 use bytes::{Bytes, BytesMut};
@@ -62,10 +64,16 @@ impl PsHandler {
     }
 
     /// The blocks of `span` among the shard's blocks, or an error naming
-    /// the span and how many blocks the shard holds.
+    /// the span and how many blocks the shard holds. An empty span only
+    /// for a shard without blocks in a job with sparse tables (its pushes
+    /// carry rows alone).
     fn span(&self, shard: u32, span: BlockSpan) -> Reply<Vec<&crate::BlockInfo>> {
         self.check_shard(shard)?;
         let held: Vec<&crate::BlockInfo> = self.shared.placement.blocks_on(shard).collect();
+        let rows_only = held.is_empty() && !self.shared.placement.tables().is_empty();
+        if rows_only && span.start == 0 && span.end == 0 {
+            return Ok(Vec::new());
+        }
         if span.start >= span.end || span.end as usize > held.len() {
             return Err(RemoteError::bad_request(format!(
                 "block span {}..{} is empty or out of range: shard {shard} holds {} blocks",
@@ -120,19 +128,20 @@ impl PsHandler {
     /// Apply a push (or a part of one) to `shard`. Its gradients are views
     /// into the received `payload`, not copies.
     async fn push(&self, request: PsRequest, payload: &Bytes) -> Reply<PsReply> {
-        let PsRequest::Push { shard, fingerprint, blocks, trainer, seq, step, weight } = request else {
+        let PsRequest::Push { shard, fingerprint, blocks, trainer, seq, step, weight, rows } = request else {
             return Err(RemoteError::internal("not a push"));
         };
         self.check_fingerprint(fingerprint)?;
         let span = self.span(shard, blocks)?;
-        let expected: usize = span.iter().map(|b| b.len).sum();
-        if payload.len() != expected * 4 {
+        let expected: usize = span.iter().map(|b| b.len).sum::<usize>() + self.rows_floats(&rows)?;
+        if payload.len() as u64 != expected as u64 * 4 {
             return Err(RemoteError::bad_request(format!(
-                "push from {trainer} to shard {shard}: payload has {} bytes, blocks {}..{} need {} ({} floats)",
+                "push from {trainer} to shard {shard}: payload has {} bytes, blocks {}..{}{} need {} ({} floats)",
                 payload.len(),
                 blocks.start,
                 blocks.end,
-                expected * 4,
+                if rows.is_empty() { String::new() } else { format!(" and the rows of {} tables", rows.len()) },
+                expected as u64 * 4,
                 expected
             )));
         }
@@ -143,8 +152,9 @@ impl PsHandler {
             grads.push((block.id, Grad::Wire(payload.slice(at..at + block.len * 4))));
             at += block.len * 4;
         }
+        let rows = wire_rows(&self.shared.placement, rows, payload, at);
         let pusher = trainer.clone();
-        let push = Push { trainer, seq, step, weight, grads };
+        let push = Push { trainer, seq, step, weight, grads, rows };
         let (reply, wait, waits_in_step) = {
             let Some(mut state) = self.primary(&slot)? else { return Ok(self.not_primary(shard)) };
             let SlotState::Primary { store, links } = &mut *state else { unreachable!() };
@@ -252,7 +262,7 @@ impl PsHandler {
 
     /// Async mode: apply a push and answer with the parameters after it.
     async fn push_pull(&self, request: PsRequest, payload: &Bytes) -> Reply<Frame> {
-        let PsRequest::PushPull { shard, fingerprint, blocks, trainer, seq, weight } = request else {
+        let PsRequest::PushPull { shard, fingerprint, blocks, trainer, seq, weight, rows } = request else {
             return Err(RemoteError::internal("not a push-pull"));
         };
         if self.shared.options.mode != Mode::Async {
@@ -260,7 +270,7 @@ impl PsHandler {
                 "push-pull from {trainer}: only async pservers take it (a sync push waits for its step)"
             )));
         }
-        let push = PsRequest::Push { shard, fingerprint, blocks, trainer, seq, step: 0, weight };
+        let push = PsRequest::Push { shard, fingerprint, blocks, trainer, seq, step: 0, weight, rows };
         let outcome = match self.push(push, payload).await? {
             PsReply::Pushed(outcome) => outcome,
             reply @ PsReply::NotPrimary { .. } => {
@@ -326,6 +336,90 @@ impl PsHandler {
             }
             let _ = tokio::time::timeout_at(deadline, stepped).await;
         }
+    }
+
+    /// The floats the rows of `rows` take (ids times their table's dim),
+    /// or an error naming a table that does not exist.
+    fn rows_floats(&self, rows: &[TableRows]) -> Reply<usize> {
+        let tables = self.shared.placement.tables();
+        let mut floats = 0usize;
+        for r in rows {
+            let t = tables.get(r.table as usize).ok_or_else(|| {
+                RemoteError::bad_request(crate::Error::NoSuchTable { table: r.table, tables: tables.len() })
+            })?;
+            floats = floats.saturating_add(r.ids.len().saturating_mul(t.dim));
+        }
+        Ok(floats)
+    }
+
+    /// Rows of every shard asked for that this pserver is primary of:
+    /// shard by shard, each at its own step (after `min_step`, waiting up
+    /// to `max_wait` in all).
+    async fn pull_rows(
+        &self,
+        fingerprint: u64,
+        shards: Vec<ShardRows>,
+        min_step: Option<u64>,
+        max_wait: Duration,
+    ) -> Reply<Frame> {
+        self.check_fingerprint(fingerprint)?;
+        let asked: usize = shards.iter().flat_map(|s| &s.tables).map(|t| t.ids.len()).sum();
+        if asked > crate::sparse::MAX_ROWS_PER_CALL {
+            return Err(RemoteError::bad_request(format!(
+                "a pull of {asked} rows in one call: at most {} are allowed (split the batch)",
+                crate::sparse::MAX_ROWS_PER_CALL
+            )));
+        }
+        let deadline = tokio::time::Instant::now() + max_wait;
+        let mut answers = Vec::with_capacity(shards.len());
+        let mut payload = BytesMut::new();
+        let mut waits = Vec::new();
+        let mut values = Vec::new();
+        for ShardRows { shard, tables } in &shards {
+            let Some(slot) = self.slot(*shard)? else {
+                answers.push(PulledShard::NotPrimary { map_version: self.shared.map_version() });
+                continue;
+            };
+            loop {
+                let stepped = slot.stepped.notified();
+                let answer = {
+                    match self.primary(&slot)? {
+                        None => Some(PulledShard::NotPrimary { map_version: self.shared.map_version() }),
+                        Some(state) => {
+                            let SlotState::Primary { store, links } = &*state else { unreachable!() };
+                            if min_step.is_none_or(|m| store.step() >= m) {
+                                for t in tables {
+                                    store
+                                        .pull_rows(t.table, &t.ids, &mut values)
+                                        .map_err(RemoteError::bad_request)?;
+                                    oar_transport::put_f32s(&mut payload, &values);
+                                }
+                                waits.push((slot.clone(), links.seq()));
+                                Some(PulledShard::Rows { step: store.step() })
+                            } else if tokio::time::Instant::now() >= deadline {
+                                Some(PulledShard::NotReady { step: store.step() })
+                            } else {
+                                None
+                            }
+                        }
+                    }
+                };
+                if let Some(answer) = answer {
+                    answers.push(answer);
+                    break;
+                }
+                let _ = tokio::time::timeout_at(deadline, stepped).await;
+            }
+        }
+        // What is answered is held by every follower (strong mode).
+        for (slot, seq) in waits {
+            self.replicated(&slot, seq).await?;
+        }
+        let m = metrics();
+        m.pulls.inc();
+        m.pull_bytes.inc_by(payload.len() as u64);
+        let reply = PsReply::PulledRows { shards: answers };
+        Frame::new(PSERVER_METHOD, &reply, payload.freeze()).map_err(RemoteError::internal)
     }
 
     /// Join or leave the barrier of `shard` (forwarded like any update).
@@ -589,6 +683,10 @@ impl Handler for PsHandler {
                 let wait = Duration::from_millis(max_wait_ms).min(MAX_PULL_WAIT);
                 return self.pull(shard, fingerprint, blocks, min_step, wait).await;
             }
+            PsRequest::PullRows { fingerprint, shards, min_step, max_wait_ms } => {
+                let wait = Duration::from_millis(max_wait_ms).min(MAX_PULL_WAIT);
+                return self.pull_rows(fingerprint, shards, min_step, wait).await;
+            }
             replicate @ PsRequest::Replicate { .. } => self.replicate(replicate, request.payload)?,
             sync @ PsRequest::Sync { .. } => self.sync(sync)?,
             part @ PsRequest::SnapshotPart { .. } => return self.snapshot_part(part),
@@ -609,6 +707,26 @@ impl Handler for PsHandler {
         };
         Frame::new(PSERVER_METHOD, &reply, Bytes::new()).map_err(RemoteError::internal)
     }
+}
+
+/// Row gradients as views into `payload` from byte `at` on, table by
+/// table in `rows` order (the caller checked the payload's length).
+pub(super) fn wire_rows(
+    placement: &crate::Placement,
+    rows: Vec<TableRows>,
+    payload: &Bytes,
+    mut at: usize,
+) -> Vec<RowGrads> {
+    let tables = placement.tables();
+    rows.into_iter()
+        .map(|TableRows { table, ids }| {
+            let dim = tables.get(table as usize).map_or(0, |t| t.dim);
+            let end = (at + ids.len() * dim * 4).min(payload.len());
+            let grads = Grad::Wire(payload.slice(at..end));
+            at = end;
+            RowGrads { table, ids, grads }
+        })
+        .collect()
 }
 
 /// A follower's history as the primary sent it, checked.

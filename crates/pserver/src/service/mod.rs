@@ -527,7 +527,7 @@ impl Shared {
         };
         let (placement, mode) = (&self.placement, self.options.mode);
         let mut store = match to_restore {
-            true => ParamStore::new_to_restore(placement, shard, optimizer, mode)?,
+            true => ParamStore::new_to_restore(placement, shard, self.options.seed, optimizer, mode)?,
             false => ParamStore::new(placement, shard, self.options.seed, optimizer, mode)?,
         };
         self.set_recording(&mut store, shard);

@@ -6,9 +6,9 @@
 use super::{metrics, Shared, Slot, SlotState};
 use crate::{
     error::{ServiceError, ServiceResult},
-    protocol::{PsReply, PsRequest, UpdateKind, UpdateMeta, PSERVER_METHOD},
+    protocol::{PsReply, PsRequest, TableRows, UpdateKind, UpdateMeta, PSERVER_METHOD},
     replica::{CatchUp, Forwarded, SnapshotPart, Update},
-    BlockId, CompletedStep, Grad, OptimizerState, Placement, Push, StoreSnapshot,
+    BlockId, CompletedStep, Grad, OptimizerState, Placement, Push, RowGrads, StoreSnapshot,
 };
 use bytes::{Bytes, BytesMut};
 use std::{
@@ -378,8 +378,14 @@ async fn catch_up(
 /// The gradient bytes of an update.
 fn update_bytes(update: &Update) -> usize {
     match update {
-        Update::Push(push) => push.grads.iter().map(|(_, g)| grad_bytes(g)).sum(),
-        Update::Step(step) => step.grads.iter().map(|(_, g)| g.len() * 4).sum(),
+        Update::Push(push) => {
+            push.grads.iter().map(|(_, g)| grad_bytes(g)).sum::<usize>()
+                + push.rows.iter().map(|r| grad_bytes(&r.grads)).sum::<usize>()
+        }
+        Update::Step(step) => {
+            step.grads.iter().map(|(_, g)| g.len() * 4).sum::<usize>()
+                + step.rows.iter().map(|r| grad_bytes(&r.grads)).sum::<usize>()
+        }
         Update::Join(_) | Update::Leave(_) => 0,
     }
 }
@@ -399,26 +405,25 @@ pub(super) fn encode(batch: &[Arc<Forwarded>]) -> (Vec<UpdateMeta>, Vec<Cow<'_, 
     for forwarded in batch {
         let kind = match &forwarded.update {
             Update::Push(push) => {
-                for (_, grad) in &push.grads {
-                    pieces.push(match grad {
-                        Grad::Floats(v) => oar_transport::f32s_as_le_bytes(v),
-                        Grad::Wire(b) => Cow::Borrowed(b.as_ref()),
-                    });
-                }
+                pieces.extend(push.grads.iter().map(|(_, grad)| grad_piece(grad)));
+                pieces.extend(push.rows.iter().map(|r| grad_piece(&r.grads)));
                 UpdateKind::Push {
                     trainer: push.trainer.clone(),
                     seq: push.seq,
                     step: push.step,
                     weight: push.weight,
                     blocks: push.grads.iter().map(|(id, _)| *id).collect(),
+                    rows: table_rows(&push.rows),
                 }
             }
             Update::Step(step) => {
                 pieces.extend(step.grads.iter().map(|(_, g)| oar_transport::f32s_as_le_bytes(g)));
+                pieces.extend(step.rows.iter().map(|r| grad_piece(&r.grads)));
                 UpdateKind::Step {
                     step: step.step,
                     blocks: step.grads.iter().map(|(id, _)| *id).collect(),
                     seqs: step.seqs.clone(),
+                    rows: table_rows(&step.rows),
                 }
             }
             Update::Join(trainer) => UpdateKind::Join(trainer.clone()),
@@ -427,6 +432,19 @@ pub(super) fn encode(batch: &[Arc<Forwarded>]) -> (Vec<UpdateMeta>, Vec<Cow<'_, 
         metas.push(UpdateMeta { seq: forwarded.seq, kind });
     }
     (metas, pieces)
+}
+
+/// A gradient's bytes as they are.
+fn grad_piece(grad: &Grad) -> Cow<'_, [u8]> {
+    match grad {
+        Grad::Floats(v) => oar_transport::f32s_as_le_bytes(v),
+        Grad::Wire(b) => Cow::Borrowed(b.as_ref()),
+    }
+}
+
+/// Row gradients' descriptions (their values go in the payload).
+fn table_rows(rows: &[RowGrads]) -> Vec<TableRows> {
+    rows.iter().map(|r| TableRows { table: r.table, ids: r.ids.clone() }).collect()
 }
 
 /// The updates of a [`PsRequest::Replicate`] of `shard`, their gradients
@@ -439,57 +457,110 @@ pub(super) fn decode(
     updates: &[UpdateMeta],
     payload: Bytes,
 ) -> std::result::Result<Vec<Forwarded>, String> {
-    let mut at = 0usize;
-    let mut take = |id: &BlockId, seq: u64| -> std::result::Result<Bytes, String> {
-        let block = placement
-            .block(*id)
-            .filter(|b| b.server == shard)
-            .ok_or_else(|| format!("update {seq} names block {id}, which is not of shard {shard}"))?;
-        let end = at + block.len * 4;
-        if end > payload.len() {
-            return Err(format!(
-                "update {seq}: the payload ends before block {id} ({} bytes)",
-                payload.len()
-            ));
-        }
-        let bytes = payload.slice(at..end);
-        at = end;
-        Ok(bytes)
-    };
+    let mut cursor = Cursor { payload: &payload, at: 0 };
     let mut out = Vec::with_capacity(updates.len());
     for meta in updates {
+        let seq = meta.seq;
         let update = match &meta.kind {
-            UpdateKind::Push { trainer, seq, step, weight, blocks } => {
+            UpdateKind::Push { trainer, seq: push_seq, step, weight, blocks, rows } => {
                 let grads = blocks
                     .iter()
-                    .map(|id| take(id, meta.seq).map(|b| (*id, Grad::Wire(b))))
+                    .map(|id| cursor.block(placement, shard, id, seq).map(|b| (*id, Grad::Wire(b))))
                     .collect::<std::result::Result<_, _>>()?;
+                let rows = cursor.rows(placement, rows, seq)?;
                 Update::Push(Push {
                     trainer: trainer.clone(),
-                    seq: *seq,
+                    seq: *push_seq,
                     step: *step,
                     weight: *weight,
                     grads,
+                    rows,
                 })
             }
-            UpdateKind::Step { step, blocks, seqs } => {
+            UpdateKind::Step { step, blocks, seqs, rows } => {
                 let mut grads = Vec::with_capacity(blocks.len());
                 for id in blocks {
-                    let bytes = take(id, meta.seq)?;
+                    let bytes = cursor.block(placement, shard, id, seq)?;
                     let values = oar_transport::bytes_to_f32s(&bytes).map_err(|e| e.to_string())?;
                     grads.push((*id, values));
                 }
-                Update::Step(CompletedStep { step: *step, grads, seqs: seqs.clone() })
+                let rows = cursor.rows(placement, rows, seq)?;
+                Update::Step(CompletedStep { step: *step, grads, seqs: seqs.clone(), rows })
             }
             UpdateKind::Join(trainer) => Update::Join(trainer.clone()),
             UpdateKind::Leave(trainer) => Update::Leave(trainer.clone()),
         };
-        out.push(Forwarded { shard, map_version, epoch, seq: meta.seq, update });
+        out.push(Forwarded { shard, map_version, epoch, seq, update });
     }
+    let at = cursor.at;
     if at != payload.len() {
         return Err(format!("{} bytes of payload after the last update's gradients", payload.len() - at));
     }
     Ok(out)
+}
+
+/// Reads a replication payload's pieces in order.
+struct Cursor<'a> {
+    payload: &'a Bytes,
+    at: usize,
+}
+
+impl Cursor<'_> {
+    /// The next `floats` values' bytes, for update `seq`'s `what`.
+    fn take(
+        &mut self,
+        floats: usize,
+        seq: u64,
+        what: &dyn Fn() -> String,
+    ) -> std::result::Result<Bytes, String> {
+        let end = self.at.saturating_add(floats.saturating_mul(4));
+        if end > self.payload.len() {
+            return Err(format!(
+                "update {seq}: the payload ends before {} ({} bytes)",
+                what(),
+                self.payload.len()
+            ));
+        }
+        let bytes = self.payload.slice(self.at..end);
+        self.at = end;
+        Ok(bytes)
+    }
+
+    /// Block `id` of `shard`.
+    fn block(
+        &mut self,
+        placement: &Placement,
+        shard: u32,
+        id: &BlockId,
+        seq: u64,
+    ) -> std::result::Result<Bytes, String> {
+        let block = placement
+            .block(*id)
+            .filter(|b| b.server == shard)
+            .ok_or_else(|| format!("update {seq} names block {id}, which is not of shard {shard}"))?;
+        self.take(block.len, seq, &|| format!("block {id}"))
+    }
+
+    /// The row gradients `rows` describes.
+    fn rows(
+        &mut self,
+        placement: &Placement,
+        rows: &[TableRows],
+        seq: u64,
+    ) -> std::result::Result<Vec<RowGrads>, String> {
+        let tables = placement.tables();
+        let mut out = Vec::with_capacity(rows.len());
+        for r in rows {
+            let table = tables
+                .get(r.table as usize)
+                .ok_or_else(|| format!("update {seq} names table #{}, which does not exist", r.table))?;
+            let bytes = self.take(r.ids.len().saturating_mul(table.dim), seq, &|| {
+                format!("the rows of table {:?}", table.name)
+            })?;
+            out.push(RowGrads { table: r.table, ids: r.ids.clone(), grads: Grad::Wire(bytes) });
+        }
+        Ok(out)
+    }
 }
 
 /// The block positions of each part of `snapshot`: at most
