@@ -457,11 +457,7 @@ impl PserverClient {
     /// request's row descriptions and their values' bytes (only the first
     /// part of each shard carries any, see [`crate::Push`]). Errors for a
     /// table that does not exist or values that do not fit its dim.
-    fn route_rows(
-        &self,
-        parts: &[Part],
-        rows: &[TableGrads<'_>],
-    ) -> Result<RoutedRows> {
+    fn route_rows(&self, parts: &[Part], rows: &[TableGrads<'_>]) -> Result<RoutedRows> {
         let placement = &self.inner.placement;
         let mut metas: Vec<Vec<TableRows>> = parts.iter().map(|_| Vec::new()).collect();
         let mut bytes: Vec<Vec<u8>> = parts.iter().map(|_| Vec::new()).collect();

@@ -41,8 +41,17 @@
 //! wrong length, NaN, bad weight, wrong step) is rejected with an [`Error`]
 //! naming what was wrong, before anything changes.
 //!
+//! **Sparse tables** ([`sparse`]): a model may also declare tables of rows
+//! keyed by `u64` id ([`TableSpec`]), created on first push with values
+//! that depend only on (seed, table, id), with row-wise optimizer state,
+//! admission, expiry and a capped memory with LRU/LFU eviction. Row `id`
+//! of a table lives on shard [`sparse::row_shard`], in that shard's store,
+//! so it is replicated, checkpointed and moved with the shard. Rows travel
+//! in pushes ([`RowGrads`]) and are read with `PserverClient::pull_rows`,
+//! one call per pserver.
+//!
 //! **Core and shell.** This crate's core ([`spec`], [`placement`],
-//! [`optimizer`], [`store`], and the [`checkpoint`] files) reads no clock
+//! [`optimizer`], [`store`], [`sparse`], and the [`checkpoint`] files) reads no clock
 //! and needs neither tokio nor a network; the service and its client
 //! (modules `service`, `client` and `protocol`, with [`ServiceError`]) are
 //! behind the default feature `service`. With `default-features = false`
@@ -144,7 +153,7 @@ pub mod topology;
 
 pub use block::BlockId;
 #[cfg(feature = "service")]
-pub use client::{PserverClient, PserverClientOptions, PushResult};
+pub use client::{PserverClient, PserverClientOptions, PushResult, TableGrads};
 #[cfg(feature = "service")]
 pub use coordinator::{set_pservers, Coordinator, CoordinatorOptions, ScaleOptions, Scaled};
 pub use error::{Error, Result};

@@ -164,6 +164,11 @@ impl Placement {
         if u32::try_from(tables.len()).is_err() {
             return Err(Error::DuplicateTable { name: format!("{} tables", tables.len()) });
         }
+        if tables.is_empty() {
+            // A model without tables keeps its fingerprint (and its checkpoints).
+            self.tables = tables;
+            return Ok(self);
+        }
         let mut h = Fnv64::new();
         h.write_u64(self.fingerprint);
         h.write_u64(tables.len() as u64);

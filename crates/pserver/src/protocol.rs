@@ -226,6 +226,23 @@ pub struct ShardRows {
     pub tables: Vec<TableRows>,
 }
 
+/// A snapshot part's rows of one sparse table: per row its values then
+/// its optimizer slots in the payload.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct RowsPart {
+    /// The table's index.
+    pub table: u32,
+    /// Which row part of the snapshot, from 0.
+    pub index: u32,
+    /// Each row's id, optimizer step, sightings and last push's step.
+    pub rows: Vec<(u64, u64, u32, u64)>,
+    /// The first part of each table: its admission candidates (id,
+    /// sightings, last step) and life counters.
+    pub candidates: Vec<(u64, u32, u64)>,
+    /// The first part of each table: its life counters.
+    pub stats: Option<crate::sparse::TableStats>,
+}
+
 /// How one shard of a [`PsRequest::PullRows`] was answered.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub enum PulledShard {
@@ -425,6 +442,11 @@ pub enum PsReply {
         blocks: Vec<(BlockId, u64)>,
         /// The deduplication table (trainer, last seq).
         last_seqs: Vec<(String, u64)>,
+        /// How many parts of the snapshot hold sparse table rows (they
+        /// come after the block parts).
+        row_parts: u32,
+        /// In a row part: its rows (values after any blocks' in the payload).
+        rows: Option<RowsPart>,
     },
     /// Answer to [`PsRequest::Status`].
     Status {

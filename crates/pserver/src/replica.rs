@@ -292,6 +292,29 @@ pub struct SnapshotPart {
     pub blocks: Vec<(BlockId, Vec<f32>, OptimizerState)>,
     /// The deduplication table (trainer, last seq): every part carries it.
     pub last_seqs: Vec<(String, u64)>,
+    /// How many row parts the snapshot has (every part says it).
+    pub row_parts: u32,
+    /// A row part's rows of one sparse table.
+    pub rows: Option<RowChunk>,
+}
+
+/// A sparse table's row as a snapshot part carries it: (id, values,
+/// optimizer step, slots, sightings, last push's step).
+pub type OwnedRow = (u64, Vec<f32>, u64, Vec<f32>, u32, u64);
+
+/// Rows of one sparse table in a snapshot part.
+#[derive(Clone, Debug, PartialEq)]
+pub struct RowChunk {
+    /// The table's index.
+    pub table: u32,
+    /// Which row part, from 0.
+    pub index: u32,
+    /// The rows.
+    pub rows: Vec<OwnedRow>,
+    /// Admission candidates (in the table's first part).
+    pub candidates: Vec<crate::sparse::Candidate>,
+    /// Life counters (in the table's first part).
+    pub stats: Option<crate::sparse::TableStats>,
 }
 
 /// Cut `snapshot`, taken at update `upto`, into parts of at most
@@ -313,6 +336,8 @@ pub fn snapshot_parts(
         members: snapshot.members().to_vec(),
         blocks,
         last_seqs: last_seqs.clone(),
+        row_parts: 0,
+        rows: None,
     };
     let (mut parts, mut blocks, mut floats) = (Vec::new(), Vec::new(), 0usize);
     for (id, params, state) in snapshot.blocks() {
@@ -343,6 +368,9 @@ pub struct CatchUp {
     history: History,
     store: ParamStore,
     missing: BTreeSet<BlockId>,
+    /// Row parts: how many the snapshot has (once a part said), and which came.
+    row_parts: Option<u32>,
+    rows_seen: BTreeSet<u32>,
     step: Option<u64>,
     kept: BTreeMap<u64, Forwarded>,
 }
@@ -365,6 +393,8 @@ impl CatchUp {
             history,
             store,
             missing,
+            row_parts: None,
+            rows_seen: BTreeSet::new(),
             step: None,
             kept: BTreeMap::new(),
         }
@@ -395,7 +425,18 @@ impl CatchUp {
     /// fit: the shard, the snapshot (`upto`, map version, step), a block
     /// this store does not hold or of the wrong length.
     pub fn part(&mut self, part: SnapshotPart) -> Result<()> {
-        let SnapshotPart { shard, map_version, upto, step, pushes, members, blocks, last_seqs } = part;
+        let SnapshotPart {
+            shard,
+            map_version,
+            upto,
+            step,
+            pushes,
+            members,
+            blocks,
+            last_seqs,
+            row_parts,
+            rows,
+        } = part;
         if shard != self.shard || upto != self.upto || map_version != self.snapshot_map {
             return Err(Error::Replication(format!(
                 "a snapshot part of shard {shard} at update {upto} (map {map_version}) does not belong to \
@@ -426,9 +467,43 @@ impl CatchUp {
                 )));
             }
         }
+        if self.row_parts.is_some_and(|n| n != row_parts) {
+            return Err(Error::Replication(format!(
+                "snapshot parts of shard {shard} disagree on their row parts"
+            )));
+        }
         for (id, params, state) in blocks {
             self.store.restore_block(id, params, state)?;
             self.missing.remove(&id);
+        }
+        self.row_parts = Some(row_parts);
+        if let Some(chunk) = rows {
+            if chunk.index >= row_parts {
+                return Err(Error::Replication(format!(
+                    "shard {shard}: row part {} of a snapshot of {row_parts}",
+                    chunk.index
+                )));
+            }
+            // A part that comes twice restores the same rows again.
+            let table = self.store.table_mut(chunk.table)?;
+            for (id, params, step, slots, count, last_seen) in &chunk.rows {
+                let row = crate::sparse::RowRecord {
+                    id: *id,
+                    params,
+                    step: *step,
+                    slots,
+                    count: *count,
+                    last_seen: *last_seen,
+                };
+                table.restore_row(row)?;
+            }
+            for c in chunk.candidates {
+                table.restore_candidate(c)?;
+            }
+            if let Some(stats) = chunk.stats {
+                table.restore_counters(&stats);
+            }
+            self.rows_seen.insert(chunk.index);
         }
         for (trainer, seq) in last_seqs {
             self.store.restore_last_seq(&trainer, seq);
@@ -490,6 +565,18 @@ impl CatchUp {
     pub fn waiting_for(&self) -> Option<String> {
         if let Some(id) = self.missing.iter().next() {
             return Some(format!("{} block(s) of shard {}, the first {id}", self.missing.len(), self.shard));
+        }
+        let tables = !self.store.tables().is_empty();
+        match self.row_parts {
+            None if tables => return Some(format!("the first snapshot part of shard {}", self.shard)),
+            Some(n) if (self.rows_seen.len() as u32) < n => {
+                return Some(format!(
+                    "{} of {n} row parts of shard {}",
+                    n - self.rows_seen.len() as u32,
+                    self.shard
+                ))
+            }
+            _ => {}
         }
         let gap = self.kept.keys().zip(self.upto + 1..).find(|(seq, want)| **seq != *want);
         gap.map(|(_, want)| format!("update {want} of shard {}", self.shard))

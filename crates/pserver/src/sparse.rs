@@ -208,34 +208,7 @@ fn table_base(seed: u64, name: &str) -> u64 {
 fn fill_row(init: &Init, base: u64, id: u64, out: &mut [f32]) {
     let row = mix64(base ^ mix64(id));
     let rng_at = |j: usize| SplitMix64::new(mix64(row ^ (j as u64).wrapping_mul(GOLDEN_GAMMA)));
-    match *init {
-        Init::Zeros => out.fill(0.0),
-        Init::Constant(v) => out.fill(v),
-        Init::Uniform { low, high } => {
-            for (j, o) in out.iter_mut().enumerate() {
-                let v = low + (high - low) * rng_at(j).next_f32();
-                // Rounding can land on `high`; keep the documented half-open range.
-                *o = if v >= high && high > low { next_down(high) } else { v };
-            }
-        }
-        Init::Normal { mean, std } => {
-            for (j, o) in out.iter_mut().enumerate() {
-                *o = mean + std * rng_at(j).next_normal();
-            }
-        }
-    }
-}
-
-/// The largest `f32` below finite `x` (as in `spec`; `f32::next_down` is
-/// newer than the MSRV).
-fn next_down(x: f32) -> f32 {
-    if x == 0.0 {
-        -f32::from_bits(1)
-    } else if x > 0.0 {
-        f32::from_bits(x.to_bits() - 1)
-    } else {
-        f32::from_bits(x.to_bits() + 1)
-    }
+    crate::spec::draw(init, rng_at, out);
 }
 
 /// The shard that holds row `id` of `table`, among `shards` (0 if

@@ -127,7 +127,13 @@ pub fn init_values(spec: &ParamSpec, seed: u64, offset: usize, out: &mut [f32]) 
         let i = (offset as u64).wrapping_add(j as u64);
         SplitMix64::new(mix64(base ^ i.wrapping_mul(0x9E37_79B9_7F4A_7C15)))
     };
-    match spec.init {
+    draw(&spec.init, rng_at, out);
+}
+
+/// Fill `out` from `init`, element `j` from its own generator `rng_at(j)`:
+/// how dense parameters and sparse rows (`sparse::init_row`) alike are drawn.
+pub(crate) fn draw(init: &Init, rng_at: impl Fn(usize) -> SplitMix64, out: &mut [f32]) {
+    match *init {
         Init::Zeros => out.fill(0.0),
         Init::Constant(v) => out.fill(v),
         Init::Uniform { low, high } => {

@@ -20,10 +20,10 @@
 //!   another column is another id. Lines may have any number of fields.
 
 use oar_pserver::{hash_str, SplitMix64};
-use oar_task_queue::{read_chunk_lines, Chunk};
+use oar_task_queue::Chunk;
 use serde::{Deserialize, Serialize};
 
-use crate::reader::{locate, parse_label, parse_value, Format, WHOLE_FILE};
+use crate::reader::{parse_label, parse_value, Format, WHOLE_FILE};
 use crate::{Error, Result};
 
 /// One example of a sparse model: a class label and `(id, value)` pairs.
@@ -144,38 +144,9 @@ pub struct IdChunkData {
 /// 1-based line number, unless `skip_bad_lines` is set: then it is counted in
 /// [`IdChunkData::skipped`] and the chunk logs one warning naming the first.
 pub fn read_chunk_ids(chunk: &Chunk, opts: &IdReaderOptions) -> Result<IdChunkData> {
-    let lines = read_chunk_lines(chunk)
-        .map_err(|e| Error::Chunk(format!("{} bytes {}..{}: {e}", chunk.path, chunk.start, chunk.end)))?;
-    let mut data = IdChunkData::default();
-    let mut first_bad: Option<(u64, String)> = None;
-    for line in &lines {
-        match parse_id_line(&line.text, opts) {
-            Ok(Some(example)) => data.examples.push(example),
-            Ok(None) => {}
-            Err(reason) if opts.skip_bad_lines => {
-                data.skipped += 1;
-                if first_bad.is_none() {
-                    first_bad = Some((line.offset, reason));
-                }
-            }
-            Err(reason) => {
-                let (line, reason) = locate(&chunk.path, line.offset, reason);
-                return Err(Error::BadLine { path: chunk.path.clone(), line, reason });
-            }
-        }
-    }
-    if let Some((offset, reason)) = first_bad {
-        let (line, reason) = locate(&chunk.path, offset, reason);
-        tracing::warn!(
-            path = %chunk.path,
-            skipped = data.skipped,
-            "skipped {} bad line(s) in chunk {}..{}; first at line {line}: {reason}",
-            data.skipped,
-            chunk.start,
-            chunk.end
-        );
-    }
-    Ok(data)
+    let (examples, skipped) =
+        crate::reader::parse_chunk(chunk, opts.skip_bad_lines, |line| parse_id_line(line, opts))?;
+    Ok(IdChunkData { examples, skipped })
 }
 
 /// Reads and parses several chunks, in order, into one [`IdChunkData`] (a

@@ -167,16 +167,28 @@ pub struct ChunkData {
 /// 1-based line number, unless `skip_bad_lines` is set: then it is counted in
 /// [`ChunkData::skipped`] and the chunk logs one warning naming the first one.
 pub fn read_chunk(chunk: &Chunk, opts: &ReaderOptions) -> Result<ChunkData> {
+    let (examples, skipped) = parse_chunk(chunk, opts.skip_bad_lines, |line| parse_line(line, opts))?;
+    Ok(ChunkData { examples, skipped })
+}
+
+/// The lines `chunk` owns, parsed by `parse` (`Ok(None)`: nothing on the
+/// line), with the bad-line rules of [`read_chunk`]: the examples and how
+/// many bad lines were skipped. Shared by every line reader.
+pub(crate) fn parse_chunk<T>(
+    chunk: &Chunk,
+    skip_bad_lines: bool,
+    parse: impl Fn(&str) -> std::result::Result<Option<T>, String>,
+) -> Result<(Vec<T>, usize)> {
     let lines = read_chunk_lines(chunk)
         .map_err(|e| Error::Chunk(format!("{} bytes {}..{}: {e}", chunk.path, chunk.start, chunk.end)))?;
-    let mut data = ChunkData::default();
+    let (mut examples, mut skipped) = (Vec::new(), 0);
     let mut first_bad: Option<(u64, String)> = None;
     for line in &lines {
-        match parse_line(&line.text, opts) {
-            Ok(Some(example)) => data.examples.push(example),
+        match parse(&line.text) {
+            Ok(Some(example)) => examples.push(example),
             Ok(None) => {}
-            Err(reason) if opts.skip_bad_lines => {
-                data.skipped += 1;
+            Err(reason) if skip_bad_lines => {
+                skipped += 1;
                 if first_bad.is_none() {
                     first_bad = Some((line.offset, reason));
                 }
@@ -191,19 +203,18 @@ pub fn read_chunk(chunk: &Chunk, opts: &ReaderOptions) -> Result<ChunkData> {
         let (line, reason) = locate(&chunk.path, offset, reason);
         tracing::warn!(
             path = %chunk.path,
-            skipped = data.skipped,
-            "skipped {} bad line(s) in chunk {}..{}; first at line {line}: {reason}",
-            data.skipped,
+            skipped,
+            "skipped {skipped} bad line(s) in chunk {}..{}; first at line {line}: {reason}",
             chunk.start,
             chunk.end
         );
     }
-    Ok(data)
+    Ok((examples, skipped))
 }
 
 /// The 1-based line number of the line at `offset`; if it cannot be found
 /// (the file changed under us), line 0 with the byte offset in the reason.
-pub(crate) fn locate(path: &str, offset: u64, reason: String) -> (u64, String) {
+fn locate(path: &str, offset: u64, reason: String) -> (u64, String) {
     match line_number_at(path, offset) {
         Ok(line) => (line, reason),
         Err(e) => (0, format!("{reason} (at byte offset {offset}; line number unknown: {e})")),

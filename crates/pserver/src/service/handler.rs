@@ -568,12 +568,13 @@ impl PsHandler {
             },
             (SyncFrom::Snapshot { upto, history }, Some(snapshot)) => {
                 let parts = replication::part_ranges(&snapshot);
-                let count = parts.len() as u32;
+                let row_parts = replication::row_part_ranges(&snapshot);
+                let count = (parts.len() + row_parts.len()) as u32;
                 let mut held = self.shared.snapshots.lock().unwrap_or_else(PoisonError::into_inner);
                 held.retain(|_, h| h.taken.elapsed() < SNAPSHOT_KEEP);
                 held.insert(
                     (shard, follower.clone()),
-                    HeldSnapshot { upto, snapshot, parts, taken: std::time::Instant::now() },
+                    HeldSnapshot { upto, snapshot, parts, row_parts, taken: std::time::Instant::now() },
                 );
                 tracing::info!(shard, follower, upto, parts = count, "a follower catches up from a snapshot");
                 PsReply::SyncFrom {
@@ -604,13 +605,20 @@ impl PsHandler {
                 "shard {shard}: no snapshot at update {upto} is held for {follower} (sync again)"
             ))
         })?;
-        let range = snapshot.parts.get(part as usize).cloned().ok_or_else(|| {
-            RemoteError::bad_request(format!(
-                "shard {shard}: the snapshot has {} parts, not a part {part}",
-                snapshot.parts.len()
-            ))
-        })?;
-        let (reply, payload) = replication::encode_part(&snapshot.snapshot, range);
+        let row_parts = snapshot.row_parts.len() as u32;
+        let (reply, payload) = match snapshot.parts.get(part as usize) {
+            Some(range) => replication::encode_part(&snapshot.snapshot, range.clone(), row_parts, None),
+            None => {
+                let index = (part as usize).saturating_sub(snapshot.parts.len());
+                let rows = snapshot.row_parts.get(index).cloned().ok_or_else(|| {
+                    RemoteError::bad_request(format!(
+                        "shard {shard}: the snapshot has {} parts, not a part {part}",
+                        snapshot.parts.len() + snapshot.row_parts.len()
+                    ))
+                })?;
+                replication::encode_row_part(&snapshot.snapshot, row_parts, index as u32, rows)
+            }
+        };
         Frame::new(PSERVER_METHOD, &reply, payload).map_err(RemoteError::internal)
     }
 

@@ -222,6 +222,8 @@ pub struct PserverOptions {
     pub name: String,
     /// The model's parameters.
     pub specs: Vec<ParamSpec>,
+    /// The model's sparse tables (rows on `hash(table, id) mod shards`).
+    pub tables: Vec<crate::sparse::TableSpec>,
     /// Number of logical shards of the job (its placement's servers).
     pub shards: u32,
     /// Largest block, in elements.
@@ -267,6 +269,7 @@ impl Default for PserverOptions {
             keys: PserverKeys::default(),
             name: "pserver".into(),
             specs: Vec::new(),
+            tables: Vec::new(),
             shards: 1,
             block_size: 1 << 16,
             seed: 1,
@@ -349,6 +352,8 @@ struct HeldSnapshot {
     snapshot: crate::StoreSnapshot,
     /// Block positions of each part.
     parts: Vec<std::ops::Range<usize>>,
+    /// After them, the row parts: (table, rows in id order).
+    row_parts: Vec<(u32, std::ops::Range<usize>)>,
     taken: std::time::Instant,
 }
 
@@ -617,7 +622,10 @@ impl Pserver {
             Some(factory) => drop(factory.build()),
             None => drop(options.optimizer.build()?),
         }
-        let placement = Arc::new(Placement::new(&options.specs, options.shards, options.block_size)?);
+        let placement = Arc::new(
+            Placement::new(&options.specs, options.shards, options.block_size)?
+                .with_tables(options.tables.clone())?,
+        );
         let session = Session::start(discovery.clone(), options.lease_ttl).await?;
         let name = format!("{}.{:x}", options.name, session.lease());
         let topology = TopologyWatch::start(discovery.clone(), &keys).await?;

@@ -6,8 +6,8 @@
 use super::{metrics, Shared, Slot, SlotState};
 use crate::{
     error::{ServiceError, ServiceResult},
-    protocol::{PsReply, PsRequest, TableRows, UpdateKind, UpdateMeta, PSERVER_METHOD},
-    replica::{CatchUp, Forwarded, SnapshotPart, Update},
+    protocol::{PsReply, PsRequest, RowsPart, TableRows, UpdateKind, UpdateMeta, PSERVER_METHOD},
+    replica::{CatchUp, Forwarded, RowChunk, SnapshotPart, Update},
     BlockId, CompletedStep, Grad, OptimizerState, Placement, Push, RowGrads, StoreSnapshot,
 };
 use bytes::{Bytes, BytesMut};
@@ -583,8 +583,61 @@ pub(super) fn part_ranges(snapshot: &StoreSnapshot) -> Vec<Range<usize>> {
     parts
 }
 
+/// The row parts of `snapshot`, after its block parts: per table, runs
+/// of its rows (in id order) of at most [`MAX_PART_FLOATS`] values, at
+/// least one part per table (it carries the candidates and counters).
+pub(super) fn row_part_ranges(snapshot: &StoreSnapshot) -> Vec<(u32, Range<usize>)> {
+    let mut parts = Vec::new();
+    for (t, table) in snapshot.tables().iter().enumerate() {
+        let stride = table.spec().dim * (1 + table.state_slots());
+        let per_part = (MAX_PART_FLOATS / stride.max(1)).max(1);
+        let rows = table.rows();
+        let mut start = 0;
+        loop {
+            let end = (start + per_part).min(rows);
+            parts.push((t as u32, start..end));
+            if end >= rows {
+                break;
+            }
+            start = end;
+        }
+    }
+    parts
+}
+
+/// Row part `index` of `snapshot`: rows `range` of table `table`.
+pub(super) fn encode_row_part(
+    snapshot: &StoreSnapshot,
+    row_parts: u32,
+    index: u32,
+    (table, range): (u32, Range<usize>),
+) -> (PsReply, Bytes) {
+    let t = &snapshot.tables()[table as usize];
+    let first = range.start == 0;
+    let mut payload = BytesMut::new();
+    let mut rows = Vec::with_capacity(range.len());
+    // Id order, as the snapshot lists them.
+    for r in t.records().skip(range.start).take(range.len()) {
+        oar_transport::put_f32s(&mut payload, r.params);
+        oar_transport::put_f32s(&mut payload, r.slots);
+        rows.push((r.id, r.step, r.count, r.last_seen));
+    }
+    let candidates = match first {
+        true => t.candidates().map(|c| (c.id, c.count, c.last_seen)).collect(),
+        false => Vec::new(),
+    };
+    let part = RowsPart { table, index, rows, candidates, stats: first.then(|| t.stats()) };
+    let (reply, _) = encode_part(snapshot, 0..0, row_parts, Some(part));
+    (reply, payload.freeze())
+}
+
 /// Part `range` of `snapshot`: per block its parameters then its state's slots.
-pub(super) fn encode_part(snapshot: &StoreSnapshot, range: Range<usize>) -> (PsReply, Bytes) {
+pub(super) fn encode_part(
+    snapshot: &StoreSnapshot,
+    range: Range<usize>,
+    row_parts: u32,
+    rows: Option<RowsPart>,
+) -> (PsReply, Bytes) {
     let blocks: Vec<_> = snapshot.blocks().skip(range.start).take(range.len()).collect();
     let floats: usize = blocks.iter().map(|(_, p, s)| p.len() + s.slots.len()).sum();
     let mut payload = BytesMut::with_capacity(floats * 4);
@@ -598,6 +651,8 @@ pub(super) fn encode_part(snapshot: &StoreSnapshot, range: Range<usize>) -> (PsR
         members: snapshot.members().to_vec(),
         blocks: blocks.iter().map(|(id, _, state)| (*id, state.step)).collect(),
         last_seqs: snapshot.last_seqs().map(|(t, s)| (t.to_string(), s)).collect(),
+        row_parts,
+        rows,
     };
     (reply, payload.freeze())
 }
@@ -612,7 +667,7 @@ fn decode_part(
     reply: PsReply,
     payload: Bytes,
 ) -> ServiceResult<SnapshotPart> {
-    let PsReply::SnapshotPart { step, pushes, members, blocks, last_seqs } = reply else {
+    let PsReply::SnapshotPart { step, pushes, members, blocks, last_seqs, row_parts, rows } = reply else {
         return Err(ServiceError::Protocol(format!("a snapshot part answered with {reply:?}")));
     };
     let mut at = 0usize;
@@ -636,11 +691,43 @@ fn decode_part(
         let slots = floats(len * state_slots)?;
         out.push((id, params, OptimizerState { step: state_step, slots }));
     }
+    let rows = match rows {
+        None => None,
+        Some(RowsPart { table, index, rows, candidates, stats }) => {
+            let dim = placement.tables().get(table as usize).map(|t| t.dim).ok_or_else(|| {
+                ServiceError::Protocol(format!(
+                    "a snapshot part names sparse table #{table}, which does not exist"
+                ))
+            })?;
+            let mut out = Vec::with_capacity(rows.len());
+            for (id, step, count, last_seen) in rows {
+                let params = floats(dim)?;
+                let slots = floats(dim * state_slots)?;
+                out.push((id, params, step, slots, count, last_seen));
+            }
+            let candidates = candidates
+                .into_iter()
+                .map(|(id, count, last_seen)| crate::sparse::Candidate { id, count, last_seen })
+                .collect();
+            Some(RowChunk { table, index, rows: out, candidates, stats })
+        }
+    };
     if at != payload.len() {
         return Err(ServiceError::Protocol(format!(
             "{} bytes after a snapshot part's last block",
             payload.len() - at
         )));
     }
-    Ok(SnapshotPart { shard, map_version, upto, step, pushes, members, blocks: out, last_seqs })
+    Ok(SnapshotPart {
+        shard,
+        map_version,
+        upto,
+        step,
+        pushes,
+        members,
+        blocks: out,
+        last_seqs,
+        row_parts,
+        rows,
+    })
 }
