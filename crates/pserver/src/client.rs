@@ -500,9 +500,10 @@ impl PserverClient {
         }
         // Per shard, per request table: (positions in the caller's ids).
         let mut wanted: std::collections::BTreeMap<u32, Vec<(usize, Vec<usize>)>> = Default::default();
+        let mut dims = Vec::with_capacity(rows.len());
         for (k, (table, ids)) in rows.iter().enumerate() {
-            let dim =
-                check_table_rows(&placement, *table, ids.len(), ids.len() * dim_of(&placement, *table))?;
+            let dim = table_spec(&placement, *table)?.dim;
+            dims.push(dim);
             out[k].clear();
             out[k].resize(ids.len() * dim, 0.0);
             for (i, id) in ids.iter().enumerate() {
@@ -563,7 +564,7 @@ impl PserverClient {
                     match answer {
                         PulledShard::Rows { .. } => {
                             for (k, at) in &wanted[&shard] {
-                                let dim = dim_of(&placement, rows[*k].0);
+                                let dim = dims[*k];
                                 for &i in at {
                                     for v in &mut out[*k][i * dim..(i + 1) * dim] {
                                         *v = values.next().ok_or_else(|| {
@@ -792,15 +793,15 @@ pub struct TableGrads<'a> {
     pub grads: &'a [f32],
 }
 
-/// The dim of table `table` (0 if it does not exist).
-fn dim_of(placement: &Placement, table: u32) -> usize {
-    placement.tables().get(table as usize).map_or(0, |t| t.dim)
+/// The spec of table `table`, or an error naming it.
+fn table_spec(placement: &Placement, table: u32) -> Result<&crate::sparse::TableSpec> {
+    let tables = placement.tables();
+    Ok(tables.get(table as usize).ok_or(crate::Error::NoSuchTable { table, tables: tables.len() })?)
 }
 
 /// Table `table` exists and `values` fit `ids` rows of it: its dim.
 fn check_table_rows(placement: &Placement, table: u32, ids: usize, values: usize) -> Result<usize> {
-    let tables = placement.tables();
-    let t = tables.get(table as usize).ok_or(crate::Error::NoSuchTable { table, tables: tables.len() })?;
+    let t = table_spec(placement, table)?;
     if values != ids * t.dim {
         return Err(crate::Error::RowGradLength {
             table: t.name.clone(),

@@ -81,6 +81,11 @@ pub const MAX_TABLE_ROWS: usize = u32::MAX as usize;
 /// use at most 2).
 pub const MAX_STATE_SLOTS: usize = 8;
 
+/// The fewest steps between two sweeps that [`SparseTable::apply`] runs
+/// itself: a sweep reads the whole table, so a short expiry does not make
+/// every push pay for one.
+pub const SWEEP_EVERY: u64 = 64;
+
 /// Rows per arena chunk, at most (fewer for wide rows, see `CHUNK_FLOATS`).
 const CHUNK_ROWS: usize = 4096;
 
@@ -376,6 +381,8 @@ pub struct SparseTable {
     counters: TableStats,
     /// Eviction keys, kept to reuse the buffer.
     scratch: Vec<(u64, u64, u64, u32)>,
+    /// The step at which `apply` next sweeps expired rows away.
+    next_sweep: u64,
 }
 
 impl fmt::Debug for SparseTable {
@@ -428,6 +435,7 @@ impl SparseTable {
             candidates: IdMap::default(),
             counters: TableStats::default(),
             scratch: Vec::new(),
+            next_sweep: 0,
         })
     }
 
@@ -530,7 +538,17 @@ impl SparseTable {
     /// `opt` should have the table's `state_slots` (a built-in with fewer
     /// updates what it has, see [`Optimizer::apply`]). Rows past the end of
     /// a short `grads` are left alone.
+    ///
+    /// With expiry, it also [`sweep`](Self::sweep)s every `max(T,`
+    /// [`SWEEP_EVERY`]`)` steps, so the memory of rows that expired is
+    /// reclaimed without the caller's help (a sweep changes no value read).
     pub fn apply(&mut self, ids: &[u64], grads: &[f32], now: u64, opt: &dyn Optimizer) {
+        if let Some(after) = self.spec.policy.expire_after {
+            if now >= self.next_sweep {
+                self.sweep(now);
+                self.next_sweep = now.saturating_add(after.max(SWEEP_EVERY));
+            }
+        }
         for (&id, grad) in ids.iter().zip(grads.chunks_exact(self.spec.dim)) {
             self.apply_one(id, grad, now, opt);
         }
@@ -960,6 +978,28 @@ impl TableSnapshot {
         live.into_iter().map(move |(id, c, r)| record(&self.chunks[c], r, id, dim, stride))
     }
 
+    /// The arena's chunks (each at most 4096 rows and 4 MiB of floats):
+    /// what a catch-up cuts its row parts by.
+    pub fn chunks(&self) -> usize {
+        self.chunks.len()
+    }
+
+    /// Floats one row takes (values and optimizer slots).
+    pub fn row_floats(&self) -> usize {
+        self.stride
+    }
+
+    /// The held rows of chunks `chunks`, in the arena's order: positional
+    /// access without the sort of [`records`](Self::records), for a
+    /// catch-up that streams a large table part by part.
+    pub fn records_in(&self, chunks: std::ops::Range<usize>) -> impl Iterator<Item = RowRecord<'_>> + '_ {
+        let (dim, stride) = (self.spec.dim, self.stride);
+        let start = chunks.start.min(self.chunks.len());
+        let end = chunks.end.clamp(start, self.chunks.len());
+        live_slots(&self.chunks[start..end])
+            .map(move |(id, c, r)| record(&self.chunks[start + c], r, id, dim, stride))
+    }
+
     /// Every candidate, in ascending id order.
     pub fn candidates(&self) -> impl Iterator<Item = Candidate> + '_ {
         let mut all: Vec<Candidate> = self
@@ -1153,6 +1193,17 @@ mod tests {
         assert_eq!(t.stats().candidates, 1);
         t.sweep(8);
         assert_eq!((t.stats().candidates, t.stats().dropped_candidates), (0, 1));
+    }
+
+    #[test]
+    fn apply_sweeps_expired_rows_away_by_itself() {
+        let sgd = Sgd { lr: 1.0 };
+        let mut t = table(RowPolicy { expire_after: Some(3), ..RowPolicy::default() });
+        t.apply(&[1, 2, 3], &[1.0; 12], 1, &sgd);
+        assert_eq!(t.len(), 3);
+        // Long after they expired, a push of another id reclaims them.
+        t.apply(&[9], &[1.0; 4], 1 + 3 + SWEEP_EVERY, &sgd);
+        assert_eq!((t.len(), t.stats().expired), (1, 3));
     }
 
     #[test]

@@ -1186,28 +1186,34 @@ impl ParamStore {
     fn update_rows(&mut self, unit: usize) {
         let pushed = std::mem::take(&mut self.pending_rows);
         let total = pushed.values().fold(0.0, |t, (w, _)| t + w);
-        let mut combined: Vec<BTreeMap<u64, Vec<f32>>> = vec![BTreeMap::new(); self.tables.len()];
+        // Per table: each id's position in one flat accumulator.
+        let mut combined: Vec<(HashMap<u64, usize>, Vec<f32>)> =
+            (0..self.tables.len()).map(|_| Default::default()).collect();
         let mut scratch = Vec::new();
         for (w, rows) in pushed.values() {
             for r in rows {
                 let dim = self.tables[r.table as usize].spec().dim;
-                let values = r.grads.floats(&mut scratch);
-                for (id, g) in r.ids.iter().zip(values.chunks_exact(dim)) {
-                    let acc = combined[r.table as usize].entry(*id).or_insert_with(|| vec![0.0; dim]);
-                    axpy(acc, *w, g);
+                let (at, acc) = &mut combined[r.table as usize];
+                for (id, g) in r.ids.iter().zip(r.grads.floats(&mut scratch).chunks_exact(dim)) {
+                    let row = *at.entry(*id).or_insert_with(|| {
+                        acc.resize(acc.len() + dim, 0.0);
+                        acc.len() / dim - 1
+                    });
+                    axpy(&mut acc[row * dim..(row + 1) * dim], *w, g);
                 }
             }
         }
-        for (t, rows) in combined.into_iter().enumerate() {
-            if rows.is_empty() {
+        for (t, (at, acc)) in combined.into_iter().enumerate() {
+            if at.is_empty() {
                 continue;
             }
             let dim = self.tables[t].spec().dim;
-            let mut ids = Vec::with_capacity(rows.len());
-            let mut grads = Vec::with_capacity(rows.len() * dim);
-            for (id, g) in rows {
-                ids.push(id);
-                grads.extend_from_slice(&g);
+            let mut order: Vec<(u64, usize)> = at.into_iter().collect();
+            order.sort_unstable();
+            let ids: Vec<u64> = order.iter().map(|&(id, _)| id).collect();
+            let mut grads = Vec::with_capacity(acc.len());
+            for (_, row) in order {
+                grads.extend_from_slice(&acc[row * dim..(row + 1) * dim]);
             }
             if total != 1.0 {
                 div(&mut grads, total);

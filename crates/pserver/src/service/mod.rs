@@ -352,7 +352,7 @@ struct HeldSnapshot {
     snapshot: crate::StoreSnapshot,
     /// Block positions of each part.
     parts: Vec<std::ops::Range<usize>>,
-    /// After them, the row parts: (table, rows in id order).
+    /// After them, the row parts: (table, a run of its arena chunks).
     row_parts: Vec<(u32, std::ops::Range<usize>)>,
     taken: std::time::Instant,
 }

@@ -584,19 +584,21 @@ pub(super) fn part_ranges(snapshot: &StoreSnapshot) -> Vec<Range<usize>> {
 }
 
 /// The row parts of `snapshot`, after its block parts: per table, runs
-/// of its rows (in id order) of at most [`MAX_PART_FLOATS`] values, at
-/// least one part per table (it carries the candidates and counters).
+/// of its arena's chunks of at most [`MAX_PART_FLOATS`] values (a larger
+/// chunk alone), at least one part per table (the first carries the
+/// candidates and counters).
 pub(super) fn row_part_ranges(snapshot: &StoreSnapshot) -> Vec<(u32, Range<usize>)> {
     let mut parts = Vec::new();
     for (t, table) in snapshot.tables().iter().enumerate() {
-        let stride = table.spec().dim * (1 + table.state_slots());
-        let per_part = (MAX_PART_FLOATS / stride.max(1)).max(1);
-        let rows = table.rows();
+        // A chunk's floats, at most: its rows are not counted one by one.
+        let chunk_floats = 4096 * table.row_floats();
+        let per_part = (MAX_PART_FLOATS / chunk_floats.max(1)).max(1);
+        let chunks = table.chunks();
         let mut start = 0;
         loop {
-            let end = (start + per_part).min(rows);
+            let end = (start + per_part).min(chunks);
             parts.push((t as u32, start..end));
-            if end >= rows {
+            if end >= chunks {
                 break;
             }
             start = end;
@@ -605,7 +607,7 @@ pub(super) fn row_part_ranges(snapshot: &StoreSnapshot) -> Vec<(u32, Range<usize
     parts
 }
 
-/// Row part `index` of `snapshot`: rows `range` of table `table`.
+/// Row part `index` of `snapshot`: the rows of chunks `range` of table `table`.
 pub(super) fn encode_row_part(
     snapshot: &StoreSnapshot,
     row_parts: u32,
@@ -615,9 +617,8 @@ pub(super) fn encode_row_part(
     let t = &snapshot.tables()[table as usize];
     let first = range.start == 0;
     let mut payload = BytesMut::new();
-    let mut rows = Vec::with_capacity(range.len());
-    // Id order, as the snapshot lists them.
-    for r in t.records().skip(range.start).take(range.len()) {
+    let mut rows = Vec::new();
+    for r in t.records_in(range) {
         oar_transport::put_f32s(&mut payload, r.params);
         oar_transport::put_f32s(&mut payload, r.slots);
         rows.push((r.id, r.step, r.count, r.last_seen));
