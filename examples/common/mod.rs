@@ -10,7 +10,7 @@ use oar::{
         report::{JobReport, PassReport, Progress},
     },
     pserver::{Mode, OptimizerConfig},
-    trainer::{datagen::write_blobs, reader::Format, ModelConfig},
+    trainer::{datagen::write_blobs, reader::Format, CtrModelConfig, ModelConfig},
 };
 use std::{path::Path, process::ExitCode, time::Duration};
 use tokio_util::sync::CancellationToken;
@@ -33,18 +33,26 @@ pub struct JobArgs {
     /// Skip and count bad data lines instead of failing their task.
     #[arg(long)]
     pub skip_bad_lines: bool,
-    /// The model to train.
-    #[arg(long, value_enum, default_value_t = ModelArg::Softmax)]
-    pub model: ModelArg,
-    /// Number of classes.
+    /// The model to train: dense (softmax, mlp) or over sparse tables of
+    /// feature ids (lr, fm: binary labels, no --features needed) [default:
+    /// softmax; ctr: lr].
+    #[arg(long, value_enum)]
+    pub model: Option<ModelArg>,
+    /// Number of classes (dense models).
     #[arg(long)]
     pub classes: Option<usize>,
-    /// Number of features.
+    /// Number of features (dense models).
     #[arg(long)]
     pub features: Option<usize>,
     /// Hidden units of the MLP.
     #[arg(long, default_value_t = 32)]
     pub hidden: usize,
+    /// Width of the factorization machine's factor rows (fm).
+    #[arg(long, default_value_t = 8)]
+    pub factors: usize,
+    /// Add hashed pairwise feature crosses (lr, fm).
+    #[arg(long)]
+    pub crosses: bool,
     /// Parameter servers (the first shard map waits for this many).
     #[arg(long, default_value_t = 2)]
     pub pservers: u32,
@@ -105,6 +113,15 @@ pub enum FormatArg {
 pub enum ModelArg {
     Softmax,
     Mlp,
+    Lr,
+    Fm,
+}
+
+impl ModelArg {
+    /// A model over sparse tables of ids.
+    pub fn is_sparse(self) -> bool {
+        matches!(self, ModelArg::Lr | ModelArg::Fm)
+    }
 }
 #[derive(Clone, Copy, Debug, ValueEnum)]
 pub enum OptimizerArg {
@@ -123,10 +140,14 @@ impl JobArgs {
     /// The job's config. Without `--data`, `generate_into` (if given) gets
     /// a generated dataset (Gaussian class clusters) to train on.
     pub fn config(&self, generate_into: Option<&Path>) -> Result<JobConfig, BoxError> {
+        let model_arg = self.model.unwrap_or(ModelArg::Softmax);
         let (data, test_data, features, classes) = match (&self.data, generate_into) {
             (Some(data), _) => {
-                let (Some(features), Some(classes)) = (self.features, self.classes) else {
-                    return Err("--features and --classes are required with --data".into());
+                let (features, classes) = match (self.features, self.classes) {
+                    // Ids are open-ended and CTR labels binary.
+                    _ if model_arg.is_sparse() => (0, 2),
+                    (Some(features), Some(classes)) => (features, classes),
+                    _ => return Err("--features and --classes are required with --data".into()),
                 };
                 // Name the flag whose files are missing, before anything starts.
                 for (flag, glob) in [("--data", Some(data)), ("--test-data", self.test_data.as_ref())] {
@@ -137,15 +158,21 @@ impl JobArgs {
                 (data.clone(), self.test_data.clone(), features, classes)
             }
             (None, Some(dir)) => {
-                let (features, classes) = (self.features.unwrap_or(16), self.classes.unwrap_or(4));
+                let default_classes = if model_arg.is_sparse() { 2 } else { 4 };
+                let (features, classes) =
+                    (self.features.unwrap_or(16), self.classes.unwrap_or(default_classes));
                 let (train, test) = write_blobs(dir, classes, features, 20_000, 5_000, self.seed)?;
                 (train.display().to_string(), Some(test.display().to_string()), features, classes)
             }
             (None, None) => return Err("--data is required".into()),
         };
-        let model = match self.model {
+        let model = match model_arg {
             ModelArg::Softmax => ModelConfig::Softmax { features, classes },
             ModelArg::Mlp => ModelConfig::Mlp { features, hidden: self.hidden, classes },
+            ModelArg::Lr => ModelConfig::Ctr(CtrModelConfig::Lr { crosses: self.crosses }),
+            ModelArg::Fm => {
+                ModelConfig::Ctr(CtrModelConfig::Fm { factors: self.factors, crosses: self.crosses })
+            }
         };
         let mut config = JobConfig::new(&data, model);
         config.test_data = test_data;

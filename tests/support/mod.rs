@@ -604,8 +604,10 @@ mod cluster {
         /// Stop trainers, master and pservers in that order with SIGTERM, and
         /// check that every shard holding the model applied exactly one update
         /// per push (or step) the trainers saw acknowledged.
-        pub fn finish_and_count(mut self) -> u64 {
+        pub fn finish_and_count(&mut self) -> u64 {
             let mut acknowledged = 0;
+            // Sparse models: the row gradients in those pushes.
+            let mut pushed_rows = 0;
             // Per shard, the pushes the trainers saw it take.
             let mut shard_acknowledged: BTreeMap<String, u64> = BTreeMap::new();
             for trainer in &mut self.trainers {
@@ -621,6 +623,7 @@ mod cluster {
                 assert_eq!(out["pushed_examples"], out["examples"], "gradients left unpushed: {out}");
                 assert!(!trainer.stderr().contains("gave up pushing"), "{}", trainer.dump());
                 acknowledged += out["pushes"].as_u64().expect("pushes");
+                pushed_rows += out["pushed_rows"].as_u64().expect("pushed_rows");
                 for (shard, n) in out["shard_pushes"].as_object().unwrap_or_else(|| panic!("{out}")) {
                     *shard_acknowledged.entry(shard.clone()).or_default() += n.as_u64().unwrap();
                 }
@@ -638,6 +641,8 @@ mod cluster {
             }
             let mut steps: BTreeMap<String, Vec<u64>> = BTreeMap::new();
             let mut pushes: BTreeMap<String, Vec<u64>> = BTreeMap::new();
+            // Row updates the shards' final primaries hold, over every shard.
+            let mut row_updates = 0;
             for &i in &self.live {
                 let pserver = &mut self.pservers[i];
                 assert!(exits(pserver, LONG, &[]), "{} did not stop well\n{}", pserver.name, pserver.dump());
@@ -646,6 +651,9 @@ mod cluster {
                     steps.entry(shard.clone()).or_default().push(step.as_u64().unwrap());
                     let applied = out["pushes"][shard].as_u64().unwrap_or_else(|| panic!("{out}"));
                     pushes.entry(shard.clone()).or_default().push(applied);
+                }
+                for rows in out["row_updates"].as_object().unwrap_or_else(|| panic!("{out}")).values() {
+                    row_updates += rows.as_u64().unwrap();
                 }
             }
             let with_data: Vec<_> = steps.iter().filter(|(_, s)| s.iter().any(|&s| s > 0)).collect();
@@ -668,7 +676,17 @@ mod cluster {
                     dump(&self.everyone())
                 );
             }
-            eprintln!("{acknowledged} acknowledged, each applied once on every shard");
+            if one_push_one_step {
+                assert_eq!(
+                    row_updates,
+                    pushed_rows,
+                    "the shards hold {row_updates} row updates; the trainers saw {pushed_rows} acknowledged\n{}",
+                    dump(&self.everyone())
+                );
+            }
+            eprintln!(
+                "{acknowledged} acknowledged, each applied once on every shard; {pushed_rows} row updates"
+            );
             self.assert_tasks_once();
             acknowledged
         }

@@ -6,7 +6,7 @@ use oar_pserver::{Mode, OptimizerConfig, Placement};
 use oar_task_queue::QueueConfig;
 use oar_trainer::{
     reader::{Format, ReaderOptions},
-    ModelConfig,
+    AnyModel, ModelConfig,
 };
 use serde::{Deserialize, Serialize};
 use std::time::Duration;
@@ -145,7 +145,12 @@ impl JobConfig {
         if self.task_timeout.is_zero() || self.max_failures == 0 {
             return bad("task timeout and max failures must be positive");
         }
-        self.model.build()?;
+        if matches!(self.model, ModelConfig::Ctr(_)) && (self.push_every != 1 || self.pull_every != 1) {
+            return bad(
+                "a sparse model (ctr) pushes and pulls every mini-batch: push-every and pull-every must be 1",
+            );
+        }
+        self.model.build_any()?;
         self.optimizer.build()?;
         self.placement()?;
         Ok(())
@@ -155,12 +160,8 @@ impl JobConfig {
     pub fn reader(&self) -> ReaderOptions {
         ReaderOptions {
             format: self.format,
-            features: match self.model {
-                ModelConfig::Softmax { features, .. } | ModelConfig::Mlp { features, .. } => features,
-            },
-            classes: match self.model {
-                ModelConfig::Softmax { classes, .. } | ModelConfig::Mlp { classes, .. } => classes,
-            },
+            features: self.model.features(),
+            classes: self.model.classes(),
             skip_bad_lines: self.skip_bad_lines,
         }
     }
@@ -172,8 +173,14 @@ impl JobConfig {
 
     /// Where each parameter block lives; the same on every process.
     pub fn placement(&self) -> Result<Placement> {
-        let specs = self.model.build()?.param_specs();
-        Ok(Placement::new(&specs, self.shards, self.block_size)?)
+        self.placement_for(&self.model.build_any()?)
+    }
+
+    /// Where each parameter block and table row of `model` (the job's
+    /// model or a plugin's) lives.
+    pub fn placement_for(&self, model: &AnyModel) -> Result<Placement> {
+        let placement = Placement::new(&model.param_specs(), self.shards, self.block_size)?;
+        Ok(placement.with_tables(model.table_specs())?)
     }
 
     /// The options that differ between `self` (published) and `other`

@@ -4,7 +4,7 @@
 use crate::{config::JobConfig, Result};
 use oar_discovery::Discovery;
 use oar_pserver::OptimizerFactory;
-use oar_trainer::model::Model;
+use oar_trainer::{model::Model, AnyModel, SparseModel};
 use oar_transport::Transport;
 use std::sync::Arc;
 
@@ -19,6 +19,9 @@ pub struct Plugins {
     /// `JobConfig::model` still gives the data's features and classes to the
     /// readers.
     pub model: Option<Arc<dyn Model>>,
+    /// Replaces the model of [`JobConfig::model`] with a model over sparse
+    /// tables, on every role (as `model` does; at most one of the two).
+    pub sparse_model: Option<Arc<dyn SparseModel>>,
     /// Replaces [`JobConfig::optimizer`] on the pservers.
     pub optimizer: Option<OptimizerFactory>,
 }
@@ -52,10 +55,14 @@ impl JobContext {
     }
 
     /// The job's model: the plugin's, or the one `config` names.
-    pub(crate) fn model(&self, config: &JobConfig) -> Result<Arc<dyn Model>> {
-        match &self.plugins.model {
-            Some(model) => Ok(model.clone()),
-            None => Ok(config.model.build()?.into()),
+    pub(crate) fn model(&self, config: &JobConfig) -> Result<AnyModel> {
+        match (&self.plugins.model, &self.plugins.sparse_model) {
+            (Some(_), Some(_)) => Err(crate::Error::BadConfig(
+                "plugins: a model and a sparse model were both given; give one".into(),
+            )),
+            (Some(model), None) => Ok(AnyModel::Dense(model.clone())),
+            (None, Some(model)) => Ok(AnyModel::Sparse(model.clone())),
+            (None, None) => Ok(config.model.build_any()?),
         }
     }
 }

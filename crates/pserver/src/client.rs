@@ -492,11 +492,23 @@ impl PserverClient {
     /// of; a shard that moved is asked again where the map points. In sync
     /// mode after a push, waits for the step that push belongs to, as
     /// [`pull`](Self::pull) does. A row not created yet reads as its
-    /// initial value.
+    /// initial value. At most [`MAX_ROWS_PER_CALL`](crate::sparse::MAX_ROWS_PER_CALL)
+    /// ids in all: a larger pull is refused here, before anything is sent
+    /// (a pserver refuses it too); split the batch.
     pub async fn pull_rows(&mut self, rows: &[(u32, &[u64])], out: &mut [Vec<f32>]) -> Result<()> {
         let placement = self.inner.placement.clone();
         if out.len() != rows.len() {
             return Err(Error::Protocol(format!("{} outputs for {} tables' rows", out.len(), rows.len())));
+        }
+        let asked: usize = rows.iter().map(|(_, ids)| ids.len()).sum();
+        if asked > crate::sparse::MAX_ROWS_PER_CALL {
+            let table = rows.iter().max_by_key(|(_, ids)| ids.len()).map_or(0, |(t, _)| *t);
+            return Err(crate::Error::TooManyRows {
+                table: table_spec(&placement, table)?.name.clone(),
+                got: asked,
+                max: crate::sparse::MAX_ROWS_PER_CALL,
+            }
+            .into());
         }
         // Per shard, per request table: (positions in the caller's ids).
         let mut wanted: std::collections::BTreeMap<u32, Vec<(usize, Vec<usize>)>> = Default::default();

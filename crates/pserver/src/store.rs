@@ -1084,6 +1084,15 @@ impl ParamStore {
         &self.tables
     }
 
+    /// Row updates this shard's tables hold: the sum of every held row's
+    /// optimizer step. Every applied row gradient counts once (a sync step
+    /// counts a row once however many trainers pushed it), so with no row
+    /// evicted or expired it is the exact count of row updates applied,
+    /// before a failover or a move included.
+    pub fn row_updates(&self) -> u64 {
+        self.tables.iter().map(|t| t.snapshot().records().map(|r| r.step).sum::<u64>()).sum()
+    }
+
     /// Table `table`, to restore rows into (from a checkpoint or a snapshot).
     pub fn table_mut(&mut self, table: u32) -> Result<&mut SparseTable> {
         let tables = self.tables.len();

@@ -1,19 +1,23 @@
-//! Sparse tables through the service, in one process (in-memory discovery
-//! and transport): rows pushed and pulled through the client, replicated
-//! to followers, carried to a new pserver by a catch-up from a snapshot
-//! (rows in their own parts), and kept exactly when the old replicas die.
+//! Sparse tables through the service, in one process (in-memory discovery;
+//! the in-memory transport, and QUIC on 127.0.0.1): rows pushed and pulled
+//! through the client, replicated to followers, carried to a new pserver by
+//! a catch-up from a snapshot (rows in their own parts, over several arena
+//! chunks), and kept exactly when the old replicas die; bad rows on the
+//! wire refused by name, harming nothing.
 
 mod common;
 
+use bytes::Bytes;
 use common::{keys, Cluster};
 use oar_discovery::{Discovery, MemDiscovery};
 use oar_pserver::client::TableGrads;
+use oar_pserver::protocol::{BlockSpan, PsReply, PsRequest, ShardRows, TableRows, PSERVER_METHOD};
 use oar_pserver::sparse::{init_row, TableSpec};
 use oar_pserver::{
     CoordinatorOptions, Init, Mode, OptimizerConfig, ParamBuf, ParamSpec, Placement, Pserver, PserverClient,
     PserverClientOptions, PserverOptions,
 };
-use oar_transport::{MemNetwork, MemTransport, RetryPolicy, Transport};
+use oar_transport::{call, MemNetwork, MemTransport, RemoteErrorKind, RetryPolicy, Transport};
 use std::{sync::Arc, time::Duration};
 
 const SHARDS: u32 = 4;
@@ -31,16 +35,45 @@ fn table() -> TableSpec {
 struct Env {
     discovery: Arc<dyn Discovery>,
     transport: Arc<dyn Transport>,
+    listen: &'static str,
     cluster: Cluster,
 }
 
 impl Env {
     async fn new(replicas: u32, pservers: u32) -> Env {
-        let discovery: Arc<dyn Discovery> = Arc::new(MemDiscovery::new());
         let transport: Arc<dyn Transport> = Arc::new(MemTransport::new(MemNetwork::new()));
+        Self::on(transport, "mem:0", replicas, pservers).await
+    }
+
+    async fn quic(replicas: u32, pservers: u32) -> Env {
+        let ca = oar_transport::DevCa::new().unwrap();
+        let transport: Arc<dyn Transport> =
+            Arc::new(oar_transport::QuicTransport::new(ca.tls_config("sparse-test").unwrap()).unwrap());
+        Self::on(transport, "127.0.0.1:0", replicas, pservers).await
+    }
+
+    async fn on(transport: Arc<dyn Transport>, listen: &'static str, replicas: u32, pservers: u32) -> Env {
+        let discovery: Arc<dyn Discovery> = Arc::new(MemDiscovery::new());
         let options = CoordinatorOptions { shards: SHARDS, replicas, pservers, ..Default::default() };
         let cluster = Cluster::start_with(discovery.clone(), transport.clone(), options).await;
-        Env { discovery, transport, cluster }
+        Env { discovery, transport, listen, cluster }
+    }
+
+    /// Wait until `pservers` serve the map with both replicas of every
+    /// shard (a newcomer joins a replica set once it has caught up).
+    async fn wait_replicated(&self, pservers: &[&Pserver]) {
+        for _ in 0..2000 {
+            let map = self.cluster.wait_serving(pservers).await;
+            if (0..SHARDS).all(|s| map.replica_set(s).len() == 2) {
+                return;
+            }
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+        panic!("the shards never had both their replicas again");
+    }
+
+    fn placement(&self) -> Placement {
+        Placement::new(&specs(), SHARDS, 4).unwrap().with_tables(vec![table()]).unwrap()
     }
 
     async fn pserver(&self) -> Pserver {
@@ -57,11 +90,11 @@ impl Env {
             replication_timeout: Duration::from_secs(2),
             ..Default::default()
         };
-        Pserver::start(self.discovery.clone(), self.transport.clone(), "mem:0", options).await.unwrap()
+        Pserver::start(self.discovery.clone(), self.transport.clone(), self.listen, options).await.unwrap()
     }
 
     fn client(&self, trainer: &str) -> PserverClient {
-        let placement = Placement::new(&specs(), SHARDS, 4).unwrap().with_tables(vec![table()]).unwrap();
+        let placement = self.placement();
         let options = PserverClientOptions {
             call_timeout: Duration::from_secs(2),
             retry: RetryPolicy { give_up_after: Duration::from_secs(60), ..RetryPolicy::default() },
@@ -117,18 +150,113 @@ async fn rows_survive_their_replicas_dying_after_a_catch_up() {
         *v -= if k < 32 * DIM { 0.75 } else { 1.0 };
     }
     assert_eq!(pull(&mut trainer, &ids).await, want);
+    // Enough rows that each shard's table spans several arena chunks (of
+    // at most 4096 rows), so the catch-up below carries several chunk runs.
+    let many: Vec<u64> = (0..40_000u64).map(|i| (i << 20) | 1).collect();
+    push(&mut trainer, &many, 0.125).await;
+    let mut many_want = initial(&many);
+    many_want.iter_mut().for_each(|v| *v -= 0.125);
+    assert_eq!(pull(&mut trainer, &many).await, many_want);
 
     // a dies; a newcomer catches up every shard a held from b's snapshots
     // (rows included); then b dies too: the newcomer alone holds every row.
     env.kill(a).await;
     let c = env.pserver().await;
-    env.cluster.wait_serving(&[&b, &c]).await;
+    env.wait_replicated(&[&b, &c]).await;
     env.kill(b).await;
     let d = env.pserver().await;
-    env.cluster.wait_serving(&[&c, &d]).await;
+    env.wait_replicated(&[&c, &d]).await;
     assert_eq!(pull(&mut trainer, &ids).await, want, "no acknowledged row update lost");
+    assert_eq!(pull(&mut trainer, &many).await, many_want, "no row of a large table lost");
     // And the table goes on: one more push lands once.
     push(&mut trainer, &ids, 0.5).await;
     want.iter_mut().for_each(|v| *v -= 0.5);
+    assert_eq!(pull(&mut trainer, &ids).await, want);
+}
+
+/// A raw request to `ps`, and its answer.
+async fn raw(
+    env: &Env,
+    ps: &Pserver,
+    request: &PsRequest,
+    payload: Vec<f32>,
+) -> Result<PsReply, oar_transport::Error> {
+    let conn = env.transport.connect(ps.addr()).await.unwrap();
+    let payload = oar_transport::f32s_to_bytes(&payload);
+    call(conn.as_ref(), PSERVER_METHOD, request, payload, Duration::from_secs(10))
+        .await
+        .map(|(r, _): (PsReply, Bytes)| r)
+}
+
+fn assert_bad_request(result: Result<PsReply, oar_transport::Error>, words: &[&str]) {
+    match result {
+        Err(oar_transport::Error::Remote { error, .. }) => {
+            assert_eq!(error.kind, RemoteErrorKind::BadRequest, "{error:?}");
+            for w in words {
+                assert!(error.message.contains(w), "{:?} should contain {w:?}", error.message);
+            }
+        }
+        other => panic!("expected a bad request about {words:?}, got {other:?}"),
+    }
+}
+
+/// Over QUIC, straight to the pserver (no client checks in the way): a row
+/// gradient of the wrong width, a NaN in a row, and a pull of 10M ids are
+/// refused with errors that say what was wrong; the table is unchanged, and
+/// the pserver goes on serving a well-behaved trainer.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn bad_rows_over_quic_are_refused_by_name_and_harm_nothing() {
+    let env = Env::quic(1, 1).await;
+    let ps = env.pserver().await;
+    env.cluster.wait_serving(&[&ps]).await;
+    let placement = env.placement();
+    let mut trainer = env.client("t1");
+    let ids: Vec<u64> = (0..256).map(|i| i * 31 + 5).collect();
+    push(&mut trainer, &ids, 0.5).await;
+    let before = pull(&mut trainer, &ids).await;
+
+    // One id of a shard, pushed raw to that shard with the dense part of its blocks.
+    let shard = placement.row_shard(0, ids[0]).unwrap();
+    let blocks = placement.blocks_on(shard).count() as u32;
+    let dense: usize = placement.blocks_on(shard).map(|b| b.len).sum();
+    let raw_push = |seq: u64, ids: Vec<u64>| PsRequest::Push {
+        shard,
+        fingerprint: placement.fingerprint(),
+        blocks: BlockSpan::new(0, blocks),
+        trainer: "stranger".into(),
+        seq,
+        step: 0,
+        weight: 1.0,
+        rows: vec![TableRows { table: 0, ids }],
+    };
+    // The wrong dim: DIM - 1 values for the row.
+    let short = vec![0.0; dense + DIM - 1];
+    assert_bad_request(
+        raw(&env, &ps, &raw_push(0, vec![ids[0]]), short).await,
+        &["1 rows of \"emb\" (dim 4)", "payload has 16 bytes"],
+    );
+    // A NaN in the row's gradient: named by row and element.
+    let mut nan = vec![0.0; dense + DIM];
+    nan[dense + 2] = f32::NAN;
+    assert_bad_request(raw(&env, &ps, &raw_push(1, vec![ids[0]]), nan).await, &["emb", "non-finite"]);
+    // 10M ids in one pull: refused by the pserver, which names the limit.
+    let ten_million: Vec<u64> = (0..10_000_000u64).collect();
+    let pull_all = PsRequest::PullRows {
+        fingerprint: placement.fingerprint(),
+        shards: vec![ShardRows { shard, tables: vec![TableRows { table: 0, ids: ten_million.clone() }] }],
+        min_step: None,
+        max_wait_ms: 0,
+    };
+    assert_bad_request(raw(&env, &ps, &pull_all, Vec::new()).await, &["10000000 rows", "at most 1048576"]);
+    // The client refuses it before sending.
+    let mut out = vec![Vec::new()];
+    let refused = trainer.pull_rows(&[(0, &ten_million)], &mut out).await.unwrap_err().to_string();
+    assert!(refused.contains("10000000 rows in one call, at most 1048576"), "{refused}");
+
+    // Nothing changed, and the pserver serves on.
+    assert_eq!(pull(&mut trainer, &ids).await, before, "a refused push changed the table");
+    push(&mut trainer, &ids, 0.25).await;
+    let mut want = before.clone();
+    want.iter_mut().for_each(|v| *v -= 0.25);
     assert_eq!(pull(&mut trainer, &ids).await, want);
 }

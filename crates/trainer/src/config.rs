@@ -2,10 +2,12 @@
 
 use serde::{Deserialize, Serialize};
 
+use crate::any_model::AnyModel;
+use crate::ctr::CtrModelConfig;
 use crate::mlp::Mlp;
 use crate::model::Model;
 use crate::softmax::SoftmaxRegression;
-use crate::Result;
+use crate::{Error, Result};
 
 /// Which built-in model to use, and its shape; serialisable so a master can
 /// publish it in the job's config.
@@ -27,18 +29,55 @@ pub enum ModelConfig {
         /// Number of classes (2 for binary classification).
         classes: usize,
     },
+    /// A click-through-rate model over sparse tables (binary labels; ids
+    /// are open-ended, so no feature count).
+    Ctr(CtrModelConfig),
 }
 
 impl ModelConfig {
     /// Builds the model after checking that every size is positive, there are
     /// at least 2 classes and the parameter sizes fit in memory arithmetic.
+    /// A sparse model ([`ModelConfig::Ctr`]) is not a [`Model`]: it is an
+    /// error here, and built by [`build_any`](Self::build_any).
     pub fn build(&self) -> Result<Box<dyn Model>> {
         Ok(match *self {
             ModelConfig::Softmax { features, classes } => {
                 Box::new(SoftmaxRegression::new(features, classes)?)
             }
             ModelConfig::Mlp { features, hidden, classes } => Box::new(Mlp::new(features, hidden, classes)?),
+            ModelConfig::Ctr(ctr) => {
+                return Err(Error::BadConfig(format!(
+                    "the {} CTR model is a sparse model: build it with ModelConfig::build_any",
+                    ctr.name()
+                )))
+            }
         })
+    }
+
+    /// Builds the model of either kind, after the same checks as
+    /// [`build`](Self::build) (and [`CtrModelConfig::validate`]).
+    pub fn build_any(&self) -> Result<AnyModel> {
+        Ok(match self {
+            ModelConfig::Ctr(ctr) => AnyModel::Sparse(ctr.build()?.into()),
+            _ => AnyModel::Dense(self.build()?.into()),
+        })
+    }
+
+    /// Number of input features of a dense model; 0 for a sparse one (its
+    /// ids are open-ended).
+    pub fn features(&self) -> usize {
+        match *self {
+            ModelConfig::Softmax { features, .. } | ModelConfig::Mlp { features, .. } => features,
+            ModelConfig::Ctr(_) => 0,
+        }
+    }
+
+    /// Number of classes (2 for the CTR models).
+    pub fn classes(&self) -> usize {
+        match *self {
+            ModelConfig::Softmax { classes, .. } | ModelConfig::Mlp { classes, .. } => classes,
+            ModelConfig::Ctr(_) => 2,
+        }
     }
 }
 

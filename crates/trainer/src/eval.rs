@@ -1,8 +1,11 @@
 //! Evaluation of a model on a held-out set.
 
+use oar_pserver::sparse::{init_row, TableSpec};
 use oar_pserver::ParamBuf;
 
+use crate::id_reader::IdExample;
 use crate::model::{Example, Model};
+use crate::sparse_model::{RowBatch, SparseModel};
 
 /// Loss and accuracy of a model on a set of examples.
 #[derive(Clone, Copy, Debug, PartialEq)]
@@ -19,22 +22,77 @@ pub struct Evaluation {
 /// batch size of 0 is treated as 1). The batch size only bounds memory: the
 /// result is the same, up to rounding, for any batch size.
 pub fn evaluate(model: &dyn Model, params: &ParamBuf, examples: &[Example], batch_size: usize) -> Evaluation {
-    let mut total_loss = 0.0f64;
-    let mut correct = 0usize;
+    let mut tally = Tally::default();
     let mut preds = Vec::new();
     for batch in examples.chunks(batch_size.max(1)) {
         let loss = model.predict(params, batch, &mut preds);
-        total_loss += f64::from(loss) * batch.len() as f64;
-        correct += preds.iter().zip(batch).filter(|(p, e)| **p == e.label).count();
+        tally.add(loss, &preds, batch.iter().map(|e| e.label));
     }
-    let n = examples.len();
-    if n == 0 {
-        return Evaluation { loss: 0.0, accuracy: 0.0, examples: 0 };
+    tally.evaluation()
+}
+
+/// Evaluates a sparse `model` with dense parameters `dense` on `examples`,
+/// `batch_size` at a time: `rows` fills each batch's rows (their ids set by
+/// [`SparseModel::batch_ids`]) with their values, from the pservers or, for
+/// the initial model, from [`init_rows`].
+pub fn evaluate_sparse(
+    model: &dyn SparseModel,
+    dense: &ParamBuf,
+    examples: &[IdExample],
+    batch_size: usize,
+    mut rows: impl FnMut(&mut RowBatch),
+) -> Evaluation {
+    let mut tally = Tally::default();
+    let (mut batch_rows, mut preds) = (model.new_rows(), Vec::new());
+    for batch in examples.chunks(batch_size.max(1)) {
+        model.batch_ids(batch, &mut batch_rows);
+        rows(&mut batch_rows);
+        let loss = model.predict(dense, &batch_rows, batch, &mut preds);
+        tally.add(loss, &preds, batch.iter().map(|e| e.label));
     }
-    Evaluation {
-        loss: (total_loss / n as f64) as f32,
-        accuracy: (correct as f64 / n as f64) as f32,
-        examples: n,
+    tally.evaluation()
+}
+
+/// Sets every row of `rows` to its initial value, as the pservers create
+/// it (`specs` are the model's tables, `seed` the job's).
+pub fn init_rows(specs: &[TableSpec], seed: u64, rows: &mut RowBatch) {
+    for (t, spec) in specs.iter().enumerate() {
+        let (dim, ids) = (rows.dim(t), rows.ids(t).to_vec());
+        let values = rows.values_mut(t);
+        for (i, id) in ids.into_iter().enumerate() {
+            init_row(spec, seed, id, &mut values[i * dim..(i + 1) * dim]);
+        }
+    }
+}
+
+/// Loss and accuracy summed batch by batch.
+#[derive(Clone, Copy, Debug, Default)]
+pub struct Tally {
+    loss_sum: f64,
+    correct: usize,
+    examples: usize,
+}
+
+impl Tally {
+    /// A batch: its mean loss, its predictions and its labels.
+    pub fn add(&mut self, mean_loss: f32, preds: &[u32], labels: impl Iterator<Item = u32>) {
+        let n = preds.len();
+        self.loss_sum += f64::from(mean_loss) * n as f64;
+        self.correct += preds.iter().zip(labels).filter(|(p, l)| **p == *l).count();
+        self.examples += n;
+    }
+
+    /// The mean loss and accuracy so far (zeros for no example).
+    pub fn evaluation(&self) -> Evaluation {
+        let n = self.examples;
+        if n == 0 {
+            return Evaluation { loss: 0.0, accuracy: 0.0, examples: 0 };
+        }
+        Evaluation {
+            loss: (self.loss_sum / n as f64) as f32,
+            accuracy: (self.correct as f64 / n as f64) as f32,
+            examples: n,
+        }
     }
 }
 

@@ -54,6 +54,13 @@ impl IdReaderOptions {
     }
 }
 
+impl From<&crate::reader::ReaderOptions> for IdReaderOptions {
+    /// The same format, classes and bad-line policy (ids need no feature count).
+    fn from(opts: &crate::reader::ReaderOptions) -> Self {
+        IdReaderOptions { format: opts.format, classes: opts.classes, skip_bad_lines: opts.skip_bad_lines }
+    }
+}
+
 impl Default for IdReaderOptions {
     /// libsvm with binary labels, failing on bad lines.
     fn default() -> Self {
@@ -167,7 +174,17 @@ pub fn read_chunks_ids(chunks: &[Chunk], opts: &IdReaderOptions) -> Result<IdChu
 pub fn read_glob_ids(pattern: &str, opts: &IdReaderOptions) -> Result<Vec<IdExample>> {
     let chunks = oar_task_queue::chunks_from_glob(pattern, WHOLE_FILE)
         .map_err(|e| Error::Chunk(format!("pattern {pattern:?}: {e}")))?;
-    let IdChunkData { examples, skipped } = read_chunks_ids(&chunks, opts)?;
+    id_examples_of(pattern, &chunks, opts)
+}
+
+/// [`read_sample`](crate::reader::read_sample) for id data: the files
+/// whole if they hold at most `max_bytes`, else the same evenly spread sample.
+pub fn read_sample_ids(pattern: &str, opts: &IdReaderOptions, max_bytes: u64) -> Result<Vec<IdExample>> {
+    id_examples_of(pattern, &crate::reader::sample_chunks(pattern, max_bytes)?, opts)
+}
+
+fn id_examples_of(pattern: &str, chunks: &[Chunk], opts: &IdReaderOptions) -> Result<Vec<IdExample>> {
+    let IdChunkData { examples, skipped } = read_chunks_ids(chunks, opts)?;
     if skipped > 0 {
         tracing::warn!(pattern, skipped, "skipped {skipped} bad line(s) in total");
     }

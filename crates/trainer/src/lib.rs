@@ -24,6 +24,7 @@
 // The docs link the shell's items, which exist with the `worker` feature only.
 #![cfg_attr(not(feature = "worker"), allow(rustdoc::broken_intra_doc_links))]
 
+pub mod any_model;
 pub mod config;
 pub mod ctr;
 pub mod datagen;
@@ -40,6 +41,7 @@ pub mod sparse_model;
 #[cfg(feature = "worker")]
 pub mod worker;
 
+pub use any_model::{AnyModel, Examples};
 pub use config::ModelConfig;
 pub use ctr::CtrModelConfig;
 pub use error::{Error, Result};

@@ -236,15 +236,19 @@ pub fn read_glob(pattern: &str, opts: &ReaderOptions) -> Result<Vec<Example>> {
 /// sample is the same every time. For scoring a training set that need not
 /// fit in memory; errors as [`read_glob`].
 pub fn read_sample(pattern: &str, opts: &ReaderOptions, max_bytes: u64) -> Result<Vec<Example>> {
+    examples_of(pattern, &sample_chunks(pattern, max_bytes)?, opts)
+}
+
+/// The chunks [`read_sample`] reads: the files whole, or the sample.
+pub(crate) fn sample_chunks(pattern: &str, max_bytes: u64) -> Result<Vec<Chunk>> {
     let error = |e: oar_task_queue::Error| Error::Chunk(format!("pattern {pattern:?}: {e}"));
     let files = oar_task_queue::glob_files(pattern).map_err(error)?;
     if files.iter().map(|(_, len)| len).sum::<u64>() <= max_bytes {
-        return examples_of(pattern, &oar_task_queue::chunk_files(&files, WHOLE_FILE).map_err(error)?, opts);
+        return oar_task_queue::chunk_files(&files, WHOLE_FILE).map_err(error);
     }
     let pieces = oar_task_queue::chunk_files(&files, SAMPLE_PIECE_BYTES).map_err(error)?;
     let take = (max_bytes / SAMPLE_PIECE_BYTES).clamp(1, pieces.len() as u64) as usize;
-    let sample: Vec<Chunk> = (0..take).map(|i| pieces[i * pieces.len() / take].clone()).collect();
-    examples_of(pattern, &sample, opts)
+    Ok((0..take).map(|i| pieces[i * pieces.len() / take].clone()).collect())
 }
 
 /// The pieces [`read_sample`] takes, bytes.

@@ -27,19 +27,37 @@
 //!   loop carries out its actions. Sync mode cannot overlap (each step
 //!   waits for every trainer's push by design).
 //!
+//! # Sparse models
+//!
+//! A [`SparseModel`] trains batch by batch, in both modes: the batch's
+//! unique ids ([`SparseModel::batch_ids`]) are pulled from their shards in
+//! one call per pserver ([`PserverClient::pull_rows`]), the model runs, and
+//! its row gradients (summed per id, as the mean over the batch) go out
+//! with the dense gradient in one push ([`PserverClient::push_rows`]),
+//! exactly once as a dense push does. Async, that push also brings the
+//! dense parameters back ([`PserverClient::push_pull_rows`]), so a batch
+//! costs two round trips; sync, the dense pull waits for the step as for a
+//! dense model. A sparse model pushes every batch: its rows differ from
+//! batch to batch, so there is no accumulated push to overlap, and
+//! `push_every`/`pull_every` must be 1 (checked at start).
+//!
 //! Order is kept where it matters: a task is reported only after the
 //! exchange that pushes its last gradients has been applied, and before
 //! the trainer waits, stops or asks again after a `Wait`, it pushes what it
 //! holds and waits for its reports.
 
 use crate::{
+    any_model::{AnyModel, Examples},
+    eval::{Evaluation, Tally},
+    id_reader::IdExample,
     model::{Example, Model},
-    reader::{read_chunks, ReaderOptions},
+    reader::ReaderOptions,
     schedule::{Action, Exchange, Schedule, ScheduleConfig, Want},
+    sparse_model::{RowBatch, SparseModel},
     Error, Result,
 };
 use oar_discovery::LeaseGuard;
-use oar_pserver::{Mode, ParamBuf, PserverClient, PushResult};
+use oar_pserver::{Mode, ParamBuf, PserverClient, PushResult, TableGrads};
 use oar_task_queue::{MasterClient, ReportReply, TaskRef, TaskReply, TaskSpec, TaskStats};
 use std::{
     sync::Arc,
@@ -172,6 +190,9 @@ pub struct TrainerReport {
     /// Examples whose gradients were pushed; all of them once the trainer
     /// has stopped well.
     pub pushed_examples: u64,
+    /// Sparse models: row gradients in the acknowledged pushes (one per
+    /// table row a batch touched).
+    pub pushed_rows: u64,
     /// Async with overlap: times the parameters at hand were found stale
     /// and pulled again before training went on (see [`Schedule`]).
     pub stale_pulls: u64,
@@ -198,22 +219,36 @@ pub struct TrainerReport {
 pub async fn run_trainer(
     master: Arc<MasterClient>,
     pservers: PserverClient,
-    model: Arc<dyn Model>,
+    model: impl Into<AnyModel>,
     lease: LeaseGuard,
     options: TrainerOptions,
     stop: CancellationToken,
 ) -> Result<TrainerReport> {
+    let model = model.into();
     if options.batch_size == 0 || options.push_every == 0 || options.pull_every == 0 {
         return Err(Error::BadConfig(format!(
             "batch size, push-every and pull-every must be at least 1: {}, {}, {}",
             options.batch_size, options.push_every, options.pull_every
         )));
     }
+    let sparse = match &model {
+        AnyModel::Sparse(m) if options.push_every != 1 || options.pull_every != 1 => {
+            return Err(Error::BadConfig(format!(
+                "a sparse model pushes and pulls every batch: push-every and pull-every must be 1, got {} and {}",
+                options.push_every, options.pull_every
+            )))
+        }
+        AnyModel::Sparse(m) => {
+            let rows = m.new_rows();
+            Some(SparseBuffers { grads: rows.clone(), pulled: Vec::new(), rows, dense_fresh: false })
+        }
+        AnyModel::Dense(_) => None,
+    };
     metrics(); // Registered from the start, at zero.
     let specs = model.param_specs();
     let model_bytes: usize = specs.iter().map(|s| s.len() * 4).sum();
     let overlap = options.overlap && options.mode == Mode::Async && model_bytes <= OVERLAP_MAX_BYTES;
-    let schedule = (options.mode == Mode::Async).then(|| {
+    let schedule = (options.mode == Mode::Async && sparse.is_none()).then(|| {
         let config =
             ScheduleConfig { push_every: options.push_every, pull_every: options.pull_every, overlap };
         Schedule::new(config, Instant::now())
@@ -226,6 +261,7 @@ pub async fn run_trainer(
         sum: ParamBuf::zeros(&specs),
         pending_weight: 0.0,
         pservers: Arc::new(tokio::sync::Mutex::new(pservers)),
+        sparse,
         lease,
         stop,
         stop_by: None,
@@ -239,7 +275,7 @@ pub async fn run_trainer(
         report: TrainerReport::default(),
     };
     let result = state.run(&master).await;
-    if let Some(schedule) = &state.schedule {
+    if let Some(schedule) = state.schedule.as_ref().filter(|_| state.sparse.is_none()) {
         state.report.stale_pulls = schedule.counts().stale_pulls;
         state.report.pulls = schedule.counts().pulls;
     }
@@ -266,7 +302,7 @@ pub const STOP_CALLS_FOR: Duration = Duration::from_secs(5);
 pub const OVERLAP_MAX_BYTES: usize = 64 << 20;
 
 struct Loop {
-    model: Arc<dyn Model>,
+    model: AnyModel,
     options: TrainerOptions,
     params: ParamBuf,
     grads: ParamBuf,
@@ -276,6 +312,8 @@ struct Loop {
     pending_weight: f32,
     /// Behind a lock so that an overlapped exchange can run in its own task.
     pservers: Arc<tokio::sync::Mutex<PserverClient>>,
+    /// A sparse model's row buffers.
+    sparse: Option<SparseBuffers>,
     /// Checked before every step: a trainer whose lease may have expired
     /// (paused past its ttl) has been given up by the job and must not push.
     lease: LeaseGuard,
@@ -300,6 +338,18 @@ struct Loop {
     /// Reports on their way to the master, at most one batch of them.
     reporting: Option<AbortOnDropHandle<Result<Vec<Reported>>>>,
     report: TrainerReport,
+}
+
+/// What a sparse model's batch works on, reused from batch to batch.
+struct SparseBuffers {
+    /// The batch's ids and their pulled values.
+    rows: RowBatch,
+    /// The row gradients, with the same ids.
+    grads: RowBatch,
+    /// What a row pull writes into, per table.
+    pulled: Vec<Vec<f32>>,
+    /// Async: the dense parameters came back with the last push.
+    dense_fresh: bool,
 }
 
 /// A task's report and the master's answer.
@@ -383,18 +433,20 @@ impl Loop {
                     // ended is stale: finish what is in flight and ask again.
                     _ => {
                         self.drain(master).await?;
-                        fetch(master, &id, &self.options.reader).await?
+                        fetch(master, &id, &self.model, &self.options.reader).await?
                     }
                 },
-                None => fetch(master, &id, &self.options.reader).await?,
+                None => fetch(master, &id, &self.model, &self.options.reader).await?,
             };
             match fetched {
                 Fetched::Task { task, task_ref, data } => {
                     if self.options.prefetch && !self.stopping() {
-                        let (master, id, reader) = (master.clone(), id.clone(), self.options.reader.clone());
+                        let (master, id, model, reader) =
+                            (master.clone(), id.clone(), self.model.clone(), self.options.reader.clone());
                         let span = tracing::Span::current();
-                        ahead =
-                            Some(spawn(async move { fetch(&master, &id, &reader).await }.instrument(span)));
+                        ahead = Some(spawn(
+                            async move { fetch(&master, &id, &model, &reader).await }.instrument(span),
+                        ));
                     }
                     let span = tracing::info_span!("task", task = task.id.0, pass = task_ref.pass);
                     match self.do_task(master, task, task_ref, data).instrument(span).await? {
@@ -540,7 +592,7 @@ impl Loop {
         master: &MasterClient,
         task: TaskSpec,
         task_ref: TaskRef,
-        data: Result<(Vec<Example>, u64)>,
+        data: Result<(Examples, u64)>,
     ) -> Result<Trained> {
         let id = self.options.id.clone();
         tracing::info!(trainer = id, task = task.id.0, pass = task_ref.pass, "got task");
@@ -581,9 +633,11 @@ impl Loop {
     /// Train on a task's examples: finished, interrupted (the stop
     /// signal's grace ran out) or diverged (a batch's loss is not finite;
     /// its gradient is not pushed).
-    async fn train(&mut self, examples: &[Example]) -> Result<Trained> {
+    async fn train(&mut self, examples: &Examples) -> Result<Trained> {
         let mut stats = TaskStats::default();
-        for batch in examples.chunks(self.options.batch_size) {
+        let (n, size) = (examples.len(), self.options.batch_size);
+        for start in (0..n).step_by(size) {
+            let batch = start..(start + size).min(n);
             if !self.lease.is_valid() {
                 return Err(Error::LeaseLost);
             }
@@ -592,17 +646,30 @@ impl Loop {
                 self.report.loss_sum += stats.loss_sum;
                 return Ok(Trained::Interrupted);
             }
-            let loss = match self.schedule {
-                None => self.sync_step(batch).await?,
-                Some(_) => self.async_step(batch).await?,
+            let loss = match (&self.model, examples) {
+                (AnyModel::Dense(model), Examples::Dense(e)) => {
+                    let model = model.clone();
+                    match self.schedule {
+                        None => self.sync_step(&*model, &e[batch.clone()]).await?,
+                        Some(_) => self.async_step(&*model, &e[batch.clone()]).await?,
+                    }
+                }
+                (AnyModel::Sparse(model), Examples::Ids(e)) => {
+                    self.sparse_step(model.clone(), &e[batch.clone()]).await?
+                }
+                _ => {
+                    return Err(Error::Panicked(
+                        "a task's examples were read for another kind of model".into(),
+                    ))
+                }
             };
             if !loss.is_finite() {
                 self.report.examples += stats.examples;
                 self.report.loss_sum += stats.loss_sum;
                 return Ok(Trained::Diverged(format!(
                     "the loss of batch {} of {} is {loss}: training diverged (is the learning rate too high?)",
-                    stats.examples / self.options.batch_size as u64 + 1,
-                    examples.len().div_ceil(self.options.batch_size)
+                    start / size + 1,
+                    n.div_ceil(size)
                 )));
             }
             stats.examples += batch.len() as u64;
@@ -624,12 +691,12 @@ impl Loop {
 
     /// Pull step s, compute, push for step s; if the pservers moved on
     /// without us (we were taken for gone), do it again at the new step.
-    async fn sync_step(&mut self, batch: &[Example]) -> Result<f32> {
+    async fn sync_step(&mut self, model: &dyn Model, batch: &[Example]) -> Result<f32> {
         let mut pservers = self.pservers.lock().await;
         loop {
             let started = Instant::now();
             pservers.pull(&mut self.params).await?;
-            let loss = self.model.loss_and_grad(&self.params, batch, &mut self.grads);
+            let loss = model.loss_and_grad(&self.params, batch, &mut self.grads);
             if !loss.is_finite() {
                 return Ok(loss);
             }
@@ -648,10 +715,61 @@ impl Loop {
         }
     }
 
+    /// A sparse model's batch (see [Sparse models](self#sparse-models)):
+    /// pull its rows (and, sync or at the start, the dense parameters), run
+    /// the model, push the row and dense gradients; sync, again at the new
+    /// step if the pservers moved on without us.
+    async fn sparse_step(&mut self, model: Arc<dyn SparseModel>, batch: &[IdExample]) -> Result<f32> {
+        let Some(buffers) = self.sparse.as_mut() else {
+            return Err(Error::Panicked("a sparse step without row buffers".into()));
+        };
+        let sync = self.options.mode == Mode::Sync;
+        let weight = batch.len() as f32;
+        let mut pservers = self.pservers.lock().await;
+        loop {
+            let started = Instant::now();
+            if sync || !buffers.dense_fresh {
+                if !sync {
+                    pservers.forget_steps();
+                }
+                pservers.pull(&mut self.params).await?;
+            }
+            model.batch_ids(batch, &mut buffers.rows);
+            pull_batch_rows(&mut pservers, &mut buffers.rows, &mut buffers.pulled).await?;
+            self.report.pulls += 1;
+            buffers.grads.clone_from(&buffers.rows);
+            let loss =
+                model.loss_and_grad(&self.params, &buffers.rows, batch, &mut self.grads, &mut buffers.grads);
+            if !loss.is_finite() {
+                return Ok(loss);
+            }
+            let grads = &buffers.grads;
+            let tables: Vec<TableGrads<'_>> = (0..grads.tables())
+                .map(|t| TableGrads { table: t as u32, ids: grads.ids(t), grads: grads.values(t) })
+                .collect();
+            let accepted = if sync {
+                pservers.push_rows(&self.grads, &tables, weight).await? == PushResult::Accepted
+            } else {
+                pservers.push_pull_rows(&self.grads, &tables, weight, &mut self.params).await?;
+                buffers.dense_fresh = true;
+                true
+            };
+            if accepted {
+                metrics().exchange.observe(started.elapsed().as_secs_f64());
+                self.report.pushed_rows += tables.iter().map(|t| t.ids.len() as u64).sum::<u64>();
+                self.report.pushes += 1;
+                self.report.pushed_examples += batch.len() as u64;
+                return Ok(loss);
+            }
+            tracing::info!(trainer = self.options.id, "sync step moved on without us; rejoining");
+            pservers.join().await?;
+        }
+    }
+
     /// Async: do what the schedule says until it says to train, then
     /// train one batch: its gradient, weighted by the batch's size, is added
     /// to `sum` for the next push.
-    async fn async_step(&mut self, batch: &[Example]) -> Result<f32> {
+    async fn async_step(&mut self, model: &dyn Model, batch: &[Example]) -> Result<f32> {
         let stale_before = self.schedule.as_ref().map_or(0, |s| s.counts().stale_pulls);
         self.drive(Want::Batch).await?;
         let started = Instant::now();
@@ -660,7 +778,7 @@ impl Loop {
         if let Some(age) = self.schedule.as_ref().and_then(|s| s.parameters_age(started)) {
             metrics().parameter_age.observe(age.as_secs_f64());
         }
-        let loss = self.model.loss_and_grad(&self.params, batch, &mut self.grads);
+        let loss = model.loss_and_grad(&self.params, batch, &mut self.grads);
         if !loss.is_finite() {
             return Ok(loss);
         }
@@ -810,17 +928,17 @@ enum Trained {
 /// The master's answer to a trainer asking for a task, with the task's
 /// data read (or why it could not be).
 enum Fetched {
-    Task { task: TaskSpec, task_ref: TaskRef, data: Result<(Vec<Example>, u64)> },
+    Task { task: TaskSpec, task_ref: TaskRef, data: Result<(Examples, u64)> },
     Wait { retry_after_ms: u64 },
     Done,
     Failed,
 }
 
 /// Ask the master for a task and read its data (on the blocking pool).
-async fn fetch(master: &MasterClient, id: &str, reader: &ReaderOptions) -> Result<Fetched> {
+async fn fetch(master: &MasterClient, id: &str, model: &AnyModel, reader: &ReaderOptions) -> Result<Fetched> {
     match master.get_task(id).await? {
         TaskReply::Assigned { task, task_ref, .. } => {
-            let data = read_task(&task, reader.clone()).await;
+            let data = read_task(&task, model.clone(), reader.clone()).await;
             Ok(Fetched::Task { task, task_ref, data })
         }
         TaskReply::Wait { retry_after_ms } => Ok(Fetched::Wait { retry_after_ms }),
@@ -830,12 +948,49 @@ async fn fetch(master: &MasterClient, id: &str, reader: &ReaderOptions) -> Resul
 }
 
 /// A task's examples, and how many bad lines were skipped.
-async fn read_task(task: &TaskSpec, reader: ReaderOptions) -> Result<(Vec<Example>, u64)> {
+async fn read_task(task: &TaskSpec, model: AnyModel, reader: ReaderOptions) -> Result<(Examples, u64)> {
     let chunks = task.chunks.clone();
     joined(AbortOnDropHandle::new(tokio::task::spawn_blocking(move || {
-        read_chunks(&chunks, &reader).map(|data| (data.examples, data.skipped as u64))
+        model.read_chunks(&chunks, &reader).map(|(examples, skipped)| (examples, skipped as u64))
     })))
     .await?
+}
+
+/// Pull the rows of `rows`' ids into it, one call per pserver (`pulled`
+/// is scratch space, reused).
+async fn pull_batch_rows(
+    pservers: &mut PserverClient,
+    rows: &mut RowBatch,
+    pulled: &mut Vec<Vec<f32>>,
+) -> std::result::Result<(), oar_pserver::ServiceError> {
+    pulled.resize_with(rows.tables(), Vec::new);
+    let ids: Vec<(u32, &[u64])> = (0..rows.tables()).map(|t| (t as u32, rows.ids(t))).collect();
+    pservers.pull_rows(&ids, pulled).await?;
+    for (t, values) in pulled.iter().enumerate() {
+        rows.values_mut(t).copy_from_slice(values);
+    }
+    Ok(())
+}
+
+/// Score a sparse model with dense parameters `dense` on `examples`, each
+/// batch's rows pulled from the pservers as a trainer pulls them (one call
+/// per pserver, `batch_size` examples at a time).
+pub async fn score_sparse(
+    pservers: &mut PserverClient,
+    model: &dyn SparseModel,
+    dense: &ParamBuf,
+    examples: &[IdExample],
+    batch_size: usize,
+) -> std::result::Result<Evaluation, oar_pserver::ServiceError> {
+    let (mut tally, mut rows, mut pulled, mut preds) =
+        (Tally::default(), model.new_rows(), Vec::new(), Vec::new());
+    for batch in examples.chunks(batch_size.max(1)) {
+        model.batch_ids(batch, &mut rows);
+        pull_batch_rows(pservers, &mut rows, &mut pulled).await?;
+        let loss = model.predict(dense, &rows, batch, &mut preds);
+        tally.add(loss, &preds, batch.iter().map(|e| e.label));
+    }
+    Ok(tally.evaluation())
 }
 
 /// Spawn `future`, to be aborted if the handle is dropped: a trainer that

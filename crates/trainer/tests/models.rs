@@ -41,6 +41,7 @@ fn hidden_of(cfg: &ModelConfig) -> Option<usize> {
     match cfg {
         ModelConfig::Softmax { .. } => None,
         ModelConfig::Mlp { hidden, .. } => Some(*hidden),
+        ModelConfig::Ctr(_) => unreachable!("the dense models' tests build no CTR model"),
     }
 }
 

@@ -26,17 +26,17 @@ use crate::{
 };
 use oar_discovery::ChangeSignal;
 use oar_pserver::{
-    Coordinator, CoordinatorOptions, OptimizerConfig, ParamBuf, Placement, PserverClient,
-    PserverClientOptions,
+    Coordinator, CoordinatorOptions, OptimizerConfig, ParamBuf, PserverClient, PserverClientOptions,
 };
 use oar_task_queue::{
     auto_chunk_bytes, chunk_files, glob_files, tasks_from_chunks, JobState, Master, MasterOptions,
     MasterStatus,
 };
 use oar_trainer::{
-    eval::{evaluate, Evaluation},
-    model::{Example, Model},
-    reader::{read_glob, read_sample, ReaderOptions},
+    eval::{evaluate, evaluate_sparse, init_rows, Evaluation},
+    reader::ReaderOptions,
+    worker::score_sparse,
+    AnyModel, Examples,
 };
 use std::{
     sync::Arc,
@@ -93,18 +93,18 @@ async fn run_master(
         }
     }
     let model = ctx.model(config)?;
-    let placement = Arc::new(Placement::new(&model.param_specs(), config.shards, config.block_size)?);
+    let placement = Arc::new(config.placement_for(&model)?);
     // Scoring skips bad lines; training reports them through its tasks.
     let scoring = ReaderOptions { skip_bad_lines: true, ..config.reader() };
     // The training set is read for the final report's train accuracy only
     // (unless it is also the test set): read it while the job trains, not
     // before the master serves, and a sample of it only if it is large.
     let train_read = AbortOnDropHandle::new({
-        let (data, scoring) = (config.data.clone(), scoring.clone());
-        tokio::task::spawn_blocking(move || read_sample(&data, &scoring, TRAIN_SAMPLE_BYTES))
+        let (data, scoring, model) = (config.data.clone(), scoring.clone(), model.clone());
+        tokio::task::spawn_blocking(move || model.read_sample(&data, &scoring, TRAIN_SAMPLE_BYTES))
     });
     let (test_set, train_read) = match &config.test_data {
-        Some(glob) => (read_glob(glob, &scoring)?, Some(train_read)),
+        Some(glob) => (model.read_glob(glob, &scoring)?, Some(train_read)),
         None => (joined(train_read).await??, None),
     };
     let files = glob_files(&config.data)?;
@@ -162,8 +162,7 @@ async fn run_master(
     let mut reported = status.borrow().queue.pass;
     // The loss before any training, from the initial values the pservers
     // start from: what a diverged loss is measured against.
-    let initial_loss =
-        evaluate(&*model, &ParamBuf::init(&model.param_specs(), config.seed), &test_set, 1024).loss;
+    let initial_loss = initial_loss(&model, config.seed, &test_set)?;
     let mut aborted = None;
 
     // Report each pass as it ends, until the job ends, the master stops or
@@ -177,7 +176,7 @@ async fn run_master(
             on_progress(Progress::Status(&current));
             let passes_over = if current.is_finished() { current.queue.pass + 1 } else { current.queue.pass };
             while reported < passes_over.min(config.passes) {
-                let eval = score(&mut evaluator, &mut params, &*model, &test_set).await?;
+                let eval = score(&mut evaluator, &mut params, &model, &test_set).await?;
                 let pass = pass_report(reported, &current, &eval);
                 on_progress(Progress::PassEnded(&pass));
                 reported += 1;
@@ -215,10 +214,10 @@ async fn run_master(
     let last = master.status().borrow().clone();
     let training_seconds = started.elapsed().as_secs_f64();
 
-    let test = score(&mut evaluator, &mut params, &*model, &test_set).await?;
+    let test = score(&mut evaluator, &mut params, &model, &test_set).await?;
     let train = match train_read {
-        Some(read) => evaluate(&*model, &params, &joined(read).await??, 1024),
-        None => evaluate(&*model, &params, &test_set, 1024),
+        Some(read) => evaluate_pulled(&mut evaluator, &params, &model, &joined(read).await??).await?,
+        None => test,
     };
     // The final model too: a job that ended before its divergence was seen fails.
     let last_pass = PassReport {
@@ -273,15 +272,50 @@ async fn joined<T>(task: AbortOnDropHandle<T>) -> Result<T> {
     task.await.map_err(|e| Error::Panicked(format!("reading the data: {e}")))
 }
 
+/// Pull the dense parameters into `params` and score the model on `examples`.
 async fn score(
     client: &mut PserverClient,
     params: &mut ParamBuf,
-    model: &dyn Model,
-    examples: &[Example],
+    model: &AnyModel,
+    examples: &Examples,
 ) -> Result<Evaluation> {
     client.pull(params).await?;
-    Ok(evaluate(model, params, examples, 1024))
+    evaluate_pulled(client, params, model, examples).await
 }
+
+/// Score the model with the dense parameters pulled: a sparse model's rows
+/// are pulled batch by batch.
+async fn evaluate_pulled(
+    client: &mut PserverClient,
+    params: &ParamBuf,
+    model: &AnyModel,
+    examples: &Examples,
+) -> Result<Evaluation> {
+    match (model, examples) {
+        (AnyModel::Dense(m), Examples::Dense(e)) => Ok(evaluate(&**m, params, e, SCORE_BATCH)),
+        (AnyModel::Sparse(m), Examples::Ids(e)) => {
+            Ok(score_sparse(client, &**m, params, e, SCORE_BATCH).await?)
+        }
+        _ => Err(Error::Panicked("examples read for another kind of model".into())),
+    }
+}
+
+/// The initial model's loss on `examples`, from the job's seed, as the
+/// pservers initialise parameters and rows.
+fn initial_loss(model: &AnyModel, seed: u64, examples: &Examples) -> Result<f32> {
+    let params = ParamBuf::init(&model.param_specs(), seed);
+    match (model, examples) {
+        (AnyModel::Dense(m), Examples::Dense(e)) => Ok(evaluate(&**m, &params, e, SCORE_BATCH).loss),
+        (AnyModel::Sparse(m), Examples::Ids(e)) => {
+            let tables = m.table_specs();
+            Ok(evaluate_sparse(&**m, &params, e, SCORE_BATCH, |rows| init_rows(&tables, seed, rows)).loss)
+        }
+        _ => Err(Error::Panicked("examples read for another kind of model".into())),
+    }
+}
+
+/// Examples per batch when scoring.
+const SCORE_BATCH: usize = 1024;
 
 /// Why training looks diverged after `pass` (see the module docs), if it does.
 fn diverged(pass: &PassReport, params: &ParamBuf, initial_loss: f32, config: &JobConfig) -> Option<String> {

@@ -26,6 +26,10 @@ pub struct PserverReport {
     /// applied to the shard, each once (see [`oar_pserver::PrimaryAtStop`]),
     /// which is how the tests count pushes of trainers that were killed.
     pub trainer_seqs: std::collections::BTreeMap<u32, std::collections::BTreeMap<String, u64>>,
+    /// For each of those shards that holds table rows, the row updates they
+    /// hold ([`oar_pserver::ParamStore::row_updates`]): in async mode the
+    /// exact count of acknowledged row gradients the shard applied.
+    pub row_updates: std::collections::BTreeMap<u32, u64>,
     /// It stopped at the shutdown signal, not at the job's end.
     pub shut_down: bool,
     /// The job released it: drained of its replicas after a scale-in, or
@@ -57,6 +61,7 @@ async fn run_pserver(
         primaries: Default::default(),
         pushes: Default::default(),
         trainer_seqs: Default::default(),
+        row_updates: Default::default(),
         shut_down: true,
         released: false,
     };
@@ -69,6 +74,7 @@ async fn run_pserver(
         keys: keys.pserver(),
         name: options.id.clone(),
         specs: model.param_specs(),
+        tables: model.table_specs(),
         shards: config.shards,
         block_size: config.block_size,
         seed: config.seed,
@@ -115,9 +121,14 @@ async fn run_pserver(
     let held = server.shutdown().await?;
     let primaries = held.iter().map(|(&shard, at)| (shard, at.step)).collect();
     let pushes = held.iter().map(|(&shard, at)| (shard, at.pushes)).collect();
+    let row_updates = held
+        .iter()
+        .filter(|(_, at)| at.row_updates > 0)
+        .map(|(&shard, at)| (shard, at.row_updates))
+        .collect();
     let trainer_seqs =
         held.into_iter().filter(|(_, at)| at.step > 0).map(|(shard, at)| (shard, at.last_seqs)).collect();
-    Ok(PserverReport { name: Some(name), primaries, pushes, trainer_seqs, shut_down, released })
+    Ok(PserverReport { name: Some(name), primaries, pushes, trainer_seqs, row_updates, shut_down, released })
 }
 
 /// How often a pserver looks whether the job ended, at the longest (a

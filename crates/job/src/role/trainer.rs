@@ -9,7 +9,7 @@ use crate::{
     Error, Result,
 };
 use oar_discovery::{ChangeSignal, Discovery, Session};
-use oar_pserver::{Placement, PserverClient, PserverClientOptions};
+use oar_pserver::{PserverClient, PserverClientOptions};
 use oar_task_queue::{MasterClient, MasterClientOptions};
 use oar_trainer::worker::{run_trainer, TrainerOptions, TrainerReport};
 use std::{sync::Arc, time::Duration};
@@ -48,7 +48,7 @@ async fn run_trainer_role(
         return Err(Error::JobOver { job: ctx.job.clone(), state: report.state });
     }
     let model = ctx.model(&config)?;
-    let placement = Arc::new(Placement::new(&model.param_specs(), config.shards, config.block_size)?);
+    let placement = Arc::new(config.placement_for(&model)?);
     let keys = JobKeys::new(&ctx.job)?;
 
     let session = Session::start(ctx.discovery.clone(), options.lease_ttl).await?;

@@ -140,7 +140,7 @@ impl PsHandler {
                 payload.len(),
                 blocks.start,
                 blocks.end,
-                if rows.is_empty() { String::new() } else { format!(" and the rows of {} tables", rows.len()) },
+                self.rows_described(&rows),
                 expected as u64 * 4,
                 expected
             )));
@@ -336,6 +336,18 @@ impl PsHandler {
             }
             let _ = tokio::time::timeout_at(deadline, stepped).await;
         }
+    }
+
+    /// `rows` as a push's payload must hold them: " and N rows of "emb"
+    /// (dim 16)" per table.
+    fn rows_described(&self, rows: &[TableRows]) -> String {
+        let tables = self.shared.placement.tables();
+        rows.iter()
+            .map(|r| match tables.get(r.table as usize) {
+                Some(t) => format!(" and {} rows of {:?} (dim {})", r.ids.len(), t.name, t.dim),
+                None => format!(" and {} rows of table {}", r.ids.len(), r.table),
+            })
+            .collect()
     }
 
     /// The floats the rows of `rows` take (ids times their table's dim),

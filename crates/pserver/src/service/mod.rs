@@ -811,6 +811,7 @@ impl Pserver {
                     PrimaryAtStop {
                         step: store.step(),
                         pushes: store.pushes(),
+                        row_updates: store.row_updates(),
                         last_seqs: store.last_seqs().map(|(t, s)| (t.to_string(), s)).collect(),
                     },
                 )),
@@ -852,6 +853,8 @@ pub struct PrimaryAtStop {
     /// The trainer pushes the shard applied ([`ParamStore::pushes`]),
     /// including those before a failover, a move or a restore.
     pub pushes: u64,
+    /// The row updates its sparse tables hold ([`ParamStore::row_updates`]).
+    pub row_updates: u64,
     /// Each trainer's last push seq the shard took. A client numbers its
     /// pushes to a shard from 0, one at a time, so in async mode trainer
     /// `t` had `seq + 1` pushes applied there, each once.
