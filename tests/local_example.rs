@@ -148,3 +148,44 @@ fn ctrl_c_stops_a_running_job_gracefully() {
     assert_eq!(status.code(), Some(130), "{}", local.dump());
     assert!(!local.stderr().contains("error"), "{}", local.dump());
 }
+
+/// `examples/ctr` as its header says to run it: no flags, a whole CTR job
+/// on a1a (feature indices as ids, no `--features`), scored on a1a.t; and
+/// with the data flags `local` takes. A dense model is refused by name.
+#[test]
+fn the_ctr_example_trains_a1a_with_no_feature_count() {
+    let ctr = support::example("ctr");
+    for args in [
+        &[][..],
+        &[
+            "--data",
+            "testdata/a1a",
+            "--test-data",
+            "testdata/a1a.t",
+            "--format",
+            "libsvm",
+            "--model",
+            "fm",
+            "--mode",
+            "async",
+        ][..],
+    ] {
+        let out = Command::new(&ctr).args(args).output().unwrap();
+        let stdout = String::from_utf8_lossy(&out.stdout);
+        assert!(
+            out.status.success(),
+            "{args:?}\nstdout: {stdout}\nstderr: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        assert_eq!(stdout.lines().filter(|l| l.starts_with("pass ")).count(), 10, "{stdout}");
+        let report: serde_json::Value = serde_json::from_str(stdout.lines().last().unwrap()).unwrap();
+        assert_eq!(report["state"], "done", "{report}");
+        assert_eq!(report["tasks_discarded"], 0, "{report}");
+        let accuracy = report["test_accuracy"].as_f64().unwrap();
+        assert!(accuracy >= 0.83, "{args:?}: {accuracy} on a1a.t\n{report}");
+    }
+    let out = Command::new(&ctr).args(["--model", "softmax"]).output().unwrap();
+    assert_eq!(out.status.code(), Some(2));
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(stderr.contains("ctr trains sparse models, lr or fm"), "{stderr}");
+}

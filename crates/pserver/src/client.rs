@@ -545,6 +545,7 @@ impl PserverClient {
                         .iter()
                         .map(|&shard| ShardRows {
                             shard,
+                            min_step: self.shards[shard as usize].next_step,
                             tables: wanted[&shard]
                                 .iter()
                                 .map(|(k, at)| TableRows {
@@ -554,7 +555,6 @@ impl PserverClient {
                                 .collect(),
                         })
                         .collect(),
-                    min_step: shards.iter().filter_map(|&s| self.shards[s as usize].next_step).max(),
                     max_wait_ms: PULL_WAIT.as_millis() as u64,
                 };
                 let inner = &self.inner;

@@ -135,10 +135,8 @@ pub enum PsRequest {
         fingerprint: u64,
         /// The rows wanted, by shard.
         shards: Vec<ShardRows>,
-        /// Sync mode: wait until each shard reached this step.
-        min_step: Option<u64>,
-        /// How long the server may wait for `min_step` before answering a
-        /// shard `ready: false`.
+        /// How long the server may wait for the shards' `min_step`s before
+        /// answering a shard [`PulledShard::NotReady`].
         max_wait_ms: u64,
     },
     /// Primary to follower: updates of `shard`, in order, the first numbered
@@ -224,6 +222,10 @@ pub struct ShardRows {
     pub shard: u32,
     /// Its rows wanted, per table.
     pub tables: Vec<TableRows>,
+    /// Sync mode: not before the shard reached this step. Per shard, since
+    /// a trainer can count in a shard's barrier a step later than another's
+    /// (it joined while that shard's step was underway).
+    pub min_step: Option<u64>,
 }
 
 /// A snapshot part's rows of one sparse table: per row its values then

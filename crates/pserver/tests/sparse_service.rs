@@ -243,8 +243,11 @@ async fn bad_rows_over_quic_are_refused_by_name_and_harm_nothing() {
     let ten_million: Vec<u64> = (0..10_000_000u64).collect();
     let pull_all = PsRequest::PullRows {
         fingerprint: placement.fingerprint(),
-        shards: vec![ShardRows { shard, tables: vec![TableRows { table: 0, ids: ten_million.clone() }] }],
-        min_step: None,
+        shards: vec![ShardRows {
+            shard,
+            tables: vec![TableRows { table: 0, ids: ten_million.clone() }],
+            min_step: None,
+        }],
         max_wait_ms: 0,
     };
     assert_bad_request(raw(&env, &ps, &pull_all, Vec::new()).await, &["10000000 rows", "at most 1048576"]);

@@ -185,7 +185,8 @@ pub struct TrainerReport {
     /// batches, or fewer at a task's end. Sync: one per step this trainer
     /// took part in (a batch redone after a stale step counts once).
     pub pushes: u64,
-    /// Async: pulls made (each brings every parameter).
+    /// Async: pulls made (each brings every parameter). Sparse models:
+    /// row pulls, one per batch (in both modes).
     pub pulls: u64,
     /// Examples whose gradients were pushed; all of them once the trainer
     /// has stopped well.

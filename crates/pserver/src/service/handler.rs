@@ -365,15 +365,9 @@ impl PsHandler {
     }
 
     /// Rows of every shard asked for that this pserver is primary of:
-    /// shard by shard, each at its own step (after `min_step`, waiting up
-    /// to `max_wait` in all).
-    async fn pull_rows(
-        &self,
-        fingerprint: u64,
-        shards: Vec<ShardRows>,
-        min_step: Option<u64>,
-        max_wait: Duration,
-    ) -> Reply<Frame> {
+    /// shard by shard, each at its own step (after its `min_step`, waiting
+    /// up to `max_wait` in all).
+    async fn pull_rows(&self, fingerprint: u64, shards: Vec<ShardRows>, max_wait: Duration) -> Reply<Frame> {
         self.check_fingerprint(fingerprint)?;
         let asked: usize = shards.iter().flat_map(|s| &s.tables).map(|t| t.ids.len()).sum();
         if asked > crate::sparse::MAX_ROWS_PER_CALL {
@@ -387,7 +381,7 @@ impl PsHandler {
         let mut payload = BytesMut::new();
         let mut waits = Vec::new();
         let mut values = Vec::new();
-        for ShardRows { shard, tables } in &shards {
+        for ShardRows { shard, tables, min_step } in &shards {
             let Some(slot) = self.slot(*shard)? else {
                 answers.push(PulledShard::NotPrimary { map_version: self.shared.map_version() });
                 continue;
@@ -703,9 +697,9 @@ impl Handler for PsHandler {
                 let wait = Duration::from_millis(max_wait_ms).min(MAX_PULL_WAIT);
                 return self.pull(shard, fingerprint, blocks, min_step, wait).await;
             }
-            PsRequest::PullRows { fingerprint, shards, min_step, max_wait_ms } => {
+            PsRequest::PullRows { fingerprint, shards, max_wait_ms } => {
                 let wait = Duration::from_millis(max_wait_ms).min(MAX_PULL_WAIT);
-                return self.pull_rows(fingerprint, shards, min_step, wait).await;
+                return self.pull_rows(fingerprint, shards, wait).await;
             }
             replicate @ PsRequest::Replicate { .. } => self.replicate(replicate, request.payload)?,
             sync @ PsRequest::Sync { .. } => self.sync(sync)?,
