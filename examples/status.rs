@@ -12,6 +12,11 @@
 //! 0, more pservers than shards, or while a move is under way (unless
 //! `--force`).
 //!
+//! With `--close-stream` it closes a streaming job's source
+//! (`oar::job::role::close_stream`): the master trains what the source
+//! holds and ends the job. The status of a streaming job shows its source's
+//! position, its backlog and the lag from arrival to training.
+//!
 //! Exits 1 when etcd holds nothing of the job, 2 on an error.
 
 use clap::Parser;
@@ -37,6 +42,10 @@ struct Args {
     /// With `--set-pservers`: even while a move is under way.
     #[arg(long, requires = "set_pservers")]
     force: bool,
+    /// Close a streaming job's source: what it holds is trained, then the
+    /// job ends.
+    #[arg(long)]
+    close_stream: bool,
 }
 
 #[tokio::main]
@@ -44,6 +53,27 @@ async fn main() -> ExitCode {
     let args = Args::parse();
     if let Some(count) = args.set_pservers {
         return scale(&args, count).await;
+    }
+    if args.close_stream {
+        let closed = async {
+            let discovery = EtcdDiscovery::connect(&args.etcd).await?;
+            oar::job::role::close_stream(&discovery, &args.job)
+                .await
+                .map_err(Box::<dyn std::error::Error>::from)
+        };
+        return match closed.await {
+            Ok(()) => {
+                println!(
+                    "job {}: the stream is closed; the master trains what it holds, then ends",
+                    args.job
+                );
+                ExitCode::SUCCESS
+            }
+            Err(e) => {
+                eprintln!("error: {e}");
+                ExitCode::from(2)
+            }
+        };
     }
     let view = async {
         let discovery = EtcdDiscovery::connect(&args.etcd).await?;

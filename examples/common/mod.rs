@@ -6,8 +6,8 @@
 use clap::{Args, ValueEnum};
 use oar::{
     job::{
-        config::JobConfig,
-        report::{JobReport, PassReport, Progress},
+        config::{JobConfig, StreamConfig, StreamSource},
+        report::{JobReport, PassReport, Progress, WindowReport},
     },
     pserver::{Mode, OptimizerConfig},
     trainer::{datagen::write_blobs, reader::Format, CtrModelConfig, ModelConfig},
@@ -102,6 +102,27 @@ pub struct JobArgs {
     /// Seed of the generated data and the initial parameters.
     #[arg(long, default_value_t = 1)]
     pub seed: u64,
+    /// Stream the training data from this directory: each file renamed
+    /// into it (names starting with `.` or ending in `.tmp` are still being
+    /// written) is trained once; `_CLOSED` appearing in it ends the job.
+    #[arg(long, conflicts_with_all = ["data", "stream_file"])]
+    pub stream_dir: Option<String>,
+    /// Stream the training data from this file as lines are appended to it
+    /// (whole lines only); `<FILE>.closed` appearing ends the job.
+    #[arg(long, conflicts_with_all = ["data", "stream_dir"])]
+    pub stream_file: Option<String>,
+    /// Streaming: the name of the marker file that closes `--stream-dir`.
+    #[arg(long, default_value = "_CLOSED")]
+    pub closed_marker: String,
+    /// Streaming: report progress, and score the test data, every this many seconds.
+    #[arg(long, default_value_t = 10.0)]
+    pub window: f64,
+    /// Streaming: export the model (dense parameters) to this directory.
+    #[arg(long)]
+    pub export_dir: Option<String>,
+    /// Streaming: seconds between exports.
+    #[arg(long, default_value_t = 60.0)]
+    pub export_every: f64,
 }
 
 #[derive(Clone, Copy, Debug, ValueEnum)]
@@ -141,7 +162,25 @@ impl JobArgs {
     /// a generated dataset (Gaussian class clusters) to train on.
     pub fn config(&self, generate_into: Option<&Path>) -> Result<JobConfig, BoxError> {
         let model_arg = self.model.unwrap_or(ModelArg::Softmax);
+        let stream = match (&self.stream_dir, &self.stream_file) {
+            (Some(dir), _) => {
+                Some(StreamSource::Dir { dir: dir.clone(), closed_marker: self.closed_marker.clone() })
+            }
+            (None, Some(file)) => Some(StreamSource::file(file)),
+            (None, None) => None,
+        };
         let (data, test_data, features, classes) = match (&self.data, generate_into) {
+            _ if stream.is_some() => {
+                let (features, classes) = match (self.features, self.classes) {
+                    _ if model_arg.is_sparse() => (0, 2),
+                    (Some(features), Some(classes)) => (features, classes),
+                    _ => return Err("--features and --classes are required with a dense model".into()),
+                };
+                if let Some(glob) = &self.test_data {
+                    oar::task_queue::glob_files(glob).map_err(|e| format!("--test-data: {e}"))?;
+                }
+                (String::new(), self.test_data.clone(), features, classes)
+            }
             (Some(data), _) => {
                 let (features, classes) = match (self.features, self.classes) {
                     // Ids are open-ended and CTR labels binary.
@@ -204,6 +243,21 @@ impl JobArgs {
         config.seed = self.seed;
         config.chunk_bytes = self.chunk_bytes;
         config.task_timeout = Duration::from_secs(self.task_timeout);
+        if let Some(source) = stream {
+            let seconds = |flag: &str, s: f64| {
+                Duration::try_from_secs_f64(s)
+                    .ok()
+                    .filter(|d| !d.is_zero())
+                    .ok_or(format!("{flag} must be a positive number of seconds, got {s}"))
+            };
+            config.passes = 1;
+            config.stream = Some(StreamConfig {
+                source,
+                window: seconds("--window", self.window)?,
+                export_dir: self.export_dir.clone(),
+                export_every: seconds("--export-every", self.export_every)?,
+            });
+        }
         config.validate()?;
         Ok(config)
     }
@@ -328,6 +382,30 @@ impl Display {
         match event {
             Progress::Status(status) => self.status(status),
             Progress::PassEnded(pass) => self.pass_ended(pass),
+            Progress::WindowEnded(w) => self.window_ended(w),
+        }
+    }
+
+    /// A streaming job's window ended and was scored.
+    pub fn window_ended(&mut self, w: &WindowReport) {
+        let test = match w.test_accuracy.is_finite() {
+            true => format!(", test loss {:.4}, test accuracy {:.2}%", w.test_loss, w.test_accuracy * 100.0),
+            false => String::new(),
+        };
+        let line = format!(
+            "window {}: {} records, train loss {:.4}, lag {:.2} s{test}; backlog {} tasks, source at {}; tasks done {}, discarded {}",
+            w.window + 1,
+            w.records,
+            w.train_loss,
+            w.lag_seconds,
+            w.backlog,
+            w.position,
+            w.tasks_done,
+            w.tasks_discarded
+        );
+        match &self.bar {
+            Some(bar) => bar.suspend(|| println!("{line}")),
+            None => println!("{line}"),
         }
     }
 

@@ -15,10 +15,94 @@ use std::time::Duration;
 /// job is likely to use, small enough that a shard's calls stay large.
 pub const DEFAULT_SHARDS: u32 = 64;
 
+/// A streaming job's chunk size when `chunk_bytes` is 0: a stream's size
+/// is not known up front, and small tasks keep the lag from arrival to
+/// training short (64 KiB is about 1,000 a1a lines).
+pub const STREAM_CHUNK_BYTES: u64 = 64 << 10;
+
+/// Where a streaming job's data comes from.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub enum StreamSource {
+    /// A directory that grows: each file renamed into place is trained
+    /// once; names starting with `.` or ending in `.tmp` are being written.
+    /// The file `closed_marker` appearing in it closes the stream.
+    Dir {
+        /// The directory.
+        dir: String,
+        /// The marker's name (`_CLOSED`).
+        closed_marker: String,
+    },
+    /// An appended file, read by byte offset, whole lines only. The file
+    /// `closed_marker` appearing closes the stream.
+    File {
+        /// The file.
+        path: String,
+        /// The marker's path (the file's path with `.closed` appended).
+        closed_marker: String,
+    },
+}
+
+impl StreamSource {
+    /// A directory closed by `_CLOSED` in it.
+    pub fn dir(dir: &str) -> Self {
+        StreamSource::Dir {
+            dir: dir.to_string(),
+            closed_marker: oar_task_queue::source::DEFAULT_CLOSED_MARKER.into(),
+        }
+    }
+
+    /// An appended file closed by `<path>.closed`.
+    pub fn file(path: &str) -> Self {
+        StreamSource::File { path: path.to_string(), closed_marker: format!("{path}.closed") }
+    }
+
+    /// The source, cutting data into chunks of `chunk_bytes`.
+    pub fn open(&self, chunk_bytes: u64) -> Box<dyn oar_task_queue::source::TaskSource> {
+        use oar_task_queue::source::{DirSource, DirSourceOptions, FileSource, FileSourceOptions};
+        match self {
+            StreamSource::Dir { dir, closed_marker } => Box::new(DirSource::new(DirSourceOptions {
+                closed_marker: closed_marker.clone(),
+                ..DirSourceOptions::new(dir, chunk_bytes)
+            })),
+            StreamSource::File { path, closed_marker } => Box::new(FileSource::new(FileSourceOptions {
+                closed_marker: closed_marker.into(),
+                ..FileSourceOptions::new(path, chunk_bytes)
+            })),
+        }
+    }
+}
+
+/// A streaming job: where the data comes from, how often progress is
+/// reported (and the test set scored), and where the model is exported.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct StreamConfig {
+    /// The source.
+    pub source: StreamSource,
+    /// Progress is reported, and the test set scored, every window.
+    pub window: Duration,
+    /// Export the model's dense parameters to this directory every
+    /// `export_every`, written atomically (see [`crate::role::master`]).
+    pub export_dir: Option<String>,
+    /// How often the model is exported.
+    pub export_every: Duration,
+}
+
+impl StreamConfig {
+    /// `source`, windows of 10 s, no export.
+    pub fn new(source: StreamSource) -> Self {
+        Self {
+            source,
+            window: Duration::from_secs(10),
+            export_dir: None,
+            export_every: Duration::from_secs(60),
+        }
+    }
+}
+
 /// The options of one training job.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub struct JobConfig {
-    /// Training data: a glob of files.
+    /// Training data: a glob of files (unused by a streaming job).
     pub data: String,
     /// Held-out data for evaluation, read whole by the master: a glob of
     /// files (none: evaluate on the training data, or on a sample of it,
@@ -78,6 +162,9 @@ pub struct JobConfig {
     pub max_failures: u32,
     /// Seed of the initial parameters.
     pub seed: u64,
+    /// A streaming job's source (then `data` is unused and `passes` must
+    /// be 1: a stream has no passes, it runs until its source is closed).
+    pub stream: Option<StreamConfig>,
 }
 
 impl JobConfig {
@@ -106,14 +193,37 @@ impl JobConfig {
             task_timeout: Duration::from_secs(60),
             max_failures: 3,
             seed: 1,
+            stream: None,
+        }
+    }
+
+    /// A streaming job on `source` (one "pass": the stream), with the
+    /// defaults of [`new`](Self::new) otherwise.
+    pub fn streaming(source: StreamSource, model: ModelConfig) -> Self {
+        Self { passes: 1, stream: Some(StreamConfig::new(source)), ..Self::new("", model) }
+    }
+
+    /// The chunk size tasks are cut to: `chunk_bytes`, or when 0
+    /// [`STREAM_CHUNK_BYTES`] for a stream (a fixed glob sizes it from the data).
+    pub fn stream_chunk_bytes(&self) -> u64 {
+        match self.chunk_bytes {
+            0 => STREAM_CHUNK_BYTES,
+            bytes => bytes,
         }
     }
 
     /// Check every option, naming the first that is wrong.
     pub fn validate(&self) -> Result<()> {
         let bad = |what: &str| Err(Error::BadConfig(what.to_string()));
-        if self.data.is_empty() {
-            return bad("data: a glob of training files is required");
+        match &self.stream {
+            None if self.data.is_empty() => return bad("data: a glob of training files is required"),
+            Some(_) if self.passes != 1 => {
+                return bad("passes: a streaming job has no passes (it runs until its source is closed); passes must be 1")
+            }
+            Some(stream) if stream.window.is_zero() || stream.export_every.is_zero() => {
+                return bad("stream: the window and the export interval must be positive")
+            }
+            _ => {}
         }
         if self.passes == 0 {
             return bad("passes must be at least 1");
@@ -218,7 +328,8 @@ impl JobConfig {
             chunks_per_task,
             task_timeout,
             max_failures,
-            seed
+            seed,
+            stream
         );
         out
     }

@@ -92,6 +92,16 @@ impl JobKeys {
     pub fn ps(&self, name: &str) -> String {
         format!("{}ps/{name}", self.prefix)
     }
+    /// A streaming job's close request: once this key exists, the master
+    /// closes the source, trains what it holds and ends the job.
+    pub fn stream_close(&self) -> String {
+        format!("{}stream/close", self.prefix)
+    }
+    /// A streaming job's source position and lag (JSON of
+    /// `oar_task_queue::StreamStatus`), written by the master every window.
+    pub fn stream_status(&self) -> String {
+        format!("{}stream/status", self.prefix)
+    }
     /// The shard map, written by the master's coordinator through its fence.
     pub fn shard_map(&self) -> String {
         format!("{}shard_map", self.prefix)

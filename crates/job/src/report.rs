@@ -70,6 +70,38 @@ pub struct PassReport {
     pub tasks_discarded: usize,
 }
 
+/// Progress of a streaming job over one window (see
+/// [`StreamConfig::window`](crate::config::StreamConfig::window)).
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct WindowReport {
+    /// The window (0-based).
+    pub window: u32,
+    /// Records (examples) trained in the window.
+    pub records: u64,
+    /// Mean training loss over those records.
+    #[serde(with = "float_or_null")]
+    pub train_loss: f64,
+    /// Mean lag, seconds, from a task's arrival (the master took it from
+    /// the source) to its finished report, over the tasks finished in the
+    /// window; NaN if none finished.
+    #[serde(with = "float_or_null")]
+    pub lag_seconds: f64,
+    /// Tasks waiting: appended and not handed out yet.
+    pub backlog: usize,
+    /// The source's position.
+    pub position: String,
+    /// Loss on the held-out data at the window's end (NaN without any).
+    #[serde(with = "float_or_null")]
+    pub test_loss: f32,
+    /// Accuracy on the held-out data at the window's end (NaN without any).
+    #[serde(with = "float_or_null")]
+    pub test_accuracy: f32,
+    /// Tasks finished so far.
+    pub tasks_done: u64,
+    /// Tasks discarded so far.
+    pub tasks_discarded: usize,
+}
+
 /// What a master tells its caller as the job goes (see
 /// [`role::master`](crate::role::master)): every change of the task queue,
 /// and each pass as it ends, scored.
@@ -79,6 +111,8 @@ pub enum Progress<'a> {
     Status(&'a oar_task_queue::MasterStatus),
     /// A pass ended and the model was scored.
     PassEnded(&'a PassReport),
+    /// A streaming job's window ended and the model was scored.
+    WindowEnded(&'a WindowReport),
 }
 
 /// How a job ended.

@@ -4,7 +4,7 @@
 use crate::{config::JobConfig, keys::JobKeys, report::JobReport, Result};
 use oar_discovery::Discovery;
 use oar_pserver::{checkpoint::CheckpointInfo, ShardMap};
-use oar_task_queue::{MasterStatus, StoredState};
+use oar_task_queue::{MasterStatus, StoredState, StreamStatus};
 use std::{collections::BTreeMap, fmt};
 
 /// Everything discovery knows about one job.
@@ -35,6 +35,11 @@ pub struct JobView {
     pub tasks: Option<MasterStatus>,
     /// The job's report, once it ended.
     pub result: Option<JobReport>,
+    /// A streaming job's source position and lag, as the master last
+    /// published them (every window).
+    pub stream: Option<StreamStatus>,
+    /// A streaming job was asked to close.
+    pub stream_close_asked: bool,
 }
 
 impl JobView {
@@ -60,6 +65,8 @@ impl JobView {
             trainers: Vec::new(),
             tasks: None,
             result: None,
+            stream: None,
+            stream_close_asked: false,
         };
         let listing = all.kvs.iter().map(|kv| (kv.key.as_str(), &kv.value[..]));
         let state = StoredState::from_listing(listing, &keys.master_state(), &keys.master_journal())?;
@@ -79,6 +86,13 @@ impl JobView {
                 view.result = Some(JobReport::from_json(key, &kv.value)?);
             } else if key == keys.shard_map() {
                 view.shard_map = Some(ShardMap::decode(&kv.value)?);
+            } else if key == keys.stream_status() {
+                view.stream = Some(
+                    serde_json::from_slice(&kv.value)
+                        .map_err(|e| crate::Error::BadConfig(format!("{key} does not decode: {e}")))?,
+                );
+            } else if key == keys.stream_close() {
+                view.stream_close_asked = true;
             } else if key == keys.pserver_cluster_status() {
                 view.cluster_status = Some(json(key, &kv.value)?);
             } else if let Some(id) = keys.trainer_id(key) {
@@ -216,6 +230,31 @@ impl fmt::Display for JobView {
             }
             for (task, why) in &s.discarded {
                 writeln!(f, "    discarded task {task}: {why}")?;
+            }
+        }
+        if let Some(c) = self.config.as_ref().and_then(|c| c.stream.as_ref()) {
+            writeln!(
+                f,
+                "  stream: {:?}{}",
+                c.source,
+                if self.stream_close_asked { " (close asked)" } else { "" }
+            )?;
+        }
+        if let Some(s) = &self.stream {
+            let mean_lag = s.lag_sum_seconds / s.lag_count.max(1) as f64;
+            writeln!(
+                f,
+                "    {}: {}{}; backlog {} tasks, oldest open {:.1} s; lag from arrival to training {:.2} s (mean of {})",
+                s.source,
+                s.position,
+                if s.closed { ", closed" } else { "" },
+                s.backlog,
+                s.oldest_open_seconds,
+                mean_lag,
+                s.lag_count
+            )?;
+            for problem in &s.problems {
+                writeln!(f, "    problem: {problem}")?;
             }
         }
         if let Some(r) = &self.result {

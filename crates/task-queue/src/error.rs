@@ -104,6 +104,11 @@ pub enum Error {
     #[cfg(feature = "service")]
     #[error(transparent)]
     Transport(#[from] oar_transport::Error),
+    /// A streaming data source that cannot go on from the mark given (its
+    /// file replaced, truncated or rewritten, or a mark it did not return);
+    /// the message names the source and the byte offset.
+    #[error("{0}")]
+    Source(String),
 }
 
 /// The crate's result type.

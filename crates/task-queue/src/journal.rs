@@ -84,7 +84,7 @@ impl Snapshot {
     /// snapshot's version, change the pass, name a task that does not exist,
     /// or leave an inconsistent queue.
     pub fn apply<'a>(&self, deltas: impl IntoIterator<Item = &'a Delta>) -> Result<Snapshot> {
-        let Unpacked { tasks, mut states, mut failures, todo, mut meta } = self.unpack()?;
+        let Unpacked { tasks, mut states, mut failures, todo, mut meta, stream } = self.unpack()?;
         let n = tasks.len();
         // Each todo task's place in the todo order: the snapshot's order
         // first, then every "became todo" in replay order.
@@ -141,7 +141,9 @@ impl Snapshot {
             TaskState::Done => StateView::Done,
             TaskState::Discarded { reason } => StateView::Discarded { reason },
         });
-        let snapshot = Snapshot::pack(&tasks, views, &failures, todo.into_iter(), meta);
+        // A delta never changes a stream's state: appends and the close are
+        // stored as snapshots.
+        let snapshot = Snapshot::pack(&tasks, views, &failures, todo.into_iter(), meta, stream);
         // The same checks as a decoded snapshot: counts against the job
         // state, pending attempts against failure counts.
         snapshot.unpack()?;

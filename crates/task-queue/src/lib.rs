@@ -71,6 +71,7 @@ pub mod master;
 pub mod protocol;
 pub mod queue;
 pub mod snapshot;
+pub mod source;
 pub mod state;
 pub mod stored;
 
@@ -83,12 +84,16 @@ pub use dataset::{
 pub use error::{Error, Result};
 pub use journal::{Changes, Delta};
 #[cfg(feature = "service")]
-pub use master::{Master, MasterKeys, MasterOptions, JOURNAL_MAX_RECORDS};
-pub use protocol::{MasterStatus, PassStats, ReportReply, TaskReply, TaskStats};
+pub use master::{Master, MasterKeys, MasterOptions, StreamOptions, JOURNAL_MAX_RECORDS};
+pub use protocol::{MasterStatus, PassStats, ReportReply, StreamStatus, TaskReply, TaskStats};
 pub use queue::{
     Assignment, GetTask, QueueConfig, QueueEvent, Report, Status, TaskQueue, TaskRef, MAX_REASON_BYTES,
     MAX_TASK_TIMEOUT,
 };
-pub use snapshot::Snapshot;
+pub use snapshot::{Snapshot, StreamState};
+pub use source::{
+    DirSource, DirSourceOptions, FileSource, FileSourceOptions, GlobSource, Polled, SourceMark, TaskSource,
+    DEFAULT_CLOSED_MARKER,
+};
 pub use state::{JobState, TaskState, TrainerId};
 pub use stored::{JournalRecord, StoredState, MAX_DISCARDS_LISTED};

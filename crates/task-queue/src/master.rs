@@ -32,9 +32,21 @@
 //! delete; a record left over by a crash in between is skipped on restore,
 //! because it is not newer than the snapshot. [`load`] reads
 //! the key and the records in one read and replays them.
+//!
+//! **Streaming** ([`Master::start_stream`]): a poller asks the
+//! [`TaskSource`] for new data every [`StreamOptions::poll_every`] (on the
+//! blocking pool), from the mark the queue holds, and appends what it finds
+//! as tasks with the source's new mark ([`TaskQueue::append`]). The write
+//! that follows is a snapshot holding both, and the new tasks are handed
+//! out only once it is stored ([`TaskQueue::stored`]): so a master that
+//! takes over resumes the source from the stored mark, and the tasks it
+//! appends again are the ones no trainer ever saw. The source closes by
+//! itself (its marker) or when [`StreamOptions::close_key`] appears in
+//! discovery; the job is then done once everything is trained.
 
 use crate::{
-    protocol::{MasterRequest, MasterStatus, PassStats, ReportReply, TaskReply, MASTER_METHOD},
+    protocol::{MasterRequest, MasterStatus, PassStats, ReportReply, StreamStatus, TaskReply, MASTER_METHOD},
+    source::{SourceMark, TaskSource},
     Changes, Error, GetTask, JobState, JournalRecord, QueueConfig, QueueEvent, Report, Result, StoredState,
     TaskQueue, TaskSpec, MAX_DISCARDS_LISTED,
 };
@@ -42,6 +54,7 @@ use async_trait::async_trait;
 use bytes::Bytes;
 use oar_discovery::{Departures, Discovery, Fence, LeaseGuard, Session};
 use oar_transport::{Frame, Handler, Listener, RemoteError, Transport};
+use std::collections::HashMap;
 use std::{
     sync::{Arc, Mutex, MutexGuard, PoisonError},
     time::{Duration, Instant},
@@ -121,6 +134,47 @@ impl MasterOptions {
         }
     }
 }
+
+/// A streaming master's data (see [Streaming](self#streaming)).
+pub struct StreamOptions {
+    /// Where the data comes from.
+    pub source: Box<dyn TaskSource>,
+    /// Chunks per task.
+    pub chunks_per_task: usize,
+    /// How often the source is polled.
+    pub poll_every: Duration,
+    /// A discovery key whose appearance closes the source: the job then
+    /// trains what the source holds and ends (`None`: only the source's own
+    /// marker closes it).
+    pub close_key: Option<String>,
+}
+
+impl StreamOptions {
+    /// `source`, one chunk per task, polled every 100 ms, no close key.
+    pub fn new(source: Box<dyn TaskSource>) -> Self {
+        Self { source, chunks_per_task: 1, poll_every: Duration::from_millis(100), close_key: None }
+    }
+}
+
+impl std::fmt::Debug for StreamOptions {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("StreamOptions")
+            .field("source", &self.source.describe())
+            .field("chunks_per_task", &self.chunks_per_task)
+            .field("poll_every", &self.poll_every)
+            .field("close_key", &self.close_key)
+            .finish()
+    }
+}
+
+/// What a master starts from when nothing is stored yet.
+enum Dataset {
+    Tasks(Vec<TaskSpec>),
+    Stream(StreamOptions),
+}
+
+/// The most problems a [`StreamStatus`] lists.
+const MAX_PROBLEMS_LISTED: usize = 20;
 
 /// The master's metrics, registered on first use.
 struct Metrics {
@@ -205,6 +259,20 @@ struct Core {
     queue: TaskQueue,
     passes: Vec<PassStats>,
     discarded: Vec<(u64, String)>,
+    /// Streaming: the source's status, and when each open task arrived.
+    stream: Option<StreamStatus>,
+    arrivals: HashMap<u64, Instant>,
+}
+
+impl Core {
+    fn status(&self) -> MasterStatus {
+        MasterStatus {
+            queue: self.queue.status(),
+            passes: self.passes.clone(),
+            discarded: self.discarded.clone(),
+            stream: self.stream.clone(),
+        }
+    }
 }
 
 impl Shared {
@@ -220,6 +288,7 @@ impl Shared {
             match &event {
                 QueueEvent::TaskDiscarded { task, pass, reason } => {
                     m.discards.inc();
+                    core.arrivals.remove(&task.0);
                     tracing::warn!(task = task.0, pass, %reason, "task discarded");
                     if core.discarded.len() < MAX_DISCARDS_LISTED {
                         core.discarded.push((task.0, reason.clone()));
@@ -252,11 +321,7 @@ impl Shared {
                 QueueEvent::JobFailed { pass } => tracing::error!(pass, "job failed"),
             }
         }
-        let status = MasterStatus {
-            queue: core.queue.status(),
-            passes: core.passes.clone(),
-            discarded: core.discarded.clone(),
-        };
+        let status = core.status();
         let q = &status.queue;
         for (state, n) in
             [("todo", q.todo), ("pending", q.pending), ("done", q.done), ("discarded", q.discarded)]
@@ -298,6 +363,30 @@ impl Master {
         tasks: Vec<TaskSpec>,
         options: MasterOptions,
     ) -> Result<Master> {
+        Self::start_with(discovery, transport, listen_addr, Dataset::Tasks(tasks), options).await
+    }
+
+    /// [`start`](Self::start) for a streaming job: the queue starts empty
+    /// (or restored, with its source's mark) and grows as `stream`'s source
+    /// yields data (see [Streaming](self#streaming)). `options.queue.passes`
+    /// must be 1. Errors if the stored state is a batch job's.
+    pub async fn start_stream(
+        discovery: Arc<dyn Discovery>,
+        transport: Arc<dyn Transport>,
+        listen_addr: &str,
+        stream: StreamOptions,
+        options: MasterOptions,
+    ) -> Result<Master> {
+        Self::start_with(discovery, transport, listen_addr, Dataset::Stream(stream), options).await
+    }
+
+    async fn start_with(
+        discovery: Arc<dyn Discovery>,
+        transport: Arc<dyn Transport>,
+        listen_addr: &str,
+        dataset: Dataset,
+        options: MasterOptions,
+    ) -> Result<Master> {
         let keys = options.keys.clone();
         metrics(); // Registered from the start, at zero.
         let session = Session::start(discovery.clone(), options.lease_ttl).await?;
@@ -317,24 +406,46 @@ impl Master {
         }
 
         let now = Instant::now();
-        let core = match load(&*discovery, &keys).await? {
+        let (queue, passes, discarded) = match load(&*discovery, &keys).await? {
             Some(stored) => {
                 let queue = TaskQueue::restore(stored.queue, options.queue.clone(), now)?;
                 tracing::info!(status = ?queue.status(), "restored the task queue from discovery");
-                Core { queue, passes: stored.passes, discarded: stored.discarded }
+                (queue, stored.passes, stored.discarded)
             }
-            None => Core {
-                queue: TaskQueue::new(tasks, options.queue.clone())?,
-                passes: Vec::new(),
-                discarded: Vec::new(),
-            },
+            None => {
+                let queue = match &dataset {
+                    Dataset::Tasks(tasks) => TaskQueue::new(tasks.clone(), options.queue.clone())?,
+                    Dataset::Stream(_) => TaskQueue::streaming(options.queue.clone())?,
+                };
+                (queue, Vec::new(), Vec::new())
+            }
         };
-
-        let status = MasterStatus {
-            queue: core.queue.status(),
-            passes: core.passes.clone(),
-            discarded: core.discarded.clone(),
+        let (stream, stream_status) = match dataset {
+            Dataset::Stream(stream) => {
+                if queue.source_mark().is_none() {
+                    return Err(Error::BadConfig(format!(
+                        "the state stored under {} is a batch job's, not a stream's",
+                        keys.state
+                    )));
+                }
+                let status = StreamStatus { source: stream.source.describe(), ..StreamStatus::default() };
+                (Some(stream), Some(status))
+            }
+            Dataset::Tasks(_) if queue.source_mark().is_some() => {
+                return Err(Error::BadConfig(format!(
+                    "the state stored under {} is a streaming job's, not a batch job's",
+                    keys.state
+                )));
+            }
+            Dataset::Tasks(_) => (None, None),
         };
+        // Tasks restored open count as arriving now (their real arrival went with the last master).
+        let arrivals = match stream {
+            Some(_) => queue.tasks().map(|t| (t.id.0, now)).collect(),
+            None => HashMap::new(),
+        };
+        let core = Core { queue, passes, discarded, stream: stream_status, arrivals };
+        let status = core.status();
         let (status_tx, status_rx) = watch::channel(status);
         let shared = Arc::new(Shared {
             queue: Mutex::new(core),
@@ -377,7 +488,7 @@ impl Master {
 
         let lease_lost = session.lost_signal();
         let guard = shared.clone();
-        let background = vec![
+        let mut background = vec![
             tokio::spawn(writer(discovery.clone(), fence.clone(), keys.clone(), shared.clone(), journal)),
             tokio::spawn(ticker(shared.clone(), options.tick_interval)),
             tokio::spawn(trainer_watcher(departures, shared.clone())),
@@ -386,6 +497,9 @@ impl Master {
                 guard.stop("the master's lease is lost".into());
             }),
         ];
+        if let Some(stream) = stream {
+            background.push(tokio::spawn(poller(discovery.clone(), shared.clone(), stream)));
+        }
         Ok(Master {
             shared,
             discovery,
@@ -565,6 +679,14 @@ async fn persist(
     let m = metrics();
     m.state_writes.inc();
     m.state_bytes.set(size as i64);
+    {
+        // Streaming: the tasks this write holds may be handed out now.
+        let mut core = shared.core();
+        if core.queue.staged() > 0 {
+            core.queue.stored();
+            shared.changed(&mut core, false);
+        }
+    }
     match write {
         Write::Snapshot(_) => {
             m.snapshot_writes.inc();
@@ -633,6 +755,111 @@ async fn ticker(shared: Arc<Shared>, every: Duration) {
             shared.dirty.notify_one();
         }
     }
+}
+
+/// Streaming: poll the source every `poll_every` from the mark the queue
+/// holds and append what it yields, until the source is closed or the
+/// master stops. A poll that fails is logged and retried; a problem the
+/// source reports (bad input, naming its file) is logged once and listed
+/// in the status.
+async fn poller(discovery: Arc<dyn Discovery>, shared: Arc<Shared>, stream: StreamOptions) {
+    let StreamOptions { source, chunks_per_task, poll_every, close_key } = stream;
+    let source = Arc::new(Mutex::new(source));
+    let mut interval = tokio::time::interval(poll_every);
+    interval.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    let mut reported: std::collections::HashSet<String> = Default::default();
+    let mut last_error = None;
+    loop {
+        interval.tick().await;
+        if shared.stopped_reason().is_some() {
+            return;
+        }
+        let mark = {
+            let core = shared.core();
+            match core.queue.source_mark() {
+                Some((_, true)) | None => return,
+                Some(_) if core.queue.status().state != JobState::Running => return,
+                Some((mark, false)) => SourceMark(mark.to_vec()),
+            }
+        };
+        // Asked to close: this poll is the last, and what it finds is trained.
+        let close_asked = match &close_key {
+            Some(key) => matches!(discovery.get(key).await, Ok(Some(_))),
+            None => false,
+        };
+        let poll = {
+            let (source, mark) = (source.clone(), mark.clone());
+            tokio::task::spawn_blocking(move || {
+                source.lock().unwrap_or_else(PoisonError::into_inner).poll(&mark)
+            })
+        };
+        let polled = match poll.await {
+            Ok(Ok(polled)) => polled,
+            Ok(Err(e)) => {
+                let e = e.to_string();
+                if last_error.as_ref() != Some(&e) {
+                    tracing::warn!(error = %e, "polling the source failed; retrying");
+                    note_problem(&shared, e.clone());
+                    last_error = Some(e);
+                }
+                continue;
+            }
+            Err(e) => {
+                tracing::error!(error = %e, "polling the source panicked; streaming stops");
+                note_problem(&shared, format!("polling the source panicked: {e}"));
+                return;
+            }
+        };
+        last_error = None;
+        for problem in &polled.problems {
+            if reported.insert(problem.clone()) {
+                tracing::warn!(%problem, "bad input in the source; the job goes on without it");
+                note_problem(&shared, problem.clone());
+            }
+        }
+        let closed = polled.closed || close_asked;
+        let mut core = shared.core();
+        if let Some(status) = &mut core.stream {
+            status.position = polled.position.clone();
+        }
+        let now = Instant::now();
+        if !polled.chunks.is_empty() || polled.mark != mark || closed {
+            let tasks: Vec<Vec<_>> =
+                polled.chunks.chunks(chunks_per_task.max(1)).map(<[_]>::to_vec).collect();
+            match core.queue.append(tasks, polled.mark.0, closed) {
+                Ok(ids) => {
+                    if !ids.is_empty() || closed {
+                        tracing::info!(tasks = ids.len(), closed, "tasks appended from the source");
+                    }
+                    for id in ids {
+                        core.arrivals.insert(id.0, now);
+                    }
+                }
+                Err(e) => tracing::error!(error = %e, "appending the source's tasks failed"),
+            }
+        }
+        let oldest =
+            core.arrivals.values().min().map_or(0.0, |t| now.saturating_duration_since(*t).as_secs_f64());
+        let backlog = core.queue.status().todo + core.queue.staged();
+        if let Some(status) = &mut core.stream {
+            status.closed = closed;
+            status.oldest_open_seconds = oldest;
+            status.backlog = backlog;
+        }
+        shared.changed(&mut core, true);
+    }
+}
+
+/// List a problem of the source in the status (the last ones).
+fn note_problem(shared: &Shared, problem: String) {
+    let mut core = shared.core();
+    if let Some(status) = &mut core.stream {
+        if status.problems.len() >= MAX_PROBLEMS_LISTED {
+            status.problems.remove(0);
+        }
+        status.problems.push(problem);
+    }
+    shared.changed(&mut core, false);
 }
 
 /// A trainer whose registration vanished (lease expired) gets its tasks
@@ -750,8 +977,16 @@ impl Handler for MasterHandler {
                         if !holds(core, &trainer, task_ref) {
                             return Report::Stale;
                         }
-                        let outcome = core.queue.task_finished(task_ref, Instant::now());
+                        let now = Instant::now();
+                        let outcome = core.queue.task_finished(task_ref, now);
                         if outcome == Report::Accepted {
+                            if let Some(arrived) = core.arrivals.remove(&task_ref.task.0) {
+                                if let Some(status) = &mut core.stream {
+                                    status.lag_count += 1;
+                                    status.lag_sum_seconds +=
+                                        now.saturating_duration_since(arrived).as_secs_f64();
+                                }
+                            }
                             let pass = task_ref.pass as usize;
                             if core.passes.len() <= pass {
                                 core.passes.resize(pass + 1, PassStats::default());

@@ -117,8 +117,35 @@ pub struct MasterStatus {
     pub passes: Vec<PassStats>,
     /// Tasks discarded so far, with their reasons.
     pub discarded: Vec<(u64, String)>,
+    /// A streaming job's source, as this master sees it (`None` for a
+    /// batch job, and in a state read from discovery).
+    pub stream: Option<StreamStatus>,
 }
 
+/// Where a streaming job's source is, and how far training lags behind it.
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+pub struct StreamStatus {
+    /// What the source is (`directory "/data/in"`).
+    pub source: String,
+    /// The source's position, as it describes it ("12 files, 3.4 MB taken").
+    pub position: String,
+    /// The source is closed: the job ends once what it holds is trained.
+    pub closed: bool,
+    /// Tasks appended and not handed out yet, or not stored yet.
+    pub backlog: usize,
+    /// How long the oldest task not finished yet has waited since it
+    /// arrived, seconds (0 when none is open). Arrival is when this master
+    /// took it from the source; tasks restored from a previous master's
+    /// state count from this master's start.
+    pub oldest_open_seconds: f64,
+    /// Tasks finished since this master started, and the sum of their
+    /// lags from arrival to the finished report, seconds.
+    pub lag_count: u64,
+    /// See [`lag_count`](Self::lag_count).
+    pub lag_sum_seconds: f64,
+    /// The last bad input the source reported (each names its file), at most 20.
+    pub problems: Vec<String>,
+}
 impl MasterStatus {
     /// Whether the job has ended, well or badly.
     pub fn is_finished(&self) -> bool {

@@ -17,15 +17,27 @@
 //!   no task finished in that pass, is done after the last pass, and otherwise
 //!   the next pass starts with todo = the finished tasks in id order and all
 //!   failure counts reset.
+//!
+//! **Streaming** ([`TaskQueue::streaming`]): the queue starts empty and
+//! has no passes; the shell appends tasks as its source yields data
+//! ([`TaskQueue::append`]), with the source's mark, which the queue keeps
+//! and snapshots. Appended tasks are *staged*: the next
+//! [`take_changes`](TaskQueue::take_changes) is a snapshot holding them, and
+//! they are handed out only once the shell has stored it
+//! ([`TaskQueue::stored`]), so a task id handed to a trainer always names
+//! the same chunks, across any master restart. The job ends, done, when the
+//! source is closed and every task is finished or discarded. A snapshot of
+//! a streaming queue drops its finished and discarded tasks (their counts
+//! are kept), so it holds only the open ones however long the stream runs.
 
 use std::collections::{BTreeSet, VecDeque};
 use std::time::{Duration, Instant};
 
 use serde::{Deserialize, Serialize};
 
-use crate::dataset::{TaskId, TaskSpec};
+use crate::dataset::{Chunk, TaskId, TaskSpec};
 use crate::journal::{Changes, Delta};
-use crate::snapshot::{Meta, Snapshot, StateView, Unpacked};
+use crate::snapshot::{Meta, Snapshot, StateView, StreamState, Unpacked};
 use crate::state::{JobState, TaskState, TrainerId};
 use crate::{Error, Result};
 
@@ -258,6 +270,20 @@ pub struct TaskQueue {
     snapshot_due: bool,
     /// The version at the last `take_changes`.
     taken_version: u64,
+    /// A streaming queue's source state; `None` for a batch queue.
+    stream: Option<Stream>,
+}
+
+/// A streaming queue's state beyond its tasks.
+#[derive(Clone, Debug, Default)]
+struct Stream {
+    /// What [`StreamState`] stores (the counts of compacted tasks included).
+    stored: StreamState,
+    /// Appended tasks (positions) not handed out yet: held back from todo
+    /// until a snapshot holding them is stored.
+    staged: VecDeque<usize>,
+    /// How many of `staged` the last snapshot taken holds.
+    staged_taken: usize,
 }
 
 /// Cuts a reason to [`MAX_REASON_BYTES`] at a char boundary.
@@ -311,7 +337,112 @@ impl TaskQueue {
             changed: Vec::new(),
             snapshot_due: true,
             taken_version: 0,
+            stream: None,
         })
+    }
+
+    /// An empty streaming queue (see [Streaming](self#streaming)): it waits
+    /// for [`append`](Self::append). Errors if the config is invalid or has
+    /// more than one pass (a stream has none).
+    pub fn streaming(config: QueueConfig) -> Result<Self> {
+        config.validate()?;
+        if config.passes != 1 {
+            return Err(Error::BadConfig(format!(
+                "a streaming queue has no passes: passes must be 1, got {}",
+                config.passes
+            )));
+        }
+        Ok(TaskQueue {
+            config,
+            tasks: Vec::new(),
+            slots: Vec::new(),
+            failures: Vec::new(),
+            todo: VecDeque::new(),
+            pending: BTreeSet::new(),
+            done: 0,
+            discarded: 0,
+            pass: 0,
+            state: JobState::Running,
+            failures_total: 0,
+            version: 0,
+            events: Vec::new(),
+            changed: Vec::new(),
+            snapshot_due: true,
+            taken_version: 0,
+            stream: Some(Stream::default()),
+        })
+    }
+
+    /// Streaming: appends one task per entry of `tasks` (its chunks), with
+    /// ids following the last task's, and takes `mark` as the source's
+    /// position after them; `closed`: the source has no more. The tasks are
+    /// staged until the snapshot holding them is stored (see
+    /// [`stored`](Self::stored)). Returns their ids.
+    ///
+    /// Errors if the queue is not a streaming one, the job is over, the
+    /// source was closed before, a task has no chunk, or a chunk's range is
+    /// reversed; nothing changes then.
+    pub fn append(&mut self, tasks: Vec<Vec<Chunk>>, mark: Vec<u8>, closed: bool) -> Result<Vec<TaskId>> {
+        let Some(stream) = &self.stream else {
+            return Err(Error::InvalidArgument("append: this is not a streaming queue".into()));
+        };
+        if self.state != JobState::Running {
+            return Err(Error::InvalidArgument(format!("append: the job is over ({:?})", self.state)));
+        }
+        if stream.stored.closed {
+            return Err(Error::InvalidArgument("append: the source was closed".into()));
+        }
+        for chunks in &tasks {
+            if chunks.is_empty() {
+                return Err(Error::InvalidArgument("append: a task without chunks".into()));
+            }
+            if let Some(c) = chunks.iter().find(|c| c.start > c.end) {
+                return Err(Error::BadChunk { path: c.path.clone(), start: c.start, end: c.end });
+            }
+        }
+        let mut ids = Vec::with_capacity(tasks.len());
+        for chunks in tasks {
+            let Some(stream) = &mut self.stream else { break };
+            let id = TaskId(stream.stored.next_id);
+            stream.stored.next_id += 1;
+            stream.staged.push_back(self.tasks.len());
+            self.tasks.push(TaskSpec { id, chunks });
+            self.slots.push(Slot::Todo);
+            self.failures.push(0);
+            ids.push(id);
+        }
+        if let Some(stream) = &mut self.stream {
+            stream.stored.mark = mark;
+            stream.stored.closed = closed;
+        }
+        self.version += 1;
+        // New tasks (and the mark) go out in a snapshot, never a delta.
+        self.snapshot_due = true;
+        self.changed.clear();
+        self.check_pass_end();
+        Ok(ids)
+    }
+
+    /// Streaming: the snapshot last taken by
+    /// [`take_changes`](Self::take_changes) is stored, so the tasks it holds
+    /// that were staged may now be handed out (they join the end of todo).
+    /// Call it after each successful store; a no-op for a batch queue.
+    pub fn stored(&mut self) {
+        let Some(stream) = &mut self.stream else { return };
+        let released = stream.staged_taken.min(stream.staged.len());
+        stream.staged_taken = 0;
+        self.todo.extend(stream.staged.drain(..released));
+    }
+
+    /// Streaming: the source's mark covering every task appended, and
+    /// whether the source is closed; `None` for a batch queue.
+    pub fn source_mark(&self) -> Option<(&[u8], bool)> {
+        self.stream.as_ref().map(|s| (s.stored.mark.as_slice(), s.stored.closed))
+    }
+
+    /// Streaming: appended tasks waiting for their snapshot to be stored.
+    pub fn staged(&self) -> usize {
+        self.stream.as_ref().map_or(0, |s| s.staged.len())
     }
 
     /// Hands the front of todo to `trainer` with the deadline
@@ -442,6 +573,10 @@ impl TaskQueue {
         }
         let reason = format!("the job was aborted: {}", bounded(reason));
         let mut open: Vec<usize> = self.todo.drain(..).collect();
+        if let Some(stream) = &mut self.stream {
+            open.extend(stream.staged.drain(..));
+            stream.staged_taken = 0;
+        }
         open.extend(self.pending.iter().map(|&(_, i)| i));
         self.pending.clear();
         open.sort_unstable();
@@ -529,6 +664,18 @@ impl TaskQueue {
         if self.state != JobState::Running || !self.todo.is_empty() || !self.pending.is_empty() {
             return;
         }
+        if let Some(stream) = &self.stream {
+            // A stream ends when its source is closed and nothing is open;
+            // until then an empty queue waits for data.
+            if !stream.stored.closed || !stream.staged.is_empty() {
+                return;
+            }
+            self.events.push(QueueEvent::PassEnded { pass: 0, done: self.done, discarded: self.discarded });
+            self.version += 1;
+            self.state = JobState::Done;
+            self.events.push(QueueEvent::JobDone);
+            return;
+        }
         self.events.push(QueueEvent::PassEnded {
             pass: self.pass,
             done: self.done,
@@ -583,6 +730,10 @@ impl TaskQueue {
         if want_snapshot || self.snapshot_due {
             self.snapshot_due = false;
             self.changed.clear();
+            self.compact();
+            if let Some(stream) = &mut self.stream {
+                stream.staged_taken = stream.staged.len();
+            }
             return Changes::Snapshot(self.snapshot());
         }
         // Each task once, at its last change.
@@ -658,6 +809,44 @@ impl TaskQueue {
         self.tasks.iter()
     }
 
+    /// Streaming: drops the finished and discarded tasks (their counts are
+    /// kept in the stream state), renumbering the positions of the rest.
+    fn compact(&mut self) {
+        let Some(stream) = &mut self.stream else { return };
+        let keep = |slot: &Slot| matches!(slot, Slot::Todo | Slot::Pending { .. });
+        if self.slots.iter().all(keep) {
+            return;
+        }
+        let mut new_index = vec![usize::MAX; self.slots.len()];
+        let mut next = 0;
+        for (i, slot) in self.slots.iter().enumerate() {
+            if keep(slot) {
+                new_index[i] = next;
+                next += 1;
+            }
+        }
+        let kept = |i: &usize| new_index[*i] != usize::MAX;
+        self.tasks = std::mem::take(&mut self.tasks)
+            .into_iter()
+            .enumerate()
+            .filter(|(i, _)| kept(i))
+            .map(|(_, t)| t)
+            .collect();
+        self.failures = std::mem::take(&mut self.failures)
+            .into_iter()
+            .enumerate()
+            .filter(|(i, _)| kept(i))
+            .map(|(_, f)| f)
+            .collect();
+        self.slots = std::mem::take(&mut self.slots).into_iter().filter(keep).collect();
+        self.todo.iter_mut().for_each(|i| *i = new_index[*i]);
+        stream.staged.iter_mut().for_each(|i| *i = new_index[*i]);
+        self.pending =
+            std::mem::take(&mut self.pending).into_iter().map(|(d, i)| (d, new_index[i])).collect();
+        stream.stored.done_before = self.done as u64;
+        stream.stored.discarded_before = self.discarded as u64;
+    }
+
     /// The persistent state (deadlines and undrained events excluded).
     pub fn snapshot(&self) -> Snapshot {
         let states = self.slots.iter().map(|slot| match slot {
@@ -666,17 +855,30 @@ impl TaskQueue {
             Slot::Done => StateView::Done,
             Slot::Discarded { reason } => StateView::Discarded { reason },
         });
+        // Staged tasks are todo in the snapshot: stored, they may be handed out.
+        let staged = self.stream.iter().flat_map(|s| s.staged.iter().copied());
+        let stream = self.stream.as_ref().map(|s| {
+            let compacted = |n: usize, held: usize| (n - held) as u64;
+            let done_here = self.slots.iter().filter(|s| matches!(s, Slot::Done)).count();
+            let discarded_here = self.slots.iter().filter(|s| matches!(s, Slot::Discarded { .. })).count();
+            StreamState {
+                done_before: compacted(self.done, done_here),
+                discarded_before: compacted(self.discarded, discarded_here),
+                ..s.stored.clone()
+            }
+        });
         Snapshot::pack(
             &self.tasks,
             states,
             &self.failures,
-            self.todo.iter().copied(),
+            self.todo.iter().copied().chain(staged),
             Meta {
                 pass: self.pass,
                 state: self.state,
                 failures_total: self.failures_total,
                 version: self.version,
             },
+            stream,
         )
     }
 
@@ -690,8 +892,14 @@ impl TaskQueue {
     /// needs. A finished job stays finished even if `passes` grew.
     pub fn restore(snapshot: Snapshot, config: QueueConfig, now: Instant) -> Result<Self> {
         config.validate()?;
-        let Unpacked { tasks, states, failures, todo, meta } = snapshot.unpack()?;
+        let Unpacked { tasks, states, failures, todo, meta, stream } = snapshot.unpack()?;
         let Meta { pass, state, failures_total, version } = meta;
+        if stream.is_some() && config.passes != 1 {
+            return Err(Error::BadConfig(format!(
+                "a streaming queue has no passes: passes must be 1, got {}",
+                config.passes
+            )));
+        }
         if pass >= config.passes {
             return Err(Error::BadSnapshot(format!(
                 "snapshot is in pass {pass} (0-based) but the config has only {} pass(es)",
@@ -715,7 +923,13 @@ impl TaskQueue {
             snapshot_due: true,
             taken_version: version,
             config,
+            stream: None,
         };
+        if let Some(stored) = stream {
+            queue.done = stored.done_before as usize;
+            queue.discarded = stored.discarded_before as usize;
+            queue.stream = Some(Stream { stored, staged: VecDeque::new(), staged_taken: 0 });
+        }
         let deadline = queue.deadline(now);
         for (i, st) in states.into_iter().enumerate() {
             let slot = match st {

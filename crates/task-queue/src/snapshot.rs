@@ -13,6 +13,13 @@
 //!
 //! Deadlines are not stored: a restored queue gives pending tasks a fresh
 //! deadline. Undrained events are not stored either.
+//!
+//! A streaming queue's snapshot (format 2) adds its [`StreamState`]: the
+//! source's mark, whether the source is closed, the next task id, and the
+//! tasks finished and discarded before the last compaction (a streaming
+//! queue drops its finished tasks when it takes a snapshot, so the
+//! snapshot holds only the tasks still open). Format 1 snapshots (batch
+//! jobs, written before streaming existed) still decode.
 
 use std::collections::{BTreeMap, HashMap};
 
@@ -24,8 +31,25 @@ use crate::{Error, Result};
 
 /// First bytes of every encoded snapshot, so that garbage is recognised as such.
 const MAGIC: &[u8; 4] = b"OARQ";
-/// The encoding's format number, after the magic.
-const FORMAT: u8 = 1;
+/// The encoding's format number, after the magic: 2 adds the stream state.
+const FORMAT: u8 = 2;
+/// The format before the stream state, still read.
+const FORMAT_BATCH_ONLY: u8 = 1;
+
+/// A streaming queue's state beyond its tasks (see the [module docs](self)).
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct StreamState {
+    /// The source's mark covering every task appended so far.
+    pub mark: Vec<u8>,
+    /// The source is closed: no task will be appended.
+    pub closed: bool,
+    /// The id the next appended task gets.
+    pub next_id: u64,
+    /// Tasks finished before the last compaction.
+    pub done_before: u64,
+    /// Tasks discarded before the last compaction.
+    pub discarded_before: u64,
+}
 
 /// The persistent state of a [`TaskQueue`](crate::TaskQueue): tasks, their
 /// states and failure counts, todo order, pass, job state, failure total and
@@ -44,6 +68,23 @@ pub struct Snapshot {
     chunks: Vec<ChunkCode>,
     /// Todo order: each entry is a task position minus the previous one
     /// (starting from -1), zigzag-coded by postcard.
+    todo: Vec<i64>,
+    /// A streaming queue's state; `None` for a batch job.
+    stream: Option<StreamState>,
+}
+
+/// A [`Snapshot`] as format 1 laid it out (no stream state).
+#[derive(Deserialize)]
+struct SnapshotBatchOnly {
+    version: u64,
+    pass: u32,
+    state: JobState,
+    failures: u64,
+    paths: Vec<String>,
+    strings: Vec<String>,
+    common_len: u64,
+    tasks: Vec<SnapTask>,
+    chunks: Vec<ChunkCode>,
     todo: Vec<i64>,
 }
 
@@ -112,6 +153,7 @@ pub(crate) struct Unpacked {
     /// Positions into `tasks`, each a `Todo` task, each once.
     pub todo: Vec<usize>,
     pub meta: Meta,
+    pub stream: Option<StreamState>,
 }
 
 /// `magic`, `format` and the postcard body of `value`: the framing of every
@@ -187,6 +229,7 @@ impl Snapshot {
         failures: &[u32],
         todo: impl Iterator<Item = usize>,
         meta: Meta,
+        stream: Option<StreamState>,
     ) -> Snapshot {
         let mut lens: BTreeMap<u64, usize> = BTreeMap::new();
         for c in tasks.iter().flat_map(|t| &t.chunks) {
@@ -260,6 +303,7 @@ impl Snapshot {
             tasks: snap_tasks,
             chunks,
             todo,
+            stream,
         }
     }
 
@@ -272,9 +316,32 @@ impl Snapshot {
     /// id in exactly one state, the todo list matching the todo tasks, counts
     /// consistent with the job state. Errors say what was wrong.
     pub fn decode(bytes: &[u8]) -> Result<Snapshot> {
-        let snapshot: Snapshot = decode_framed(bytes, MAGIC, FORMAT, "not a task-queue snapshot")?;
+        let snapshot = if bytes.get(MAGIC.len()) == Some(&FORMAT_BATCH_ONLY) && bytes.starts_with(MAGIC) {
+            let old: SnapshotBatchOnly =
+                decode_framed(bytes, MAGIC, FORMAT_BATCH_ONLY, "not a task-queue snapshot")?;
+            Snapshot {
+                version: old.version,
+                pass: old.pass,
+                state: old.state,
+                failures: old.failures,
+                paths: old.paths,
+                strings: old.strings,
+                common_len: old.common_len,
+                tasks: old.tasks,
+                chunks: old.chunks,
+                todo: old.todo,
+                stream: None,
+            }
+        } else {
+            decode_framed(bytes, MAGIC, FORMAT, "not a task-queue snapshot")?
+        };
         snapshot.unpack()?;
         Ok(snapshot)
+    }
+
+    /// A streaming queue's state; `None` for a batch job.
+    pub fn stream(&self) -> Option<&StreamState> {
+        self.stream.as_ref()
     }
 
     /// The queue's version when the snapshot was taken.
@@ -300,7 +367,7 @@ impl Snapshot {
     /// Validates and expands the snapshot.
     pub(crate) fn unpack(&self) -> Result<Unpacked> {
         let n = self.tasks.len();
-        if n == 0 {
+        if n == 0 && self.stream.is_none() {
             return Err(bad("no tasks"));
         }
         let mut tasks = Vec::with_capacity(n);
@@ -406,8 +473,32 @@ impl Snapshot {
         }
 
         let open = todo_count + pending;
+        // A streaming queue's counts include the tasks compacted away.
+        let (done, discarded) = match &self.stream {
+            Some(st) => (
+                done.saturating_add(usize::try_from(st.done_before).unwrap_or(usize::MAX)),
+                discarded.saturating_add(usize::try_from(st.discarded_before).unwrap_or(usize::MAX)),
+            ),
+            None => (done, discarded),
+        };
+        if let Some(st) = &self.stream {
+            if let Some(last) = prev_id.filter(|&id| id >= st.next_id) {
+                return Err(bad(format!("task {last} is at or past the next task id {}", st.next_id)));
+            }
+            if self.pass != 0 {
+                return Err(bad(format!("a streaming queue has no passes but is in pass {}", self.pass)));
+            }
+            match self.state {
+                // An open stream waits for data with nothing to do.
+                JobState::Running if open == 0 && st.closed => {
+                    return Err(bad("the stream is closed and no task is open, but the job is running"))
+                }
+                JobState::Done if !st.closed => return Err(bad("the job is done but its stream is open")),
+                _ => {}
+            }
+        }
         match self.state {
-            JobState::Running if open == 0 => {
+            JobState::Running if open == 0 && self.stream.is_none() => {
                 return Err(bad(
                     "job is running but no task is todo or pending (the pass should have ended)",
                 ));
@@ -418,7 +509,9 @@ impl Snapshot {
                     self.state
                 )));
             }
-            JobState::Done if done == 0 => return Err(bad("job is done but no task finished its last pass")),
+            JobState::Done if done == 0 && self.stream.is_none() => {
+                return Err(bad("job is done but no task finished its last pass"))
+            }
             JobState::Failed if done > 0 => {
                 return Err(bad(format!("job failed but {done} task(s) finished its last pass")));
             }
@@ -443,6 +536,7 @@ impl Snapshot {
                 failures_total: self.failures,
                 version: self.version,
             },
+            stream: self.stream.clone(),
         })
     }
 }
@@ -504,6 +598,23 @@ mod tests {
         assert_eq!(states(&r), states(&q));
         assert!(r.tasks().eq(q.tasks()), "chunks survive");
         assert_eq!(r.snapshot(), snap, "todo order and failure counts survive");
+    }
+
+    /// A batch job's state stored before streaming existed (format 1: the
+    /// same fields, no stream state) still restores.
+    #[test]
+    fn format_1_snapshots_still_decode() {
+        let q = busy_queue();
+        let mut old = q.snapshot().encode();
+        // Format 2 of a batch snapshot is format 1 plus `None` (one 0 byte) at the end.
+        assert_eq!((old[4], old.pop()), (FORMAT, Some(0)));
+        old[4] = FORMAT_BATCH_ONLY;
+        let back = Snapshot::decode(&old).unwrap();
+        assert_eq!(back, q.snapshot());
+        assert_eq!(back.stream(), None);
+        old[4] = 9;
+        let err = Snapshot::decode(&old).unwrap_err().to_string();
+        assert!(err.contains("unsupported format 9"), "{err}");
     }
 
     #[test]

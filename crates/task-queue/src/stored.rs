@@ -115,6 +115,7 @@ impl StoredState {
             queue: queue.status(),
             passes: self.passes.clone(),
             discarded: self.discarded.clone(),
+            stream: None,
         })
     }
 }

@@ -97,6 +97,14 @@ impl AnyModel {
         }
     }
 
+    /// No examples, of the kind this model reads.
+    pub fn no_examples(&self) -> Examples {
+        match self {
+            AnyModel::Dense(_) => Examples::Dense(Vec::new()),
+            AnyModel::Sparse(_) => Examples::Ids(Vec::new()),
+        }
+    }
+
     /// Reads a task's chunks, in order, as this model reads data: the
     /// examples and how many bad lines were skipped.
     pub fn read_chunks(&self, chunks: &[Chunk], opts: &ReaderOptions) -> Result<(Examples, usize)> {

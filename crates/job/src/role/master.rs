@@ -18,10 +18,10 @@
 
 use super::{unless_shut_down, RoleOptions};
 use crate::{
-    config::JobConfig,
+    config::{JobConfig, StreamConfig},
     context::JobContext,
     keys::JobKeys,
-    report::{read_result, JobEnd, JobReport, PassReport, Progress},
+    report::{read_result, JobEnd, JobReport, PassReport, Progress, WindowReport},
     Error, Result,
 };
 use oar_discovery::ChangeSignal;
@@ -30,7 +30,7 @@ use oar_pserver::{
 };
 use oar_task_queue::{
     auto_chunk_bytes, chunk_files, glob_files, tasks_from_chunks, JobState, Master, MasterOptions,
-    MasterStatus,
+    MasterStatus, StreamOptions,
 };
 use oar_trainer::{
     eval::{evaluate, evaluate_sparse, init_rows, Evaluation},
@@ -99,22 +99,18 @@ async fn run_master(
     // The training set is read for the final report's train accuracy only
     // (unless it is also the test set): read it while the job trains, not
     // before the master serves, and a sample of it only if it is large.
-    let train_read = AbortOnDropHandle::new({
-        let (data, scoring, model) = (config.data.clone(), scoring.clone(), model.clone());
-        tokio::task::spawn_blocking(move || model.read_sample(&data, &scoring, TRAIN_SAMPLE_BYTES))
+    // (A stream's data is not kept: it has no train sample.)
+    let train_read = config.stream.is_none().then(|| {
+        AbortOnDropHandle::new({
+            let (data, scoring, model) = (config.data.clone(), scoring.clone(), model.clone());
+            tokio::task::spawn_blocking(move || model.read_sample(&data, &scoring, TRAIN_SAMPLE_BYTES))
+        })
     });
-    let (test_set, train_read) = match &config.test_data {
-        Some(glob) => (model.read_glob(glob, &scoring)?, Some(train_read)),
-        None => (joined(train_read).await??, None),
+    let (test_set, train_read) = match (&config.test_data, train_read) {
+        (Some(glob), train_read) => (model.read_glob(glob, &scoring)?, train_read),
+        (None, Some(train_read)) => (joined(train_read).await??, None),
+        (None, None) => (model.no_examples(), None),
     };
-    let files = glob_files(&config.data)?;
-    let chunk_bytes = match config.chunk_bytes {
-        0 => auto_chunk_bytes(files.iter().map(|(_, len)| len).sum()),
-        bytes => bytes,
-    };
-    let tasks = tasks_from_chunks(chunk_files(&files, chunk_bytes)?, config.chunks_per_task)?;
-    tracing::info!(chunk_bytes, tasks = tasks.len(), "tasks cut");
-
     let master_options = MasterOptions {
         holder: options.id.clone(),
         lease_ttl: options.lease_ttl,
@@ -122,9 +118,38 @@ async fn run_master(
         config: Some(config.encode()?),
         ..MasterOptions::new(keys.master(), config.queue())
     };
-    let start =
-        Master::start(ctx.discovery.clone(), ctx.transport.clone(), &ctx.listen, tasks, master_options);
-    let Some(master) = unless_shut_down(&shutdown, start).await else {
+    let (discovery, transport) = (ctx.discovery.clone(), ctx.transport.clone());
+    let start = match &config.stream {
+        None => {
+            let files = glob_files(&config.data)?;
+            let chunk_bytes = match config.chunk_bytes {
+                0 => auto_chunk_bytes(files.iter().map(|(_, len)| len).sum()),
+                bytes => bytes,
+            };
+            let tasks = tasks_from_chunks(chunk_files(&files, chunk_bytes)?, config.chunks_per_task)?;
+            tracing::info!(chunk_bytes, tasks = tasks.len(), "tasks cut");
+            unless_shut_down(
+                &shutdown,
+                Master::start(discovery, transport, &ctx.listen, tasks, master_options),
+            )
+            .await
+        }
+        Some(stream) => {
+            let source = stream.source.open(config.stream_chunk_bytes());
+            tracing::info!(source = source.describe(), "streaming");
+            let stream = StreamOptions {
+                chunks_per_task: config.chunks_per_task,
+                close_key: Some(keys.stream_close()),
+                ..StreamOptions::new(source)
+            };
+            unless_shut_down(
+                &shutdown,
+                Master::start_stream(discovery, transport, &ctx.listen, stream, master_options),
+            )
+            .await
+        }
+    };
+    let Some(master) = start else {
         tracing::info!("shut down while waiting for the lock");
         return Ok(None);
     };
@@ -165,44 +190,68 @@ async fn run_master(
     let initial_loss = initial_loss(&model, config.seed, &test_set)?;
     let mut aborted = None;
 
-    // Report each pass as it ends, until the job ends, the master stops or
-    // it is shut down.
-    let followed = async {
-        let ended = master.wait();
-        tokio::pin!(ended);
-        let mut over = false;
-        loop {
-            let current = status.borrow_and_update().clone();
-            on_progress(Progress::Status(&current));
-            let passes_over = if current.is_finished() { current.queue.pass + 1 } else { current.queue.pass };
-            while reported < passes_over.min(config.passes) {
-                let eval = score(&mut evaluator, &mut params, &model, &test_set).await?;
-                let pass = pass_report(reported, &current, &eval);
-                on_progress(Progress::PassEnded(&pass));
-                reported += 1;
-                if let Some(why) =
-                    diverged(&pass, &params, initial_loss, config).filter(|_| aborted.is_none())
-                {
-                    tracing::error!(reason = %why, "training diverged; the job fails");
-                    if master.abort(&why) {
-                        aborted = Some(why);
+    let state = match &config.stream {
+        Some(stream) => {
+            let followed = follow_stream(
+                &master,
+                stream,
+                Scoring {
+                    evaluator: &mut evaluator,
+                    params: &mut params,
+                    model: &model,
+                    test_set: &test_set,
+                },
+                initial_loss,
+                config,
+                &keys,
+                &mut aborted,
+                &mut on_progress,
+            );
+            unless_shut_down(&shutdown, followed).await
+        }
+        None => {
+            // Report each pass as it ends, until the job ends, the master stops or
+            // it is shut down.
+            let followed = async {
+                let ended = master.wait();
+                tokio::pin!(ended);
+                let mut over = false;
+                loop {
+                    let current = status.borrow_and_update().clone();
+                    on_progress(Progress::Status(&current));
+                    let passes_over =
+                        if current.is_finished() { current.queue.pass + 1 } else { current.queue.pass };
+                    while reported < passes_over.min(config.passes) {
+                        let eval = score(&mut evaluator, &mut params, &model, &test_set).await?;
+                        let pass = pass_report(reported, &current, &eval);
+                        on_progress(Progress::PassEnded(&pass));
+                        reported += 1;
+                        if let Some(why) =
+                            diverged(&pass, &params, initial_loss, config).filter(|_| aborted.is_none())
+                        {
+                            tracing::error!(reason = %why, "training diverged; the job fails");
+                            if master.abort(&why) {
+                                aborted = Some(why);
+                            }
+                        }
+                    }
+                    if over || current.is_finished() {
+                        // Returns at once now: the end is stored, or the master stopped.
+                        break Ok::<_, Error>(master.wait().await?);
+                    }
+                    tokio::select! {
+                        state = &mut ended => {
+                            state?;
+                            over = true;
+                        }
+                        changed = status.changed() => over = changed.is_err(),
                     }
                 }
-            }
-            if over || current.is_finished() {
-                // Returns at once now: the end is stored, or the master stopped.
-                break Ok::<_, Error>(master.wait().await?);
-            }
-            tokio::select! {
-                state = &mut ended => {
-                    state?;
-                    over = true;
-                }
-                changed = status.changed() => over = changed.is_err(),
-            }
+            };
+            unless_shut_down(&shutdown, followed).await
         }
     };
-    let Some(state) = unless_shut_down(&shutdown, followed).await else {
+    let Some(state) = state else {
         tracing::info!("shut down: storing the state and handing over");
         master.shutdown().await?;
         return Ok(None);
@@ -217,7 +266,13 @@ async fn run_master(
     let test = score(&mut evaluator, &mut params, &model, &test_set).await?;
     let train = match train_read {
         Some(read) => evaluate_pulled(&mut evaluator, &params, &model, &joined(read).await??).await?,
+        None if config.stream.is_some() => Evaluation { loss: f32::NAN, accuracy: f32::NAN, examples: 0 },
         None => test,
+    };
+    // No held-out data (a stream without any): nothing was scored.
+    let test = match test.examples {
+        0 => Evaluation { loss: f32::NAN, accuracy: f32::NAN, examples: 0 },
+        _ => test,
     };
     // The final model too: a job that ended before its divergence was seen fails.
     let last_pass = PassReport {
@@ -316,6 +371,163 @@ fn initial_loss(model: &AnyModel, seed: u64, examples: &Examples) -> Result<f32>
 
 /// Examples per batch when scoring.
 const SCORE_BATCH: usize = 1024;
+
+/// What scoring the model needs: a client for the pservers, a buffer for
+/// the dense parameters, the model and the held-out examples.
+struct Scoring<'a> {
+    evaluator: &'a mut PserverClient,
+    params: &'a mut ParamBuf,
+    model: &'a AnyModel,
+    test_set: &'a Examples,
+}
+
+/// A streaming job: report every window (records trained, loss, lag, the
+/// source's position; the test set scored), publish the source's status
+/// under `stream/status`, export the model every `export_every`, until the
+/// job ends (its source closed and everything trained) or the master stops.
+#[allow(clippy::too_many_arguments)]
+async fn follow_stream(
+    master: &Master,
+    stream: &StreamConfig,
+    scoring: Scoring<'_>,
+    initial_loss: f32,
+    config: &JobConfig,
+    keys: &JobKeys,
+    aborted: &mut Option<String>,
+    on_progress: &mut impl FnMut(Progress<'_>),
+) -> Result<JobState> {
+    let Scoring { evaluator, params, model, test_set } = scoring;
+    let mut status = master.status();
+    let ended = master.wait();
+    tokio::pin!(ended);
+    let start = tokio::time::Instant::now();
+    let mut next_window = start + stream.window;
+    let mut next_export = start + stream.export_every;
+    let mut window = 0u32;
+    // Totals at the last window's end: records, loss sum, lags.
+    let mut last = (0u64, 0f64, 0u64, 0f64);
+    loop {
+        let over = tokio::select! {
+            state = &mut ended => Some(state?),
+            changed = status.changed() => {
+                if changed.is_err() {
+                    return Ok(master.wait().await?);
+                }
+                on_progress(Progress::Status(&status.borrow_and_update().clone()));
+                None
+            }
+            () = tokio::time::sleep_until(next_window) => None,
+            () = tokio::time::sleep_until(next_export), if stream.export_dir.is_some() => {
+                next_export += stream.export_every;
+                evaluator.pull(params).await?;
+                if let Some(dir) = &stream.export_dir {
+                    export_model(dir, &model.param_specs(), params, window)?;
+                }
+                continue;
+            }
+        };
+        if over.is_none() && tokio::time::Instant::now() < next_window {
+            continue;
+        }
+        next_window += stream.window;
+        let current = master.status().borrow().clone();
+        let stats = current.passes.first().copied().unwrap_or_default();
+        let source = current.stream.clone().unwrap_or_default();
+        let records = stats.examples - last.0;
+        let lags = source.lag_count - last.2;
+        let eval = score(evaluator, params, model, test_set).await?;
+        let nan_if_none = |e: f32| if eval.examples == 0 { f32::NAN } else { e };
+        let report = WindowReport {
+            window,
+            records,
+            train_loss: (stats.loss_sum - last.1) / records as f64,
+            lag_seconds: (source.lag_sum_seconds - last.3) / lags as f64,
+            backlog: source.backlog,
+            position: source.position.clone(),
+            test_loss: nan_if_none(eval.loss),
+            test_accuracy: nan_if_none(eval.accuracy),
+            tasks_done: stats.tasks_finished,
+            tasks_discarded: current.queue.discarded,
+        };
+        last = (stats.examples, stats.loss_sum, source.lag_count, source.lag_sum_seconds);
+        on_progress(Progress::WindowEnded(&report));
+        window += 1;
+        if let Ok(json) = serde_json::to_vec(&source) {
+            if let Err(e) = master.put_fenced(&keys.stream_status(), json).await {
+                tracing::warn!(error = %e, "publishing the stream's status failed");
+            }
+        }
+        let as_pass = PassReport {
+            pass: report.window,
+            train_loss: report.train_loss,
+            test_loss: eval.loss,
+            test_accuracy: eval.accuracy,
+            tasks_done: records.min(1),
+            tasks_discarded: report.tasks_discarded,
+        };
+        if let Some(why) = diverged(&as_pass, params, initial_loss, config).filter(|_| aborted.is_none()) {
+            tracing::error!(reason = %why, "training diverged; the job fails");
+            if master.abort(&why) {
+                *aborted = Some(why);
+            }
+        }
+        if let Some(state) = over {
+            if let Some(dir) = &stream.export_dir {
+                export_model(dir, &model.param_specs(), params, window)?;
+            }
+            return Ok(state);
+        }
+    }
+}
+
+/// Close streaming job `job`'s source: its master polls the source once
+/// more, trains everything it holds, and ends the job (done). Works from
+/// any process that reaches the job's discovery; closing twice is harmless.
+pub async fn close_stream(discovery: &dyn oar_discovery::Discovery, job: &str) -> Result<()> {
+    discovery.put(&JobKeys::new(job)?.stream_close(), b"closed".to_vec(), None).await?;
+    Ok(())
+}
+
+/// First bytes of an exported model file.
+pub const EXPORT_MAGIC: &[u8; 4] = b"OARX";
+
+/// The file [`export_model`] writes in its directory.
+pub const EXPORT_FILE: &str = "model.params";
+
+/// Write the dense parameters to `dir/model.params`, atomically (a
+/// temporary file, synced, then renamed over the last export), so a reader
+/// sees the previous export or this one, never a mix. Layout: `OARX`, a
+/// little-endian u32 length, that many bytes of JSON (`{"window": n,
+/// "unix_seconds": t, "params": [{"name", "shape"}...]}`), then the
+/// parameters as little-endian f32 in the specs' order. A sparse model's
+/// tables are not exported: their rows live in the pservers' checkpoints.
+pub fn export_model(
+    dir: &str,
+    specs: &[oar_pserver::ParamSpec],
+    params: &ParamBuf,
+    window: u32,
+) -> Result<()> {
+    use std::io::Write;
+    let io = |what: &str, e: std::io::Error| {
+        Error::BadConfig(format!("exporting the model to {dir:?}: {what}: {e}"))
+    };
+    let header = serde_json::json!({
+        "window": window,
+        "unix_seconds": std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_secs()),
+        "params": specs.iter().map(|s| serde_json::json!({"name": s.name, "shape": s.shape})).collect::<Vec<_>>(),
+    })
+    .to_string();
+    std::fs::create_dir_all(dir).map_err(|e| io("create the directory", e))?;
+    let tmp = std::path::Path::new(dir).join(format!(".{EXPORT_FILE}.tmp"));
+    let mut file = std::fs::File::create(&tmp).map_err(|e| io("create", e))?;
+    file.write_all(EXPORT_MAGIC).map_err(|e| io("write", e))?;
+    file.write_all(&(header.len() as u32).to_le_bytes()).map_err(|e| io("write", e))?;
+    file.write_all(header.as_bytes()).map_err(|e| io("write", e))?;
+    file.write_all(&oar_transport::f32s_as_le_bytes(params.as_slice())).map_err(|e| io("write", e))?;
+    file.sync_all().map_err(|e| io("sync", e))?;
+    std::fs::rename(&tmp, std::path::Path::new(dir).join(EXPORT_FILE)).map_err(|e| io("rename", e))?;
+    Ok(())
+}
 
 /// Why training looks diverged after `pass` (see the module docs), if it does.
 fn diverged(pass: &PassReport, params: &ParamBuf, initial_loss: f32, config: &JobConfig) -> Option<String> {

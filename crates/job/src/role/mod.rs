@@ -51,7 +51,7 @@ mod master;
 mod pserver;
 mod trainer;
 
-pub use master::{master, TRAIN_SAMPLE_BYTES};
+pub use master::{close_stream, export_model, master, EXPORT_FILE, EXPORT_MAGIC, TRAIN_SAMPLE_BYTES};
 pub use pserver::{pserver, PserverReport};
 pub use trainer::trainer;
 

@@ -1,0 +1,172 @@
+//! A streaming master end to end on the in-memory discovery and transport:
+//! files arriving in a directory become tasks; a master that crashes (no
+//! final write) is followed by one that resumes the source from the stored
+//! mark; the close key ends the job once everything is trained; every byte
+//! of every file is in exactly one accepted task.
+
+use oar_discovery::{Discovery, MemDiscovery};
+use oar_task_queue::{
+    source::{DirSource, DirSourceOptions},
+    Chunk, JobState, Master, MasterClient, MasterClientOptions, MasterKeys, MasterOptions, QueueConfig,
+    ReportReply, StreamOptions, TaskReply, TaskStats,
+};
+use oar_transport::{MemNetwork, MemTransport, RetryPolicy, Transport};
+use std::{collections::BTreeMap, path::Path, sync::Arc, time::Duration};
+
+const CLOSE: &str = "/job/stream/close";
+
+fn keys() -> MasterKeys {
+    MasterKeys {
+        lock: "/job/master/lock".into(),
+        addr: "/job/master/addr".into(),
+        state: "/job/master/state".into(),
+        journal: "/job/master/journal/".into(),
+        config: "/job/config".into(),
+        members: "/job/trainer/".into(),
+    }
+}
+
+fn options(holder: &str) -> MasterOptions {
+    let mut o = MasterOptions::new(
+        keys(),
+        QueueConfig { task_timeout: Duration::from_secs(60), max_failures: 2, passes: 1 },
+    );
+    o.holder = holder.into();
+    o.lease_ttl = Duration::from_secs(1);
+    o.tick_interval = Duration::from_millis(20);
+    o
+}
+
+fn stream(dir: &Path) -> StreamOptions {
+    let source = DirSource::new(DirSourceOptions::new(dir, 64));
+    StreamOptions {
+        poll_every: Duration::from_millis(20),
+        close_key: Some(CLOSE.into()),
+        ..StreamOptions::new(Box::new(source))
+    }
+}
+
+/// Write `name` in `dir` as a writer should: under a temporary name, then renamed into place.
+fn arrive(dir: &Path, name: &str, lines: usize) -> u64 {
+    let body: String = (0..lines).map(|i| format!("{} 1:{i}\n", i % 2)).collect();
+    let tmp = dir.join(format!(".{name}.tmp"));
+    std::fs::write(&tmp, &body).unwrap();
+    std::fs::rename(&tmp, dir.join(name)).unwrap();
+    body.len() as u64
+}
+
+/// Take and finish tasks until the master says wait; the chunks finished.
+async fn drain(client: &MasterClient, trainer: &str, finished: &mut Vec<Chunk>) {
+    loop {
+        match client.get_task(trainer).await.unwrap() {
+            TaskReply::Assigned { task, task_ref, .. } => {
+                let stats = TaskStats { examples: 1, loss_sum: 0.5, skipped_lines: 0 };
+                assert_eq!(
+                    client.task_finished(trainer, task_ref, stats).await.unwrap(),
+                    ReportReply::Accepted
+                );
+                finished.extend(task.chunks);
+            }
+            TaskReply::Wait { .. } | TaskReply::Done => return,
+            TaskReply::Failed => panic!("the job failed"),
+        }
+    }
+}
+
+/// Every byte of every file in `sizes` is in exactly one chunk of `chunks`.
+fn covered_once(chunks: &[Chunk], sizes: &BTreeMap<String, u64>) {
+    let mut by_file: BTreeMap<&str, Vec<(u64, u64)>> = BTreeMap::new();
+    for c in chunks {
+        by_file.entry(&c.path).or_default().push((c.start, c.end));
+    }
+    assert_eq!(by_file.len(), sizes.len(), "files trained: {:?}", by_file.keys());
+    for (path, ranges) in &mut by_file {
+        ranges.sort();
+        let mut at = 0;
+        for &(start, end) in ranges.iter() {
+            assert_eq!(start, at, "{path}: a gap or an overlap at byte {at}: {ranges:?}");
+            at = end;
+        }
+        assert_eq!(at, sizes[*path], "{path}: trained up to byte {at}");
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_stream_survives_a_master_crash_and_ends_at_the_close() {
+    let dir = tempfile::tempdir().unwrap();
+    let discovery: Arc<dyn Discovery> = Arc::new(MemDiscovery::new());
+    let transport: Arc<dyn Transport> = Arc::new(MemTransport::new(MemNetwork::new()));
+    let start = |holder: &str| {
+        Master::start_stream(
+            discovery.clone(),
+            transport.clone(),
+            "mem:0",
+            stream(dir.path()),
+            options(holder),
+        )
+    };
+    let client = MasterClient::new(
+        discovery.clone(),
+        transport.clone(),
+        MasterClientOptions {
+            call_timeout: Duration::from_secs(2),
+            retry: RetryPolicy { give_up_after: Duration::from_secs(20), ..RetryPolicy::default() },
+            ..MasterClientOptions::new(keys().addr)
+        },
+    );
+    let mut sizes = BTreeMap::new();
+    let mut finished = Vec::new();
+    let path = |name: &str| dir.path().join(name).display().to_string();
+
+    let first = start("m1").await.unwrap();
+    assert!(matches!(client.get_task("t").await.unwrap(), TaskReply::Wait { .. }), "an empty stream waits");
+    sizes.insert(path("a.libsvm"), arrive(dir.path(), "a.libsvm", 20));
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    drain(&client, "t", &mut finished).await;
+    assert!(!finished.is_empty(), "the first file was trained");
+    let status = first.status().borrow().clone();
+    let stream_status = status.stream.clone().expect("a stream's status");
+    assert!(stream_status.position.contains("1 file"), "{stream_status:?}");
+    assert_eq!(stream_status.lag_count as usize, finished.len());
+
+    // A second file arrives and is handed out in part; then the master crashes.
+    sizes.insert(path("b.libsvm"), arrive(dir.path(), "b.libsvm", 30));
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    let TaskReply::Assigned { task: lost, .. } = client.get_task("t").await.unwrap() else {
+        panic!("b's tasks")
+    };
+    drop(first);
+    sizes.insert(path("c.libsvm"), arrive(dir.path(), "c.libsvm", 10));
+
+    // The successor resumes from the stored mark: b's tasks and c, none of a again.
+    let second = tokio::time::timeout(Duration::from_secs(10), start("m2")).await.unwrap().unwrap();
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    let before = finished.len();
+    drain(&client, "t2", &mut finished).await;
+    assert!(
+        finished[before..].iter().all(|c| !c.path.ends_with("a.libsvm")),
+        "a was trained before the crash"
+    );
+    assert!(finished[before..].contains(&lost.chunks[0]), "the task lost in the crash is handed out again");
+
+    // The close key: what is there is trained, then the job is done.
+    sizes.insert(path("d.libsvm"), arrive(dir.path(), "d.libsvm", 5));
+    discovery.put(CLOSE, b"closed".to_vec(), None).await.unwrap();
+    let done = tokio::time::timeout(Duration::from_secs(10), async {
+        loop {
+            drain(&client, "t2", &mut finished).await;
+            if second.status().borrow().queue.state == JobState::Done {
+                return;
+            }
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    })
+    .await;
+    assert!(done.is_ok(), "the job did not end after the close: {:?}", second.status().borrow());
+    assert_eq!(second.wait().await.unwrap(), JobState::Done);
+    assert_eq!(client.get_task("t2").await.unwrap(), TaskReply::Done);
+    covered_once(&finished, &sizes);
+    // A file arriving after the close is not trained.
+    arrive(dir.path(), "e.libsvm", 5);
+    assert!(second.status().borrow().stream.as_ref().unwrap().closed);
+}

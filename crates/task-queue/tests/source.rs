@@ -1,0 +1,588 @@
+//! Streaming task sources on real files: what each poll returns, that marks
+//! returned in order hand out every byte once, and that a restart from a
+//! journaled mark replays exactly.
+
+use std::collections::BTreeMap;
+use std::fs::{self, File, OpenOptions};
+use std::io::Write;
+use std::path::{Path, PathBuf};
+use std::time::{Duration, SystemTime};
+
+use oar_task_queue::{
+    read_chunk_lines, Chunk, DirSource, DirSourceOptions, Error, FileSource, FileSourceOptions, GlobSource,
+    Polled, SourceMark, TaskSource,
+};
+use proptest::prelude::*;
+
+fn path_str(p: &Path) -> String {
+    p.to_str().unwrap().to_string()
+}
+
+/// Writes `name` the way a producer should: under a temporary name, then renamed.
+fn write_complete(dir: &Path, name: &str, bytes: &[u8]) -> String {
+    let tmp = dir.join(format!(".{name}.tmp"));
+    fs::write(&tmp, bytes).unwrap();
+    let to = dir.join(name);
+    fs::rename(&tmp, &to).unwrap();
+    path_str(&to)
+}
+
+fn append(path: &Path, bytes: &[u8]) {
+    OpenOptions::new().create(true).append(true).open(path).unwrap().write_all(bytes).unwrap();
+}
+
+fn set_mtime(path: &Path, t: SystemTime) {
+    File::options().write(true).open(path).unwrap().set_modified(t).unwrap();
+}
+
+/// The texts of the lines the chunks own, in order.
+fn lines(chunks: &[Chunk]) -> Vec<String> {
+    chunks.iter().flat_map(|c| read_chunk_lines(c).unwrap()).map(|l| l.text).collect()
+}
+
+/// Asserts the chunks cover exactly `[0, len)` of each file named, without
+/// overlap, and touch no other file.
+fn assert_cover_exactly(chunks: &[Chunk], files: &[(String, u64)]) {
+    let mut by_file: BTreeMap<&str, Vec<(u64, u64)>> = BTreeMap::new();
+    for c in chunks {
+        by_file.entry(&c.path).or_default().push((c.start, c.end));
+    }
+    for (path, len) in files {
+        let mut ranges = by_file.remove(path.as_str()).unwrap_or_default();
+        ranges.sort();
+        let mut at = 0;
+        for (start, end) in ranges {
+            assert_eq!(start, at, "{path}: gap or overlap at {at}");
+            assert!(end > start, "{path}: empty chunk at {start}");
+            at = end;
+        }
+        assert_eq!(at, *len, "{path}: covered up to {at} of {len}");
+    }
+    assert!(by_file.is_empty(), "chunks of files not expected: {:?}", by_file.keys());
+}
+
+fn dir_source(dir: &Path, chunk_bytes: u64) -> DirSource {
+    DirSource::new(DirSourceOptions::new(dir, chunk_bytes))
+}
+
+fn paths(chunks: &[Chunk]) -> Vec<String> {
+    let mut out: Vec<String> = chunks.iter().map(|c| c.path.clone()).collect();
+    out.dedup();
+    out
+}
+
+// ---------------------------------------------------------------------------
+// DirSource
+
+#[test]
+fn dir_takes_renamed_files_once_and_ignores_files_being_written() {
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = tmp.path();
+    let mut source = dir_source(dir, 1 << 20);
+    assert_eq!(source.describe(), format!("directory {:?}", path_str(dir)));
+
+    fs::write(dir.join(".a.tmp"), b"a1\na2\n").unwrap();
+    fs::write(dir.join("b.tmp"), b"b1\n").unwrap();
+    fs::write(dir.join(".hidden"), b"h\n").unwrap();
+    fs::create_dir(dir.join("sub")).unwrap();
+    fs::write(dir.join("sub").join("deep"), b"d\n").unwrap();
+    let p0 = source.poll(&SourceMark::default()).unwrap();
+    assert!(p0.chunks.is_empty(), "files being written, dotfiles and subdirectories are not data: {p0:?}");
+    assert!(!p0.closed && p0.problems.is_empty());
+    assert_eq!(p0.position, "0 files, 0 bytes taken");
+
+    fs::rename(dir.join(".a.tmp"), dir.join("a")).unwrap();
+    let p1 = source.poll(&p0.mark).unwrap();
+    assert_eq!(lines(&p1.chunks), ["a1", "a2"]);
+    assert_eq!(p1.position, "1 file, 6 bytes taken");
+    assert_eq!(source.poll(&p1.mark).unwrap().chunks, vec![], "taken once");
+
+    // Renamed, touched, or linked under a second name: the same file, not taken again.
+    fs::rename(dir.join("a"), dir.join("a-renamed")).unwrap();
+    set_mtime(&dir.join("a-renamed"), SystemTime::now() + Duration::from_secs(60));
+    fs::hard_link(dir.join("a-renamed"), dir.join("a-link")).unwrap();
+    let p2 = source.poll(&p1.mark).unwrap();
+    assert_eq!(p2.chunks, vec![], "{p2:?}");
+    assert_eq!(p2.mark, p1.mark);
+    // A fresh source (a restarted master) reads the heads again and agrees.
+    assert_eq!(dir_source(dir, 1 << 20).poll(&p1.mark).unwrap().chunks, vec![]);
+
+    fs::rename(dir.join("b.tmp"), dir.join("b")).unwrap();
+    let p3 = source.poll(&p2.mark).unwrap();
+    assert_eq!(lines(&p3.chunks), ["b1"]);
+    assert_eq!(paths(&p3.chunks), [path_str(&dir.join("b"))], "chunks name the file as found");
+    assert_eq!(p3.position, "2 files, 9 bytes taken");
+    assert_eq!(p3.mark.0.len() - p2.mark.0.len(), 24, "the mark grows by 24 bytes per file");
+}
+
+#[test]
+fn dir_replay_is_deterministic_and_chained_marks_cover_every_byte_once() {
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = tmp.path();
+    let mut source = dir_source(dir, 7);
+    let mut files = Vec::new();
+    let mut all = Vec::new();
+    let mut marks = vec![SourceMark::default()];
+    for round in 0..6u64 {
+        for k in 0..round {
+            let body: String =
+                (0..=(round * 3 + k) % 5).map(|i| format!("r{round} f{k} line {i}\n")).collect();
+            let name = format!("part-{round}-{k}");
+            files.push((write_complete(dir, &name, body.as_bytes()), body.len() as u64));
+        }
+        let mark = marks.last().unwrap().clone();
+        let polled = source.poll(&mark).unwrap();
+        // Restart determinism: the same mark again, on this source and on a
+        // fresh one, gives the same answer.
+        assert_eq!(source.poll(&mark).unwrap(), polled);
+        assert_eq!(dir_source(dir, 7).poll(&mark).unwrap(), polled);
+        assert!(polled.chunks.iter().all(|c| c.end - c.start <= 7));
+        all.extend(polled.chunks);
+        marks.push(polled.mark);
+    }
+    assert_cover_exactly(&all, &files);
+
+    // Replaying from an old mark returns exactly what followed it.
+    let from_second = source.poll(&marks[2]).unwrap();
+    let later: Vec<Chunk> =
+        all.iter().filter(|c| !files[..1].iter().any(|(p, _)| *p == c.path)).cloned().collect();
+    let mut want = later;
+    want.sort_by(|a, b| (&a.path, a.start).cmp(&(&b.path, b.start)));
+    let mut got = from_second.chunks;
+    got.sort_by(|a, b| (&a.path, a.start).cmp(&(&b.path, b.start)));
+    assert_eq!(got, want);
+    assert_eq!(from_second.mark, *marks.last().unwrap());
+}
+
+#[test]
+fn dir_orders_new_files_by_mtime_then_name() {
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = tmp.path();
+    let t0 = SystemTime::UNIX_EPOCH + Duration::from_secs(1_700_000_000);
+    for (name, t) in [("c", t0 + Duration::from_secs(10)), ("a", t0 + Duration::from_secs(10)), ("b", t0)] {
+        let path = write_complete(dir, name, format!("{name}\n").as_bytes());
+        set_mtime(Path::new(&path), t);
+    }
+    let polled = dir_source(dir, 100).poll(&SourceMark::default()).unwrap();
+    assert_eq!(lines(&polled.chunks), ["b", "a", "c"]);
+}
+
+#[test]
+fn dir_marker_closes_takes_the_rest_and_reports_files_never_completed() {
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = tmp.path();
+    let mut source = dir_source(dir, 100);
+    write_complete(dir, "x", b"x\n");
+    let p1 = source.poll(&SourceMark::default()).unwrap();
+    assert_eq!(lines(&p1.chunks), ["x"]);
+
+    write_complete(dir, "y", b"y\n");
+    fs::write(dir.join(".w.tmp"), b"half").unwrap();
+    fs::write(dir.join("v.tmp"), b"half").unwrap();
+    fs::write(dir.join("_CLOSED"), b"not data\n").unwrap();
+    let p2 = source.poll(&p1.mark).unwrap();
+    assert!(p2.closed);
+    assert_eq!(lines(&p2.chunks), ["y"], "the file that arrived with the marker, and not the marker");
+    let never = |name: &str| {
+        format!(
+            "{}: never completed (still named like a file being written); not trained",
+            path_str(&dir.join(name))
+        )
+    };
+    assert_eq!(p2.problems, [never(".w.tmp"), never("v.tmp")]);
+    assert_eq!(p2.position, "2 files, 4 bytes taken");
+
+    // Closed is final, even for files arriving later and with the marker gone.
+    write_complete(dir, "z", b"z\n");
+    fs::remove_file(dir.join("_CLOSED")).unwrap();
+    for mut s in [source, dir_source(dir, 100)] {
+        let p3 = s.poll(&p2.mark).unwrap();
+        assert_eq!(
+            p3,
+            Polled {
+                closed: true,
+                mark: p2.mark.clone(),
+                position: p2.position.clone(),
+                ..Polled::default()
+            }
+        );
+    }
+}
+
+#[test]
+fn dir_a_new_file_under_a_deleted_files_name_is_taken() {
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = tmp.path();
+    let mut source = dir_source(dir, 100);
+    write_complete(dir, "f", b"one\n");
+    let p1 = source.poll(&SourceMark::default()).unwrap();
+    assert_eq!(lines(&p1.chunks), ["one"]);
+    fs::remove_file(dir.join("f")).unwrap();
+    // Same name and size, other content (the file system may well reuse the inode).
+    write_complete(dir, "f", b"two\n");
+    let p2 = source.poll(&p1.mark).unwrap();
+    assert_eq!(lines(&p2.chunks), ["two"]);
+    fs::remove_file(dir.join("f")).unwrap();
+    write_complete(dir, "f", b"three\n");
+    let p3 = source.poll(&p2.mark).unwrap();
+    assert_eq!(lines(&p3.chunks), ["three"]);
+    assert_eq!(p3.position, "3 files, 14 bytes taken");
+
+    // What a reused inode looks like when the size matches too: the same
+    // inode and size, other first bytes. (Here made by rewriting in place,
+    // which the writers' protocol forbids: the file system cannot be made to
+    // reuse an inode on demand.) The head hash tells it from the file taken.
+    let f = dir.join("f");
+    fs::write(dir.join("g"), b"three\n").unwrap();
+    let p4 = source.poll(&p3.mark).unwrap();
+    assert_eq!(lines(&p4.chunks), ["three"], "g: same size and content as f, another inode");
+    let mut file = File::options().write(true).open(&f).unwrap();
+    file.write_all(b"THREE\n").unwrap();
+    drop(file);
+    let p5 = source.poll(&p4.mark).unwrap();
+    assert_eq!(lines(&p5.chunks), ["THREE"]);
+    assert_eq!(paths(&p5.chunks), [path_str(&f)]);
+}
+
+#[test]
+fn dir_empty_files_are_taken_without_chunks_and_big_files_are_split() {
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = tmp.path();
+    let mut source = dir_source(dir, 4);
+    write_complete(dir, "empty", b"");
+    let p1 = source.poll(&SourceMark::default()).unwrap();
+    assert_eq!(p1.chunks, vec![]);
+    assert_eq!(p1.position, "1 file, 0 bytes taken", "taken, recorded in the mark");
+    assert_ne!(p1.mark, SourceMark::default());
+
+    let ten = write_complete(dir, "ten", b"0123\n5678\n");
+    let p2 = source.poll(&p1.mark).unwrap();
+    let ranges: Vec<(u64, u64)> = p2.chunks.iter().map(|c| (c.start, c.end)).collect();
+    assert_eq!(ranges, [(0, 4), (4, 8), (8, 10)]);
+    assert_eq!(paths(&p2.chunks), [ten]);
+    assert_eq!(lines(&p2.chunks), ["0123", "5678"]);
+    assert_eq!(p2.position, "2 files, 10 bytes taken");
+}
+
+#[test]
+fn dir_non_utf8_names_are_a_problem_reported_once() {
+    use std::ffi::OsStr;
+    use std::os::unix::ffi::OsStrExt;
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = tmp.path();
+    let bad = dir.join(OsStr::from_bytes(b"bad-\xff"));
+    if fs::write(&bad, b"x\n").is_err() {
+        return; // a file system that refuses such names
+    }
+    write_complete(dir, "good", b"g\n");
+    let mut source = dir_source(dir, 100);
+    let p1 = source.poll(&SourceMark::default()).unwrap();
+    assert_eq!(lines(&p1.chunks), ["g"]);
+    assert_eq!(p1.problems.len(), 1, "{:?}", p1.problems);
+    assert!(p1.problems[0].contains("bad-") && p1.problems[0].contains("UTF-8"), "{:?}", p1.problems);
+    let p2 = source.poll(&p1.mark).unwrap();
+    assert!(p2.problems.is_empty() && p2.chunks.is_empty(), "{p2:?}");
+}
+
+#[test]
+fn dir_errors_name_the_directory_and_refuse_foreign_marks() {
+    let tmp = tempfile::tempdir().unwrap();
+    let missing = tmp.path().join("nope");
+    let err = dir_source(&missing, 100).poll(&SourceMark::default()).unwrap_err();
+    assert!(err.to_string().contains(&path_str(&missing)), "{err}");
+
+    let err = dir_source(tmp.path(), 0).poll(&SourceMark::default()).unwrap_err();
+    assert!(matches!(err, Error::InvalidArgument(_)), "{err}");
+
+    let file = tmp.path().join("f");
+    fs::write(&file, b"a\n").unwrap();
+    let file_mark =
+        FileSource::new(FileSourceOptions::new(&file, 10)).poll(&SourceMark::default()).unwrap().mark;
+    let err = dir_source(tmp.path(), 100).poll(&file_mark).unwrap_err();
+    assert!(err.to_string().contains("not one it returned"), "{err}");
+    let err = dir_source(tmp.path(), 100).poll(&SourceMark(vec![1, 2, 3, 4, 5])).unwrap_err();
+    assert!(err.to_string().contains(&path_str(tmp.path())), "{err}");
+}
+
+// ---------------------------------------------------------------------------
+// FileSource
+
+fn file_source(path: &Path, chunk_bytes: u64) -> FileSource {
+    FileSource::new(FileSourceOptions::new(path, chunk_bytes))
+}
+
+#[test]
+fn file_takes_whole_lines_and_a_partial_line_waits_for_its_newline() {
+    let tmp = tempfile::tempdir().unwrap();
+    let path = tmp.path().join("log.libsvm");
+    let name = path_str(&path);
+    let mut source = file_source(&path, 1 << 20);
+    assert_eq!(source.describe(), format!("file {name:?}"));
+
+    append(&path, b"a\nbb");
+    let p1 = source.poll(&SourceMark::default()).unwrap();
+    assert_eq!(p1.chunks, [Chunk { path: name.clone(), start: 0, end: 2 }]);
+    assert_eq!(lines(&p1.chunks), ["a"]);
+    assert_eq!(p1.position, "byte 2 of 4");
+    assert!(!p1.closed && p1.problems.is_empty());
+
+    let still = source.poll(&p1.mark).unwrap();
+    assert_eq!(still.chunks, vec![], "the partial line waits");
+    assert_eq!(still.mark, p1.mark);
+
+    append(&path, b"b\ncc\nd");
+    let p2 = source.poll(&p1.mark).unwrap();
+    assert_eq!(p2.chunks, [Chunk { path: name.clone(), start: 2, end: 9 }]);
+    assert_eq!(lines(&p2.chunks), ["bbb", "cc"]);
+    assert_eq!(p2.position, "byte 9 of 10");
+
+    // Replay from an old mark (a restarted master): the same data again.
+    assert_eq!(source.poll(&p1.mark).unwrap(), p2);
+    assert_eq!(file_source(&path, 1 << 20).poll(&p1.mark).unwrap(), p2);
+    assert_eq!(
+        lines(&file_source(&path, 1 << 20).poll(&SourceMark::default()).unwrap().chunks),
+        ["a", "bbb", "cc"]
+    );
+}
+
+#[test]
+fn file_cuts_new_data_into_chunks_ending_at_a_newline() {
+    let tmp = tempfile::tempdir().unwrap();
+    let path = tmp.path().join("f");
+    append(&path, b"aaaa\nbbbb\ncc");
+    let polled = file_source(&path, 3).poll(&SourceMark::default()).unwrap();
+    let ranges: Vec<(u64, u64)> = polled.chunks.iter().map(|c| (c.start, c.end)).collect();
+    assert_eq!(ranges, [(0, 3), (3, 6), (6, 9), (9, 10)]);
+    assert_eq!(lines(&polled.chunks), ["aaaa", "bbbb"]);
+}
+
+#[test]
+fn file_truncated_replaced_rewritten_or_gone_is_an_error_naming_it() {
+    let tmp = tempfile::tempdir().unwrap();
+    let path = tmp.path().join("log");
+    let name = path_str(&path);
+    let setup = || {
+        let _ = fs::remove_file(&path);
+        append(&path, b"first\nsecond\n");
+        let polled = file_source(&path, 100).poll(&SourceMark::default()).unwrap();
+        assert_eq!(lines(&polled.chunks), ["first", "second"]);
+        polled.mark
+    };
+    let err_of = |mark: &SourceMark| file_source(&path, 100).poll(mark).unwrap_err().to_string();
+
+    let mark = setup();
+    File::options().write(true).open(&path).unwrap().set_len(6).unwrap();
+    let err = err_of(&mark);
+    assert!(err.contains(&name) && err.contains("truncated to 6 bytes") && err.contains("byte 13"), "{err}");
+
+    let mark = setup();
+    let other = tmp.path().join(".log.new");
+    fs::write(&other, b"first\nsecond\nthird\n").unwrap();
+    fs::rename(&other, &path).unwrap();
+    let err = err_of(&mark);
+    assert!(err.contains(&name) && err.contains("replaced") && err.contains("byte 13"), "{err}");
+
+    let mark = setup();
+    File::options().write(true).open(&path).unwrap().set_len(0).unwrap();
+    append(&path, b"FIRST\nsecond\nthird\n");
+    let err = err_of(&mark);
+    assert!(err.contains(&name) && err.contains("rewritten") && err.contains("byte 13"), "{err}");
+
+    let mark = setup();
+    fs::remove_file(&path).unwrap();
+    let err = err_of(&mark);
+    assert!(err.contains(&name) && err.contains("gone") && err.contains("byte 13"), "{err}");
+    assert!(matches!(file_source(&path, 100).poll(&mark), Err(Error::Source(_))));
+}
+
+#[test]
+fn file_that_does_not_exist_yet_is_waited_for() {
+    let tmp = tempfile::tempdir().unwrap();
+    let path = tmp.path().join("later");
+    let mut source = file_source(&path, 100);
+    let p0 = source.poll(&SourceMark::default()).unwrap();
+    assert_eq!(
+        p0,
+        Polled { position: format!("waiting for {}", path_str(&path)), ..Polled::default() },
+        "nothing, not an error"
+    );
+    // A first partial line pins nothing: the file may still be replaced.
+    append(&path, b"par");
+    let p1 = source.poll(&p0.mark).unwrap();
+    assert_eq!((p1.chunks.len(), p1.mark.clone()), (0, SourceMark::default()));
+    let tmp_file = tmp.path().join(".later.tmp");
+    fs::write(&tmp_file, b"whole\n").unwrap();
+    fs::rename(&tmp_file, &path).unwrap();
+    let p2 = source.poll(&p1.mark).unwrap();
+    assert_eq!(lines(&p2.chunks), ["whole"]);
+}
+
+#[test]
+fn file_close_with_and_without_a_trailing_newline() {
+    let tmp = tempfile::tempdir().unwrap();
+
+    let path = tmp.path().join("clean");
+    append(&path, b"a\n");
+    let mut source = file_source(&path, 100);
+    let p1 = source.poll(&SourceMark::default()).unwrap();
+    append(&path, b"b\n");
+    fs::write(tmp.path().join("clean.closed"), b"").unwrap();
+    let p2 = source.poll(&p1.mark).unwrap();
+    assert!(p2.closed && p2.problems.is_empty(), "{p2:?}");
+    assert_eq!(lines(&p2.chunks), ["b"]);
+    // Closed is final: later appends and a removed marker change nothing.
+    append(&path, b"c\n");
+    fs::remove_file(tmp.path().join("clean.closed")).unwrap();
+    let p3 = source.poll(&p2.mark).unwrap();
+    assert!(p3.closed && p3.chunks.is_empty() && p3.mark == p2.mark, "{p3:?}");
+
+    let path = tmp.path().join("ragged");
+    let options = FileSourceOptions::new(&path, 100);
+    assert_eq!(options.closed_marker, tmp.path().join("ragged.closed"));
+    append(&path, b"a\nbc");
+    fs::write(&options.closed_marker, b"").unwrap();
+    let polled = FileSource::new(options).poll(&SourceMark::default()).unwrap();
+    assert!(polled.closed);
+    assert_eq!(lines(&polled.chunks), ["a"]);
+    assert_eq!(
+        polled.problems,
+        [format!("{}: the last line (bytes 2..4) has no newline at the close; not trained", path_str(&path))]
+    );
+
+    let never = tmp.path().join("never");
+    fs::write(tmp.path().join("never.closed"), b"").unwrap();
+    let polled = file_source(&never, 100).poll(&SourceMark::default()).unwrap();
+    assert!(polled.closed && polled.chunks.is_empty());
+    assert!(polled.problems.len() == 1 && polled.problems[0].contains(&path_str(&never)), "{polled:?}");
+}
+
+// ---------------------------------------------------------------------------
+// GlobSource
+
+#[test]
+fn glob_gives_everything_then_nothing_closed() {
+    let tmp = tempfile::tempdir().unwrap();
+    let a = write_complete(tmp.path(), "part-0", b"a\nb\n");
+    let b = write_complete(tmp.path(), "part-1", b"c\n");
+    let pattern = format!("{}/part-*", tmp.path().display());
+    let mut source = GlobSource::new(&pattern, 3);
+    assert_eq!(source.describe(), format!("glob {pattern:?}"));
+    let p1 = source.poll(&SourceMark::default()).unwrap();
+    assert!(p1.closed);
+    assert_eq!(lines(&p1.chunks), ["a", "b", "c"]);
+    assert_cover_exactly(&p1.chunks, &[(a, 4), (b, 2)]);
+    assert_eq!(p1.position, "2 files, 6 bytes");
+    write_complete(tmp.path(), "part-2", b"d\n");
+    let p2 = source.poll(&p1.mark).unwrap();
+    assert_eq!(
+        p2,
+        Polled { mark: p1.mark.clone(), closed: true, position: p1.position.clone(), ..Polled::default() }
+    );
+
+    let none = format!("{}/nothing-*", tmp.path().display());
+    let err = GlobSource::new(&none, 3).poll(&SourceMark::default()).unwrap_err();
+    assert!(matches!(err, Error::NoMatch { .. }) && err.to_string().contains(&none), "{err}");
+    let dir_mark = dir_source(tmp.path(), 3).poll(&SourceMark::default()).unwrap().mark;
+    assert!(GlobSource::new(&pattern, 3).poll(&dir_mark).is_err());
+}
+
+// ---------------------------------------------------------------------------
+// The file source under random appends, polls and restarts
+
+#[derive(Clone, Debug)]
+enum Op {
+    /// Appends these pieces (whole lines, partial lines, newlines alone).
+    Append(Vec<&'static str>),
+    /// Polls from the last mark, as the master does.
+    Poll,
+    /// A restarted master: a new source, back to an earlier mark (what came
+    /// after it was never journaled).
+    Restart(prop::sample::Index),
+}
+
+fn op() -> impl Strategy<Value = Op> {
+    let piece = prop_oneof![Just("a"), Just("bcd"), Just("\n"), Just("é"), Just(" 1:0.5"), Just("x\n")];
+    prop_oneof![
+        3 => prop::collection::vec(piece, 0..8).prop_map(Op::Append),
+        3 => Just(Op::Poll),
+        1 => any::<prop::sample::Index>().prop_map(Op::Restart),
+    ]
+}
+
+/// The complete lines of `bytes` (each ended by a newline), in order.
+fn complete_lines(bytes: &[u8]) -> Vec<String> {
+    let end = bytes.iter().rposition(|&b| b == b'\n').map_or(0, |i| i + 1);
+    let text = std::str::from_utf8(&bytes[..end]).unwrap();
+    text.split_terminator('\n').map(str::to_string).collect()
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(96))]
+
+    #[test]
+    fn file_source_hands_out_every_complete_line_once(
+        ops in prop::collection::vec(op(), 0..40),
+        chunk_bytes in 1u64..24,
+    ) {
+        let tmp = tempfile::tempdir().unwrap();
+        let path: PathBuf = tmp.path().join("stream");
+        let options = FileSourceOptions::new(&path, chunk_bytes);
+        let mut source = FileSource::new(options.clone());
+        // marks[i] is the mark before step i; taken[i] what poll(marks[i]) returned.
+        let mut marks = vec![SourceMark::default()];
+        let mut taken: Vec<Vec<Chunk>> = Vec::new();
+        let mut written = Vec::new();
+        for op in ops {
+            match op {
+                Op::Append(pieces) => {
+                    let bytes = pieces.concat().into_bytes();
+                    append(&path, &bytes);
+                    written.extend(bytes);
+                }
+                Op::Poll => {
+                    let mark = marks.last().unwrap().clone();
+                    let polled = source.poll(&mark).unwrap();
+                    prop_assert!(!polled.closed && polled.problems.is_empty(), "{:?}", polled);
+                    prop_assert_eq!(&source.poll(&mark).unwrap(), &polled, "same mark, same data");
+                    taken.push(polled.chunks);
+                    marks.push(polled.mark);
+                }
+                Op::Restart(i) => {
+                    let k = i.index(marks.len());
+                    marks.truncate(k + 1);
+                    taken.truncate(k);
+                    source = FileSource::new(options.clone());
+                }
+            }
+        }
+        let existed = path.exists();
+        fs::write(&options.closed_marker, b"").unwrap();
+        let last = source.poll(marks.last().unwrap()).unwrap();
+        prop_assert!(last.closed);
+        let full = written.iter().rposition(|&b| b == b'\n').map_or(0, |i| i + 1);
+        if !existed {
+            prop_assert_eq!(last.problems.len(), 1);
+        } else if full < written.len() {
+            let want = format!(
+                "{}: the last line (bytes {}..{}) has no newline at the close; not trained",
+                path.display(), full, written.len()
+            );
+            prop_assert_eq!(&last.problems, &vec![want]);
+        } else {
+            prop_assert!(last.problems.is_empty(), "{:?}", last.problems);
+        }
+        taken.push(last.chunks);
+        let again = FileSource::new(options.clone()).poll(&last.mark).unwrap();
+        prop_assert!(again.closed && again.chunks.is_empty());
+
+        let all: Vec<Chunk> = taken.concat();
+        prop_assert!(all.iter().all(|c| c.end - c.start <= chunk_bytes));
+        let mut at = 0;
+        for c in &all {
+            prop_assert_eq!(c.start, at, "in order, no gap, no overlap");
+            at = c.end;
+        }
+        prop_assert_eq!(at, full as u64, "up to just after the last newline");
+        prop_assert_eq!(lines(&all), complete_lines(&written));
+    }
+}
