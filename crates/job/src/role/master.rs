@@ -472,6 +472,8 @@ async fn follow_stream(
             }
         }
         if let Some(state) = over {
+            // The last status too: the close's problems come with it.
+            on_progress(Progress::Status(&current));
             if let Some(dir) = &stream.export_dir {
                 export_model(dir, &model.param_specs(), params, window)?;
             }
