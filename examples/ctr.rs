@@ -17,9 +17,10 @@
 //! factorization machine, `--factors K`), either with `--crosses` (hashed
 //! pairwise feature crosses). CSV fields are categorical: each column's
 //! text hashes to an id. Unless given, the optimizer is AdaGrad with
-//! `--lr 0.1` (a rare id's row gets larger steps than a frequent one's) and
-//! `--passes` is 10. Prints one line per pass and ends with one JSON line;
-//! exits 1 if the job failed, 2 on an error.
+//! `--lr 0.1` (a rare id's row gets larger steps than a frequent one's),
+//! `--passes` is 10 and `--shards` 8 (see [`CTR_SHARDS`]). Prints one
+//! line per pass and ends with one JSON line; exits 1 if the job failed, 2
+//! on an error.
 
 #[path = "common/mod.rs"]
 mod common;
@@ -35,6 +36,11 @@ use oar::{
     transport::{DevCa, QuicTransport, Transport},
 };
 use std::{process::ExitCode, sync::Arc};
+
+/// Shards unless `--shards` says otherwise: a push of a sparse batch makes
+/// one call per shard (until pushes are grouped per pserver, as row pulls
+/// are), so 8 shards cost a batch 9–17 calls where the default 64 cost 65–129.
+const CTR_SHARDS: u32 = 8;
 
 /// The bundled training and test data.
 const A1A: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/testdata/a1a");
@@ -70,6 +76,11 @@ async fn main() -> ExitCode {
     }
     if defaulted("passes") {
         args.job.passes = 10;
+    }
+    // A batch's push reaches every shard with one call each (rows land on
+    // all of them): few shards, few calls (BENCHMARKS.md, CTR end to end).
+    if defaulted("shards") {
+        args.job.shards = CTR_SHARDS;
     }
     common::init_logging(args.verbose, false);
     common::exit_with(run(args).await)
