@@ -29,10 +29,7 @@ use clap::{parser::ValueSource, CommandFactory, FromArgMatches, Parser};
 use common::{BoxError, JobArgs, ModelArg, OptimizerArg};
 use oar::{
     discovery::MemDiscovery,
-    job::{
-        local::{run_local, LocalOptions},
-        Error, JobContext,
-    },
+    job::JobContext,
     transport::{DevCa, QuicTransport, Transport},
 };
 use std::{process::ExitCode, sync::Arc};
@@ -103,17 +100,5 @@ async fn run(mut args: Args) -> Result<ExitCode, BoxError> {
     let tls = DevCa::new()?.tls_config("ctr")?;
     let transport: Arc<dyn Transport> = Arc::new(QuicTransport::new(tls)?);
     let ctx = JobContext::new("ctr", Arc::new(MemDiscovery::new()), transport, "127.0.0.1:0");
-    let options = LocalOptions {
-        trainers: args.trainers,
-        shutdown: common::shutdown_on_signals()?,
-        ..LocalOptions::default()
-    };
-    let mut display = common::Display::new(config.passes);
-    let ran = run_local(&ctx, &config, &options, |event| display.progress(event)).await;
-    display.finish();
-    match ran {
-        Ok(report) => common::finish(&report),
-        Err(Error::ShutDown) => Ok(ExitCode::from(130)),
-        Err(e) => Err(e.into()),
-    }
+    common::run_in_one_process(&ctx, &config, args.trainers).await
 }

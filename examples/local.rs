@@ -19,10 +19,7 @@ use clap::{Parser, ValueEnum};
 use common::{BoxError, JobArgs};
 use oar::{
     discovery::MemDiscovery,
-    job::{
-        local::{run_local, LocalOptions},
-        Error, JobContext,
-    },
+    job::JobContext,
     transport::{DevCa, MemNetwork, MemTransport, QuicTransport, Transport},
 };
 use std::{process::ExitCode, sync::Arc};
@@ -80,18 +77,5 @@ async fn run(args: Args) -> Result<ExitCode, BoxError> {
     };
     let discovery = Arc::new(MemDiscovery::new());
     let ctx = JobContext::new("local", discovery, transport, listen);
-    let options = LocalOptions {
-        trainers: args.trainers,
-        shutdown: common::shutdown_on_signals()?,
-        ..LocalOptions::default()
-    };
-    // A progress bar on a terminal; the per-pass lines either way.
-    let mut display = common::Display::new(config.passes);
-    let ran = run_local(&ctx, &config, &options, |event| display.progress(event)).await;
-    display.finish();
-    match ran {
-        Ok(report) => common::finish(&report),
-        Err(Error::ShutDown) => Ok(ExitCode::from(130)),
-        Err(e) => Err(e.into()),
-    }
+    common::run_in_one_process(&ctx, &config, args.trainers).await
 }

@@ -471,6 +471,27 @@ pub fn finish(report: &JobReport) -> Result<ExitCode, BoxError> {
     Ok(ExitCode::FAILURE)
 }
 
+/// Run `config` as a whole job in this process (`run_local`, `trainers`
+/// trainers) on `ctx`, showing progress (a bar on a terminal, a line per
+/// pass or window) and ending with the report's JSON line: exit 0 if the
+/// job is done, 1 if it failed, 130 after ctrl-c.
+pub async fn run_in_one_process(
+    ctx: &oar::job::JobContext,
+    config: &JobConfig,
+    trainers: u32,
+) -> Result<ExitCode, BoxError> {
+    use oar::job::local::{run_local, LocalOptions};
+    let options = LocalOptions { trainers, shutdown: shutdown_on_signals()?, ..LocalOptions::default() };
+    let mut display = Display::new(config.passes);
+    let ran = run_local(ctx, config, &options, |event| display.progress(event)).await;
+    display.finish();
+    match ran {
+        Ok(report) => finish(&report),
+        Err(oar::job::Error::ShutDown) => Ok(ExitCode::from(130)),
+        Err(e) => Err(e.into()),
+    }
+}
+
 /// Print `value` as one JSON line.
 pub fn print_json(value: &impl serde::Serialize) -> Result<(), BoxError> {
     println!("{}", serde_json::to_string(value)?);

@@ -319,8 +319,13 @@ impl TaskQueue {
                 return Err(Error::BadChunk { path: chunk.path.clone(), start: chunk.start, end: chunk.end });
             }
         }
+        Ok(Self::fresh(config, tasks, None))
+    }
+
+    /// A queue in pass 0 with every task of `tasks` in todo, in their order.
+    fn fresh(config: QueueConfig, tasks: Vec<TaskSpec>, stream: Option<Stream>) -> Self {
         let n = tasks.len();
-        Ok(TaskQueue {
+        TaskQueue {
             config,
             tasks,
             slots: vec![Slot::Todo; n],
@@ -337,8 +342,16 @@ impl TaskQueue {
             changed: Vec::new(),
             snapshot_due: true,
             taken_version: 0,
-            stream: None,
-        })
+            stream,
+        }
+    }
+
+    /// A stream has no passes.
+    fn check_stream_passes(config: &QueueConfig) -> Result<()> {
+        match config.passes {
+            1 => Ok(()),
+            n => Err(Error::BadConfig(format!("a streaming queue has no passes: passes must be 1, got {n}"))),
+        }
     }
 
     /// An empty streaming queue (see [Streaming](self#streaming)): it waits
@@ -346,31 +359,8 @@ impl TaskQueue {
     /// more than one pass (a stream has none).
     pub fn streaming(config: QueueConfig) -> Result<Self> {
         config.validate()?;
-        if config.passes != 1 {
-            return Err(Error::BadConfig(format!(
-                "a streaming queue has no passes: passes must be 1, got {}",
-                config.passes
-            )));
-        }
-        Ok(TaskQueue {
-            config,
-            tasks: Vec::new(),
-            slots: Vec::new(),
-            failures: Vec::new(),
-            todo: VecDeque::new(),
-            pending: BTreeSet::new(),
-            done: 0,
-            discarded: 0,
-            pass: 0,
-            state: JobState::Running,
-            failures_total: 0,
-            version: 0,
-            events: Vec::new(),
-            changed: Vec::new(),
-            snapshot_due: true,
-            taken_version: 0,
-            stream: Some(Stream::default()),
-        })
+        Self::check_stream_passes(&config)?;
+        Ok(Self::fresh(config, Vec::new(), Some(Stream::default())))
     }
 
     /// Streaming: appends one task per entry of `tasks` (its chunks), with
@@ -894,11 +884,8 @@ impl TaskQueue {
         config.validate()?;
         let Unpacked { tasks, states, failures, todo, meta, stream } = snapshot.unpack()?;
         let Meta { pass, state, failures_total, version } = meta;
-        if stream.is_some() && config.passes != 1 {
-            return Err(Error::BadConfig(format!(
-                "a streaming queue has no passes: passes must be 1, got {}",
-                config.passes
-            )));
+        if stream.is_some() {
+            Self::check_stream_passes(&config)?;
         }
         if pass >= config.passes {
             return Err(Error::BadSnapshot(format!(
