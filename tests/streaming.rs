@@ -146,11 +146,15 @@ async fn an_appended_file_is_read_by_whole_lines_and_a_truncated_last_line_is_na
             std::fs::write(format!("{}.closed", path.display()), "").unwrap();
         })
     };
+    // No held-out data: nothing to score, and the job still ends done.
+    let mut config = config(StreamSource::file(path.to_str().unwrap()));
+    config.test_data = None;
     let seen = Mutex::new(Seen::default());
-    let report = run(&ctx("stream-file"), &config(StreamSource::file(path.to_str().unwrap())), &seen).await;
+    let report = run(&ctx("stream-file"), &config, &seen).await;
     writer.join().unwrap();
     let seen = seen.into_inner().unwrap();
     assert!(report.is_done(), "{report:?}");
+    assert!(report.test_accuracy.is_nan(), "nothing scored: {report:?}");
     let trained: u64 = seen.windows.iter().map(|w| w.records).sum();
     assert_eq!(trained, written as u64, "every whole line once, the cut one not at all");
     let stream = seen.stream.expect("the stream's status");

@@ -476,11 +476,17 @@ impl Master {
         let mut journal = Journal::default();
         persist(&*discovery, &fence, &keys, &shared, &mut journal, true).await?;
 
+        // A stream's tasks come at its polls: an idle trainer asks again
+        // within a quarter of one, not a whole tick later.
+        let wait_hint = match &stream {
+            Some(stream) => options.tick_interval.min(stream.poll_every / 4),
+            None => options.tick_interval,
+        };
         let handler = Arc::new(MasterHandler {
             shared: shared.clone(),
             lease: session.guard(),
             ack_timeout: options.lease_ttl,
-            tick_interval: options.tick_interval,
+            wait_hint,
         });
         let listener = transport.listen(listen_addr, handler).await?;
         discovery.put(&keys.addr, listener.local_addr().as_bytes().to_vec(), Some(session.lease())).await?;
@@ -824,8 +830,7 @@ async fn poller(discovery: Arc<dyn Discovery>, shared: Arc<Shared>, stream: Stre
         }
         let now = Instant::now();
         if !polled.chunks.is_empty() || polled.mark != mark || closed {
-            let tasks: Vec<Vec<_>> =
-                polled.chunks.chunks(chunks_per_task.max(1)).map(<[_]>::to_vec).collect();
+            let tasks = tasks_of(polled.chunks, chunks_per_task);
             match core.queue.append(tasks, polled.mark.0, closed) {
                 Ok(ids) => {
                     if !ids.is_empty() || closed {
@@ -848,6 +853,33 @@ async fn poller(discovery: Arc<dyn Discovery>, shared: Arc<Shared>, stream: Stre
         }
         shared.changed(&mut core, true);
     }
+}
+
+/// A poll's chunks as tasks: at least `chunks_per_task` chunks each, and
+/// more while a task holds less than [`auto_chunk_bytes`](crate::auto_chunk_bytes)
+/// of the poll's bytes (a 32nd of them, 16 KiB to 8 MiB). A trickle of data
+/// keeps small tasks, and its latency; a backlog (a master started on a
+/// full directory, or one catching up) gets large ones, as a fixed glob
+/// would, instead of a task per small chunk. A task never spans two files,
+/// so a bad file fails only its own tasks.
+fn tasks_of(chunks: Vec<crate::Chunk>, chunks_per_task: usize) -> Vec<Vec<crate::Chunk>> {
+    let len = |c: &crate::Chunk| c.end.saturating_sub(c.start);
+    let target = crate::auto_chunk_bytes(chunks.iter().map(len).sum());
+    let mut tasks = Vec::new();
+    let (mut task, mut bytes) = (Vec::new(), 0u64);
+    for chunk in chunks {
+        let other_file = task.last().is_some_and(|last: &crate::Chunk| last.path != chunk.path);
+        if other_file || (task.len() >= chunks_per_task.max(1) && bytes + len(&chunk) > target) {
+            tasks.push(std::mem::take(&mut task));
+            bytes = 0;
+        }
+        bytes += len(&chunk);
+        task.push(chunk);
+    }
+    if !task.is_empty() {
+        tasks.push(task);
+    }
+    tasks
 }
 
 /// List a problem of the source in the status (the last ones).
@@ -889,7 +921,8 @@ struct MasterHandler {
     /// (paused past its ttl) must not hand out tasks a standby now owns.
     lease: LeaseGuard,
     ack_timeout: Duration,
-    tick_interval: Duration,
+    /// How long a trainer told to wait sleeps before it asks again.
+    wait_hint: Duration,
 }
 
 impl MasterHandler {
@@ -902,9 +935,7 @@ impl MasterHandler {
                 task: a.task,
                 task_ref: a.task_ref,
             },
-            GetTask::Wait => {
-                TaskReply::Wait { retry_after_ms: self.tick_interval.as_millis().max(10) as u64 }
-            }
+            GetTask::Wait => TaskReply::Wait { retry_after_ms: self.wait_hint.as_millis().max(10) as u64 },
             GetTask::Done => TaskReply::Done,
             GetTask::Failed => TaskReply::Failed,
         };
@@ -1052,6 +1083,27 @@ pub async fn load(discovery: &dyn Discovery, keys: &MasterKeys) -> Result<Option
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_trickle_keeps_small_tasks_and_a_backlog_gets_large_ones() {
+        let chunk = |i: u64| crate::Chunk { path: "/s/f".into(), start: i << 16, end: (i + 1) << 16 };
+        // One 64 KiB chunk: one task.
+        assert_eq!(tasks_of(vec![chunk(0)], 1), vec![vec![chunk(0)]]);
+        // 3 chunks: 3 tasks (a 32nd of 192 KiB is under one chunk).
+        assert_eq!(tasks_of((0..3).map(chunk).collect(), 1).len(), 3);
+        // 64 MiB of 64 KiB chunks: tasks of 2 MiB (a 32nd), 32 of them.
+        let tasks = tasks_of((0..1024).map(chunk).collect(), 1);
+        assert_eq!(tasks.len(), 32);
+        assert!(tasks.iter().all(|t| t.len() == 32));
+        // chunks_per_task is a floor.
+        assert!(tasks_of((0..3).map(chunk).collect(), 2).iter().all(|t| !t.is_empty()));
+        assert_eq!(tasks_of((0..4).map(chunk).collect(), 2).len(), 2);
+        // Never two files in one task.
+        let other = crate::Chunk { path: "/s/g".into(), start: 0, end: 10 };
+        assert_eq!(tasks_of(vec![chunk(0), other.clone()], 2), vec![vec![chunk(0)], vec![other]]);
+        let all: Vec<_> = tasks_of((0..1024).map(chunk).collect(), 1).concat();
+        assert_eq!(all, (0..1024).map(chunk).collect::<Vec<_>>(), "every chunk once, in order");
+    }
 
     #[test]
     fn the_state_is_listed_from_the_prefix_its_keys_share() {

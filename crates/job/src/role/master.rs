@@ -269,12 +269,9 @@ async fn run_master(
         None if config.stream.is_some() => Evaluation { loss: f32::NAN, accuracy: f32::NAN, examples: 0 },
         None => test,
     };
-    // No held-out data (a stream without any): nothing was scored.
-    let test = match test.examples {
-        0 => Evaluation { loss: f32::NAN, accuracy: f32::NAN, examples: 0 },
-        _ => test,
-    };
-    // The final model too: a job that ended before its divergence was seen fails.
+    // The final model too: a job that ended before its divergence was seen
+    // fails. (Without held-out data, as a stream may be, the loss of the
+    // empty set is 0: nothing to judge by.)
     let last_pass = PassReport {
         pass: last.queue.pass,
         train_loss: last.passes.last().map_or(f64::NAN, |p| p.mean_loss()),
@@ -286,6 +283,11 @@ async fn run_master(
     if aborted.is_none() {
         aborted = diverged(&last_pass, &params, initial_loss, config);
     }
+    // No held-out data: nothing was scored, which the report says as null.
+    let test = match test.examples {
+        0 => Evaluation { loss: f32::NAN, accuracy: f32::NAN, examples: 0 },
+        _ => test,
+    };
     let reason = match (state, aborted) {
         (_, Some(why)) => Some(why),
         (JobState::Done, None) => None,
