@@ -48,9 +48,12 @@
 //! last seen); an index maps id to arena slot, hashed with the SplitMix64
 //! mixer (two multiplies and three shifts) rather than SipHash, whose
 //! resistance to chosen keys is not needed for ids from the job's own
-//! trainers. Freed slots are reused. A [`TableSnapshot`] clones the chunk
-//! list, no float copied; an update copies a chunk first only while a
-//! snapshot still shares it, as `ParamStore` does with its blocks.
+//! trainers. Freed slots are reused, and an index whose removals have
+//! filled it with tombstones is rebuilt in place rather than doubled. A
+//! [`TableSnapshot`] clones the chunk list, no float copied; an update
+//! copies a chunk first only while a snapshot still shares it, as
+//! `ParamStore` does with its blocks (one copy-on-write check per row
+//! written).
 //! [`row_bytes`] is the resident size per row this gives, to turn a memory
 //! budget into `max_rows`.
 
@@ -99,7 +102,7 @@ const META_BYTES: usize = 28;
 
 /// Resident bytes of a row's index entry: a 16-byte (id, slot) bucket plus
 /// its control byte, at between 1.14 and 2.3 buckets per row (the index
-/// grows by doubling); the estimate takes 1.5.
+/// grows by doubling, or is reserved for `max_rows`); the estimate takes 1.5.
 const INDEX_BYTES: usize = 26;
 
 const GOLDEN_GAMMA: u64 = 0x9E37_79B9_7F4A_7C15;
@@ -229,14 +232,34 @@ pub fn row_shard(table: &str, id: u64, shards: u32) -> u32 {
 
 /// Resident bytes per row of a table of `dim` floats per row and
 /// `state_slots` optimizer slots: the floats (`4 * dim * (1 + state_slots)`),
-/// the row's metadata (28) and its index entry (about 26). Divide a
-/// shard's memory budget for a table by it to get `max_rows`.
+/// the row's metadata (28) and its index entry (26: a 17-byte bucket, at
+/// 1.5 buckets per row). Divide a shard's memory budget for a table by it
+/// to get `max_rows`.
 ///
 /// Raw, a row is its floats and its 8-byte id, so the estimate is within
 /// 1.5x of raw once `dim * (1 + state_slots) >= 21` (e.g. dim 8 with Adam,
-/// 16 with AdaGrad, 32 with SGD). Not counted: up to `max_rows / 32` slots
-/// freed by the last eviction batch and not yet reused, and candidates
-/// (about 40 bytes each, at most `max_rows`).
+/// 16 with AdaGrad, 32 with SGD).
+///
+/// A table capped at `max_rows` never has more than `max_rows` arena slots
+/// (rows, and slots freed by eviction or expiry that new rows reuse), so
+/// `max_rows * row_bytes` covers its arena. Not counted in it:
+/// - the index's actual size: reserved for `max_rows` up front, with the
+///   power-of-two bucket count at or above `max_rows * 8 / 7`, so 1.14 to
+///   2.3 buckets (19 to 39 bytes) per row of the cap, against the 26 taken
+///   here. Eviction does not grow it (it is rebuilt in place when removals
+///   have filled it with tombstones), unless `max_rows` is within 1/16 of
+///   what the reservation holds: then it may double, once;
+/// - eviction's keys, kept for the next eviction: `2 * max(1, max_rows /
+///   32)` of 32 bytes, so 2 bytes per row of the cap; and while a push
+///   evicts, 16 bytes per expired row it drops;
+/// - candidates: about 40 bytes each, at most `max_rows`;
+/// - chunks copied while a snapshot (a checkpoint, a catch-up) shares them:
+///   up to the table's floats and metadata again, for as long as it lives;
+/// - the allocator's own overhead, and memory it keeps after a free.
+///
+/// Measured with dim 16 and Adam, a 400,000-row cap under a long Zipf
+/// stream (`examples/bench_sparse.rs`): resident 1.00x `max_rows *
+/// row_bytes`.
 pub fn row_bytes(dim: usize, state_slots: usize) -> usize {
     dim.saturating_mul(state_slots.saturating_add(1))
         .saturating_mul(4)
@@ -302,6 +325,24 @@ impl Chunk {
 
     fn rows(&self) -> usize {
         self.ids.len()
+    }
+
+    /// Make row `r` (a freed one, or the next one at the chunk's end) a row
+    /// of `id` with this metadata; its `stride` floats are the caller's to
+    /// write.
+    fn put(&mut self, r: usize, id: u64, stride: usize, step: u64, count: u32, seen: u64) {
+        if r == self.rows() {
+            self.floats.resize(self.floats.len() + stride, 0.0);
+            self.ids.push(id);
+            self.steps.push(step);
+            self.seen.push(seen);
+            self.counts.push(count);
+        } else {
+            self.ids[r] = id;
+            self.steps[r] = step;
+            self.seen[r] = seen;
+            self.counts[r] = count;
+        }
     }
 }
 
@@ -375,12 +416,16 @@ pub struct SparseTable {
     free: Vec<u32>,
     /// id -> arena slot (`chunk * chunk_rows + row`).
     index: IdMap<u32>,
+    /// The most ids `index` has had room for without reallocating: what
+    /// its `capacity()` is back to once rebuilt (see `index_room_for_one`).
+    index_room: usize,
     /// id -> (count, last_seen).
     candidates: IdMap<(u32, u64)>,
     /// The life counters (`rows` and `candidates` unused).
     counters: TableStats,
-    /// Eviction keys, kept to reuse the buffer.
-    scratch: Vec<(u64, u64, u64, u32)>,
+    /// The eviction keys of a full table, kept to reuse the buffer: room
+    /// for `2 * max(1, cap / 32)` of them (see `make_room_for_row`).
+    scratch: Vec<RowKey>,
     /// The step at which `apply` next sweeps expired rows away.
     next_sweep: u64,
 }
@@ -421,6 +466,7 @@ impl SparseTable {
             let _ = index.try_reserve(cap);
             let _ = chunks.try_reserve(cap.div_ceil(chunk_rows));
         }
+        let index_room = index.capacity();
         Ok(Self {
             base: table_base(seed, &spec.name),
             spec,
@@ -432,6 +478,7 @@ impl SparseTable {
             chunks,
             free: Vec::new(),
             index,
+            index_room,
             candidates: IdMap::default(),
             counters: TableStats::default(),
             scratch: Vec::new(),
@@ -554,65 +601,53 @@ impl SparseTable {
         }
     }
 
+    /// One id of [`apply`](Self::apply). Each row it writes is written
+    /// through a single `Arc::make_mut` of its chunk (a copy-on-write check,
+    /// an atomic operation): metadata, values and optimizer state together.
     fn apply_one(&mut self, id: u64, grad: &[f32], now: u64, opt: &dyn Optimizer) {
-        let held = match self.index.get(&id) {
-            Some(&slot) => {
-                let (c, r) = self.locate(slot);
-                if self.spec.policy.expired(self.chunks[c].seen[r], now) {
-                    self.free_slot(id, slot);
-                    self.counters.expired += 1;
-                    None
-                } else {
-                    Some((c, r))
-                }
-            }
-            None => None,
-        };
-        let (c, r) = match held {
-            Some((c, r)) => {
+        let (dim, stride) = (self.spec.dim, self.stride);
+        if let Some(&slot) = self.index.get(&id) {
+            let (c, r) = self.locate(slot);
+            if self.spec.policy.expired(self.chunks[c].seen[r], now) {
+                // Dropped: the id goes on below as one not held.
+                self.free_slot(id, slot);
+                self.counters.expired += 1;
+            } else {
                 let chunk = Arc::make_mut(&mut self.chunks[c]);
                 chunk.counts[r] = chunk.counts[r].saturating_add(1);
                 chunk.seen[r] = now;
-                (c, r)
+                let (params, slots) = chunk.floats[r * stride..][..stride].split_at_mut(dim);
+                opt.apply_row(params, grad, &mut chunk.steps[r], slots);
+                return;
             }
-            None => {
-                let prior = self.candidates.get(&id).copied();
-                let live = prior.filter(|&(_, seen)| !self.spec.policy.expired(seen, now));
-                let count = live.map_or(1, |(count, _)| count.saturating_add(1));
-                if prior.is_some() && live.is_none() {
-                    self.candidates.remove(&id);
-                    self.counters.dropped_candidates += 1;
-                }
-                if count < self.spec.policy.admit_after {
-                    if live.is_none() && self.candidates.len() >= self.cap {
-                        self.make_room_for_candidate(now);
-                    }
-                    self.candidates.insert(id, (count, now));
-                    return;
-                }
-                if live.is_some() {
-                    self.candidates.remove(&id);
-                }
-                if self.index.len() >= self.cap {
-                    self.make_room_for_row(now);
-                }
-                self.counters.admitted += 1;
-                let (c, r) = self.alloc(id);
-                let (dim, stride) = (self.spec.dim, self.stride);
-                let chunk = Arc::make_mut(&mut self.chunks[c]);
-                let row = &mut chunk.floats[r * stride..][..stride];
-                let (params, slots) = row.split_at_mut(dim);
-                fill_row(&self.spec.init, self.base, id, params);
-                slots.fill(0.0);
-                chunk.steps[r] = 0;
-                chunk.counts[r] = count;
-                chunk.seen[r] = now;
-                (c, r)
+        }
+        let prior = self.candidates.get(&id).copied();
+        let live = prior.filter(|&(_, seen)| !self.spec.policy.expired(seen, now));
+        let count = live.map_or(1, |(count, _)| count.saturating_add(1));
+        if prior.is_some() && live.is_none() {
+            self.candidates.remove(&id);
+            self.counters.dropped_candidates += 1;
+        }
+        if count < self.spec.policy.admit_after {
+            if live.is_none() && self.candidates.len() >= self.cap {
+                self.make_room_for_candidate(now);
             }
-        };
-        let (dim, stride) = (self.spec.dim, self.stride);
+            self.candidates.insert(id, (count, now));
+            return;
+        }
+        if live.is_some() {
+            self.candidates.remove(&id);
+        }
+        if self.index.len() >= self.cap {
+            self.make_room_for_row(now);
+        }
+        self.counters.admitted += 1;
+        let (c, r) = self.take_slot(id);
         let chunk = Arc::make_mut(&mut self.chunks[c]);
+        chunk.put(r, id, stride, 0, count, now);
         let (params, slots) = chunk.floats[r * stride..][..stride].split_at_mut(dim);
+        fill_row(&self.spec.init, self.base, id, params);
+        slots.fill(0.0);
         opt.apply_row(params, grad, &mut chunk.steps[r], slots);
     }
 
@@ -731,16 +766,14 @@ impl SparseTable {
             }
             None => {
                 self.candidates.remove(&row.id);
-                self.alloc(row.id)
+                self.take_slot(row.id)
             }
         };
         let chunk = Arc::make_mut(&mut self.chunks[c]);
+        chunk.put(r, row.id, stride, row.step, row.count, row.last_seen);
         let (params, slots) = chunk.floats[r * stride..][..stride].split_at_mut(dim);
         params.copy_from_slice(row.params);
         slots.copy_from_slice(row.slots);
-        chunk.steps[r] = row.step;
-        chunk.counts[r] = row.count;
-        chunk.seen[r] = row.last_seen;
         Ok(())
     }
 
@@ -793,30 +826,50 @@ impl SparseTable {
         live_slots(&self.chunks)
     }
 
-    /// A slot for a new row of `id`, indexed; the caller writes its contents.
-    fn alloc(&mut self, id: u64) -> (usize, usize) {
-        let (c, r) = match self.free.pop() {
-            Some(slot) => self.locate(slot),
+    /// A slot for a new row of `id`, indexed: a freed one, else the next
+    /// one at the arena's end (a chunk pushed if the last is full). The
+    /// caller writes the row with [`Chunk::put`] before taking another.
+    fn take_slot(&mut self, id: u64) -> (usize, usize) {
+        self.index_room_for_one();
+        let slot = match self.free.pop() {
+            Some(slot) => slot,
             None => {
                 let (rows, stride) = (self.chunk_rows, self.stride);
                 if self.chunks.last().is_none_or(|c| c.rows() >= rows) {
                     self.chunks.push(Arc::new(Chunk::with_capacity(rows, stride)));
                 }
                 let c = self.chunks.len() - 1;
-                let chunk = Arc::make_mut(&mut self.chunks[c]);
-                let r = chunk.rows();
-                chunk.floats.resize(chunk.floats.len() + stride, 0.0);
-                chunk.ids.push(id);
-                chunk.steps.push(0);
-                chunk.seen.push(0);
-                chunk.counts.push(0);
-                (c, r)
+                self.slot_of(c, self.chunks[c].rows())
             }
         };
-        Arc::make_mut(&mut self.chunks[c]).ids[r] = id;
-        let slot = self.slot_of(c, r);
         self.index.insert(id, slot);
-        (c, r)
+        // An insert that grew the index (or rehashed it) left no tombstone.
+        self.index_room = self.index_room.max(self.index.capacity());
+        self.locate(slot)
+    }
+
+    /// Before an id goes into the index: if it is full only because
+    /// removals left tombstones in it (at least 1/16 of its room), rebuild
+    /// it in place, with no allocation: clear it (which keeps its buckets)
+    /// and insert every held row again. The index otherwise doubles: it
+    /// does not reuse tombstones in place while more than half full, so a
+    /// capped table under eviction would double the index reserved for its
+    /// cap. The 1/16 bounds the work: a rebuild of `n` rows makes room for
+    /// at least `room / 16` inserts.
+    fn index_room_for_one(&mut self) {
+        let (held, room) = (self.index.len(), self.index.capacity());
+        self.index_room = self.index_room.max(room);
+        let lost = self.index_room - held;
+        if held < room || lost == 0 || lost < self.index_room / 16 {
+            return;
+        }
+        self.index.clear();
+        let chunk_rows = self.chunk_rows;
+        for (id, c, r) in live_slots(&self.chunks) {
+            // As `slot_of`: held slots fit in a u32.
+            self.index.insert(id, (c * chunk_rows + r) as u32);
+        }
+        self.index_room = self.index_room.max(self.index.capacity());
     }
 
     fn free_slot(&mut self, id: u64, slot: u32) {
@@ -829,32 +882,42 @@ impl SparseTable {
     /// The table is full and a row must be created: drop the expired rows,
     /// then, if it is still full, evict the smallest keys down to
     /// `cap - max(1, cap / 32)` rows.
+    ///
+    /// The keys are selected in one pass over the arena that keeps only the
+    /// `want` smallest seen so far (`want`: the most this call may evict),
+    /// in a buffer of at most `2 * want` keys: about 2 bytes per row of the
+    /// cap, where a key for every held row took 32.
     fn make_room_for_row(&mut self, now: u64) {
         let policy = self.spec.policy.clone();
+        let want = batch_excess(self.index.len(), self.cap);
         let mut keys = std::mem::take(&mut self.scratch);
-        keys.clear();
         let mut expired = Vec::new();
-        for (id, c, r) in live_slots(&self.chunks) {
+        let chunk_rows = self.chunk_rows;
+        let all = live_slots(&self.chunks).filter_map(|(id, c, r)| {
             let chunk = &self.chunks[c];
             let (seen, count) = (chunk.seen[r], chunk.counts[r]);
-            let slot = self.slot_of(c, r);
+            // As `slot_of`: held slots fit in a u32.
+            let slot = (c * chunk_rows + r) as u32;
             if policy.expired(seen, now) {
                 expired.push((id, slot));
-            } else {
-                // Unique keys (the id is in them): the rows evicted depend
-                // on the content alone, not on the arena's order.
-                let first = match policy.evict {
-                    Eviction::Lru => 0,
-                    Eviction::Lfu => u64::from(count),
-                };
-                keys.push((first, seen, id, slot));
+                return None;
             }
-        }
+            // Unique keys (the id is in them): the rows evicted depend on
+            // the content alone, not on the arena's order.
+            let first = match policy.evict {
+                Eviction::Lru => 0,
+                Eviction::Lfu => u64::from(count),
+            };
+            Some((first, seen, id, slot))
+        });
+        smallest(all, want, &mut keys);
         self.counters.expired += expired.len() as u64;
         for (id, slot) in expired {
             self.free_slot(id, slot);
         }
-        let excess = batch_excess(keys.len(), self.cap);
+        // At most `want`, and at most the keys kept: `smallest` keeps all
+        // the keys, or `want` of them.
+        let excess = batch_excess(self.index.len(), self.cap);
         if excess > 0 {
             keys.select_nth_unstable(excess - 1);
             for &(_, _, id, slot) in &keys[..excess] {
@@ -862,6 +925,7 @@ impl SparseTable {
             }
             self.counters.evicted += excess as u64;
         }
+        keys.clear();
         self.scratch = keys;
     }
 
@@ -873,19 +937,49 @@ impl SparseTable {
         self.counters.dropped_candidates += (before - self.candidates.len()) as u64;
         let excess = batch_excess(self.candidates.len(), self.cap);
         if excess > 0 {
-            let mut keys: Vec<(u64, u64, u64)> = self
-                .candidates
-                .iter()
-                .map(|(&id, &(count, seen))| match policy.evict {
-                    Eviction::Lru => (0, seen, id),
-                    Eviction::Lfu => (u64::from(count), seen, id),
-                })
-                .collect();
+            let all = self.candidates.iter().map(|(&id, &(count, seen))| match policy.evict {
+                Eviction::Lru => (0, seen, id),
+                Eviction::Lfu => (u64::from(count), seen, id),
+            });
+            let mut keys = Vec::new();
+            smallest(all, excess, &mut keys);
             keys.select_nth_unstable(excess - 1);
             for &(_, _, id) in &keys[..excess] {
                 self.candidates.remove(&id);
             }
             self.counters.dropped_candidates += excess as u64;
+        }
+    }
+}
+
+/// An eviction key and its row's slot: (count for LFU else 0, last seen,
+/// id, slot). Unique, as the id is in it.
+type RowKey = (u64, u64, u64, u32);
+
+/// Leave in `buf` (cleared first) the `want` smallest of `keys`, which are
+/// all distinct, among others (all of them if there are at most `want`),
+/// in no order: what `select_nth_unstable(want - 1)` of all the keys puts
+/// first, holding at most `2 * want` keys instead of all of them. Linear
+/// time whatever the order of `keys`: each compaction of `2 * want` keys to
+/// `want` takes O(want) and follows `want` pushes.
+fn smallest<K: Ord + Copy>(keys: impl Iterator<Item = K>, want: usize, buf: &mut Vec<K>) {
+    buf.clear();
+    if want == 0 {
+        return;
+    }
+    buf.reserve_exact(want.saturating_mul(2));
+    let mut bound: Option<K> = None;
+    for key in keys {
+        // `want` kept keys are at most `bound`: a key above it is not among
+        // the `want` smallest (and none equals it: the keys are distinct).
+        if bound.is_some_and(|b| key >= b) {
+            continue;
+        }
+        buf.push(key);
+        if buf.len() >= want.saturating_mul(2) {
+            buf.select_nth_unstable(want - 1);
+            buf.truncate(want);
+            bound = Some(buf[want - 1]);
         }
     }
 }
@@ -1236,6 +1330,71 @@ mod tests {
         // A snapshot of another table does not fit.
         let other = SparseTable::new(TableSpec::new("other", 4, Init::Zeros), 7, 2).unwrap();
         assert!(matches!(t.restore(&other.snapshot()), Err(Error::BadTable { .. })));
+    }
+
+    #[test]
+    fn smallest_keeps_what_a_sort_puts_first() {
+        let mut rng = SplitMix64::new(5);
+        let ascending: Vec<u64> = (0..1000).collect();
+        let descending: Vec<u64> = (0..1000).rev().collect();
+        let mut shuffled = ascending.clone();
+        for i in (1..shuffled.len()).rev() {
+            shuffled.swap(i, (rng.next_u64() % (i as u64 + 1)) as usize);
+        }
+        let mut buf = vec![7, 7, 7];
+        for keys in [&shuffled, &ascending, &descending] {
+            for want in [0, 1, 2, 3, 31, 100, 300, 500, 999, 1000, 5000] {
+                smallest(keys.iter().copied(), want, &mut buf);
+                // The `want` smallest are all kept, in at most `2 * want`.
+                assert!(buf.len() < 2 * want.max(1), "want {want}: {} kept", buf.len());
+                let mut kept = buf.clone();
+                kept.sort_unstable();
+                let n = want.min(keys.len());
+                assert_eq!(kept[..n], ascending[..n], "want {want}");
+                assert!(kept.windows(2).all(|w| w[0] < w[1]));
+            }
+        }
+    }
+
+    /// A capped table under a long stream of new ids: the index keeps the
+    /// buckets reserved for the cap (rebuilt in place, never grown), the
+    /// eviction keys stay within `2 * max(1, cap / 32)`, and every held row
+    /// is found by its id.
+    #[test]
+    fn eviction_keeps_the_index_and_scratch_small() {
+        let sgd = Sgd { lr: 0.5 };
+        let cap = 3000;
+        for evict in [Eviction::Lru, Eviction::Lfu] {
+            let mut t = table(RowPolicy { max_rows: Some(cap), evict, ..RowPolicy::default() });
+            let room = t.index.capacity();
+            assert!(room >= cap);
+            let mut rng = SplitMix64::new(9);
+            let mut ids = Vec::new();
+            for now in 0..400u64 {
+                // 100 new ids, and up to 100 of a hot set of 500 (counts for LFU).
+                ids.clear();
+                ids.extend((0..100).map(|i| 1_000_000 + now * 100 + i));
+                for _ in 0..100 {
+                    let hot = rng.next_u64() % 500;
+                    if !ids.contains(&hot) {
+                        ids.push(hot);
+                    }
+                }
+                t.apply(&ids, &vec![1.0; ids.len() * 4], now, &sgd);
+                assert!(t.len() <= cap);
+            }
+            let stats = t.stats();
+            assert!(stats.evicted > 10 * cap as u64, "{stats:?}");
+            // Tombstones aside (they take room), the index has its reserved buckets.
+            assert!(t.index.capacity() <= room, "{evict:?}: the index grew");
+            assert_eq!(t.index_room, room, "{evict:?}: the index grew");
+            assert!(t.scratch.capacity() <= 2 * (cap / 32), "{}", t.scratch.capacity());
+            let snap = t.snapshot();
+            assert_eq!(snap.records().count(), t.len());
+            for r in snap.records() {
+                assert_eq!(t.row(r.id, 399).map(|x| x.params), Some(r.params), "row {}", r.id);
+            }
+        }
     }
 
     /// Rows wide enough that a chunk holds 64 of them: eviction, slot

@@ -16,6 +16,10 @@ use proptest::prelude::*;
 const IDS: u64 = 12;
 /// Ids of the tables big enough to evict in batches (caps of 32 and more).
 const BIG_IDS: u64 = 120;
+/// Ids of the tables that churn: many times their cap, so rows are evicted
+/// again and again (up to 10 at once), and the index fills with tombstones
+/// and is rebuilt.
+const CHURN_IDS: u64 = 2000;
 const SEED: u64 = 11;
 const MAX_DIM: usize = 4;
 
@@ -318,6 +322,22 @@ proptest! {
     ) {
         let spec = TableSpec { policy, ..TableSpec::new("big", 2, Init::Normal { mean: 0.0, std: 1.0 }) };
         run(spec, use_adam, BIG_IDS, ops)?;
+    }
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig { cases: 96, ..ProptestConfig::default() })]
+
+    /// Long runs of pushes of ids mostly new to a capped table: eviction
+    /// after eviction, slots reused, the index rebuilt in place.
+    #[test]
+    fn churning_tables_match_the_model(
+        policy in policy(64..330),
+        use_adam in any::<bool>(),
+        ops in prop::collection::vec(op(CHURN_IDS, 60), 20..120),
+    ) {
+        let spec = TableSpec { policy, ..TableSpec::new("churn", 3, Init::Uniform { low: -1.0, high: 1.0 }) };
+        run(spec, use_adam, CHURN_IDS, ops)?;
     }
 }
 
