@@ -9,6 +9,13 @@
 //! given their keys, `oar-trainer` is the model, the readers and the
 //! training loop. This crate composes them.
 //!
+//! A job trains a dense model or one over sparse tables
+//! ([`ModelConfig::Ctr`](oar_trainer::ModelConfig::Ctr), or a
+//! [`Plugins::sparse_model`]), on a fixed glob over passes or on a stream
+//! ([`config::JobConfig::streaming`]: a directory that grows or an appended
+//! file, trained until its source is closed, reported per window; see
+//! [`role::master()`] and `oar_task_queue::source`).
+//!
 //! Every role takes a shutdown signal (a `CancellationToken`); see
 //! [`role`](role#shutdown) for what each does when it is cancelled. With the
 //! feature `etcd`, [`JobContext::connect`] builds a cluster role's context
