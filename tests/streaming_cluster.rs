@@ -111,6 +111,10 @@ fn stream_through_kills(name: &str, source: &[&str], write: impl FnOnce(&mut dyn
     // log, so the logs may show fewer than the master counts.
     let accepted = accepted_once(&trainers.iter().collect::<Vec<_>>());
     assert!(accepted.len() as u64 <= report["tasks_done"].as_u64().unwrap(), "{report}");
+    // `status` shows the source, where it stopped, and the lag.
+    let status = cluster.status();
+    let line = status.lines().find(|l| l.contains("lag from arrival to training"));
+    assert!(line.is_some_and(|l| l.contains("closed")), "{status}");
     eprintln!("{name}: {written} records, {} tasks, each accepted once", accepted.len());
 }
 
