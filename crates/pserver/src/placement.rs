@@ -10,7 +10,7 @@ use std::collections::BinaryHeap;
 use crate::block::BlockId;
 use crate::error::{Error, Result};
 use crate::rng::Fnv64;
-use crate::sparse::{row_shard, TableSpec};
+use crate::sparse::TableSpec;
 use crate::spec::{validate_specs, ParamSpec};
 
 /// Where one block lives and which elements of its parameter it covers.
@@ -48,6 +48,8 @@ pub struct Placement {
     loads: Vec<usize>,
     /// Sparse tables: their rows go to shard `row_shard(name, id, servers)`.
     tables: Vec<TableSpec>,
+    /// Each table's name hashed, so a row's shard costs no string hash.
+    table_hashes: Vec<u64>,
     fingerprint: u64,
 }
 
@@ -141,6 +143,7 @@ impl Placement {
             by_server,
             loads,
             tables: Vec::new(),
+            table_hashes: Vec::new(),
             fingerprint: h.finish(),
         })
     }
@@ -180,6 +183,7 @@ impl Placement {
             h.write(text.as_bytes());
         }
         self.fingerprint = h.finish();
+        self.table_hashes = tables.iter().map(|t| crate::hash_str(&t.name)).collect();
         self.tables = tables;
         Ok(self)
     }
@@ -192,7 +196,8 @@ impl Placement {
     /// The shard holding row `id` of table `table` (an index into
     /// [`tables`](Self::tables)); `None` for a table that does not exist.
     pub fn row_shard(&self, table: u32, id: u64) -> Option<u32> {
-        self.tables.get(table as usize).map(|t| row_shard(&t.name, id, self.servers))
+        let hashed = *self.table_hashes.get(table as usize)?;
+        Some(crate::sparse::row_shard_hashed(hashed, id, self.servers))
     }
 
     /// Every block, in [`BlockId`] order.

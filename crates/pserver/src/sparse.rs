@@ -223,11 +223,16 @@ fn fill_row(init: &Init, base: u64, id: u64, out: &mut [f32]) {
 /// `shards` is 0). Mixed so that consecutive ids spread evenly, and
 /// salted by the table so that two tables' hot ids land apart.
 pub fn row_shard(table: &str, id: u64, shards: u32) -> u32 {
+    row_shard_hashed(hash_str(table), id, shards)
+}
+
+/// [`row_shard`] with the table's name hashed once ([`hash_str`]) for many ids.
+pub fn row_shard_hashed(table_hash: u64, id: u64, shards: u32) -> u32 {
     if shards == 0 {
         return 0;
     }
     // The remainder is below `shards`, so it fits.
-    (mix64(hash_str(table) ^ mix64(id)) % u64::from(shards)) as u32
+    (mix64(table_hash ^ mix64(id)) % u64::from(shards)) as u32
 }
 
 /// Resident bytes per row of a table of `dim` floats per row and

@@ -10,7 +10,7 @@ use crate::block::BlockId;
 use crate::error::{Error, Result};
 use crate::optimizer::{Optimizer, OptimizerState};
 use crate::placement::Placement;
-use crate::sparse::{row_shard, SparseTable, TableSnapshot, MAX_ROWS_PER_CALL};
+use crate::sparse::{row_shard, row_shard_hashed, SparseTable, TableSnapshot, MAX_ROWS_PER_CALL};
 use crate::spec::init_values;
 
 /// How pushes become updates.
@@ -1126,7 +1126,8 @@ impl ParamStore {
     /// Every id of `ids` is one of this shard's rows of `t`.
     fn check_row_shard(&self, who: &str, t: &SparseTable, ids: &[u64]) -> Result<()> {
         let name = &t.spec().name;
-        if let Some(&id) = ids.iter().find(|&&id| row_shard(name, id, self.shards) != self.server) {
+        let hashed = crate::hash_str(name);
+        if let Some(&id) = ids.iter().find(|&&id| row_shard_hashed(hashed, id, self.shards) != self.server) {
             return Err(Error::RowNotOnShard {
                 who: who.to_string(),
                 table: name.clone(),
