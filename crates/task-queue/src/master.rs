@@ -48,7 +48,7 @@ use crate::{
     protocol::{MasterRequest, MasterStatus, PassStats, ReportReply, StreamStatus, TaskReply, MASTER_METHOD},
     source::{SourceMark, TaskSource},
     Changes, Error, GetTask, JobState, JournalRecord, QueueConfig, QueueEvent, Report, Result, StoredState,
-    TaskQueue, TaskSpec, MAX_DISCARDS_LISTED,
+    TaskQueue, TaskSpec, TaskState, MAX_DISCARDS_LISTED,
 };
 use async_trait::async_trait;
 use bytes::Bytes;
@@ -441,7 +441,13 @@ impl Master {
         };
         // Tasks restored open count as arriving now (their real arrival went with the last master).
         let arrivals = match stream {
-            Some(_) => queue.tasks().map(|t| (t.id.0, now)).collect(),
+            Some(_) => queue
+                .tasks()
+                .filter(|t| {
+                    matches!(queue.task_state(t.id), Some(TaskState::Todo | TaskState::Pending { .. }))
+                })
+                .map(|t| (t.id.0, now))
+                .collect(),
             None => HashMap::new(),
         };
         let core = Core { queue, passes, discarded, stream: stream_status, arrivals };
