@@ -392,12 +392,17 @@ impl Display {
             true => format!(", test loss {:.4}, test accuracy {:.2}%", w.test_loss, w.test_accuracy * 100.0),
             false => String::new(),
         };
+        let trained = match w.records {
+            0 => "0 records".to_string(),
+            n => format!("{n} records, train loss {:.4}", w.train_loss),
+        };
+        let lag = match w.lag_seconds.is_finite() {
+            true => format!(", lag {:.2} s", w.lag_seconds),
+            false => String::new(),
+        };
         let line = format!(
-            "window {}: {} records, train loss {:.4}, lag {:.2} s{test}; backlog {} tasks, source at {}; tasks done {}, discarded {}",
+            "window {}: {trained}{lag}{test}; backlog {} tasks, source at {}; tasks done {}, discarded {}",
             w.window + 1,
-            w.records,
-            w.train_loss,
-            w.lag_seconds,
             w.backlog,
             w.position,
             w.tasks_done,
