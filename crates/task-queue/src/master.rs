@@ -771,9 +771,10 @@ async fn ticker(shared: Arc<Shared>, every: Duration) {
 
 /// Streaming: poll the source every `poll_every` from the mark the queue
 /// holds and append what it yields, until the source is closed or the
-/// master stops. A poll that fails is logged and retried; a problem the
-/// source reports (bad input, naming its file) is logged once and listed
-/// in the status.
+/// master stops. A poll that fails is logged and retried (the operator may
+/// fix a file; the status lists the error meanwhile); a problem the source
+/// reports (bad input, naming its file) is logged once and listed in the
+/// status; a poll that panics stops the master.
 async fn poller(discovery: Arc<dyn Discovery>, shared: Arc<Shared>, stream: StreamOptions) {
     let StreamOptions { source, chunks_per_task, poll_every, close_key } = stream;
     let source = Arc::new(Mutex::new(source));
@@ -817,8 +818,10 @@ async fn poller(discovery: Arc<dyn Discovery>, shared: Arc<Shared>, stream: Stre
                 continue;
             }
             Err(e) => {
-                tracing::error!(error = %e, "polling the source panicked; streaming stops");
+                // A bug in the source: the stream cannot go on, and a job
+                // waiting for it would wait for ever. Stop serving, saying why.
                 note_problem(&shared, format!("polling the source panicked: {e}"));
+                shared.stop(format!("polling the source ({}) panicked: {e}", describe(&source)));
                 return;
             }
         };
@@ -886,6 +889,11 @@ fn tasks_of(chunks: Vec<crate::Chunk>, chunks_per_task: usize) -> Vec<Vec<crate:
         tasks.push(task);
     }
     tasks
+}
+
+/// What the source is, for a message (its lock may be poisoned by a panic).
+fn describe(source: &Mutex<Box<dyn TaskSource>>) -> String {
+    source.lock().unwrap_or_else(PoisonError::into_inner).describe()
 }
 
 /// List a problem of the source in the status (the last ones).

@@ -173,3 +173,29 @@ async fn a_stream_survives_a_master_crash_and_ends_at_the_close() {
     arrive(dir.path(), "e.libsvm", 5);
     assert!(second.status().borrow().stream.as_ref().unwrap().closed);
 }
+
+/// A source that panics is a bug the stream cannot get past: the master
+/// stops serving and says why, instead of waiting for data for ever.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_source_that_panics_stops_the_master_and_says_why() {
+    struct Broken;
+    impl oar_task_queue::source::TaskSource for Broken {
+        fn describe(&self) -> String {
+            "the broken source".into()
+        }
+        fn poll(
+            &mut self,
+            _: &oar_task_queue::source::SourceMark,
+        ) -> oar_task_queue::Result<oar_task_queue::source::Polled> {
+            panic!("a bug in the source")
+        }
+    }
+    let discovery: Arc<dyn Discovery> = Arc::new(MemDiscovery::new());
+    let transport: Arc<dyn Transport> = Arc::new(MemTransport::new(MemNetwork::new()));
+    let stream =
+        StreamOptions { poll_every: Duration::from_millis(20), ..StreamOptions::new(Box::new(Broken)) };
+    let master = Master::start_stream(discovery, transport, "mem:0", stream, options("m1")).await.unwrap();
+    let ended = tokio::time::timeout(Duration::from_secs(10), master.wait()).await.expect("the master stops");
+    let why = ended.unwrap_err().to_string();
+    assert!(why.contains("the broken source") && why.contains("panicked"), "{why}");
+}
