@@ -738,7 +738,11 @@ impl Loop {
             model.batch_ids(batch, &mut buffers.rows);
             pull_batch_rows(&mut pservers, &mut buffers.rows, &mut buffers.pulled).await?;
             self.report.pulls += 1;
+            // The batch's ids, zeroed: a model that adds to its gradients
+            // (rather than overwriting them, as the trait asks) still pushes
+            // the right ones.
             buffers.grads.clone_from(&buffers.rows);
+            buffers.grads.fill(0.0);
             let loss =
                 model.loss_and_grad(&self.params, &buffers.rows, batch, &mut self.grads, &mut buffers.grads);
             if !loss.is_finite() {
