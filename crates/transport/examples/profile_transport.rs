@@ -1,0 +1,237 @@
+//! QUIC-only (or TCP-only) call loops to profile, with the setup of
+//! `bench_transport` (the same `QuicOptions`, `DevCa`, handler and frame
+//! shapes), which interleaves TCP with QUIC and so cannot be profiled whole.
+//! The measured loop is marked on stderr with `T0`/`T1` CLOCK_MONOTONIC
+//! times, to cut it out of a `perf record -k CLOCK_MONOTONIC` with
+//! `perf report --time T0,T1` (BENCHMARKS.md, "Profile before changes").
+//!
+//! ```sh
+//! cargo build --release -p oar-transport --example profile_transport
+//! target/release/examples/profile_transport large 64 5      # 5 calls of 64M f32 (256 MiB)
+//! target/release/examples/profile_transport small 40000     # 16-byte calls, echoed
+//! target/release/examples/profile_transport tcpbulk 64 9    # raw TCP into a reused buffer
+//! target/release/examples/profile_transport tcpecho 40000   # TCP_NODELAY echo
+//! # options: --threads T (runtime workers) --cipher aes128|aes256|chacha --mtu N --gso
+//! perf script -i perf.data --time $T0,$T1 | python3 scripts/perf_classify.py
+//! ```
+
+use async_trait::async_trait;
+use bytes::Bytes;
+use oar_transport::{Cipher, DevCa, Frame, Handler, QuicOptions, QuicTransport, RemoteError, Transport};
+use std::{
+    sync::Arc,
+    time::{Duration, Instant},
+};
+use tokio::{
+    io::{AsyncReadExt, AsyncWriteExt},
+    net::{TcpListener, TcpStream},
+};
+
+type BoxError = Box<dyn std::error::Error + Send + Sync>;
+
+/// Echoes small calls; answers a large one with its length.
+struct Sink;
+
+#[async_trait]
+impl Handler for Sink {
+    async fn handle(&self, request: Frame) -> Result<Frame, RemoteError> {
+        if request.payload.is_empty() {
+            return Ok(request);
+        }
+        Frame::new(request.method, &(request.payload.len() as u64), Bytes::new())
+            .map_err(RemoteError::internal)
+    }
+}
+
+/// CLOCK_MONOTONIC in seconds, the clock `perf record -k CLOCK_MONOTONIC` stamps samples with.
+fn monotonic() -> f64 {
+    let mut t = libc::timespec { tv_sec: 0, tv_nsec: 0 };
+    // SAFETY: `t` is a valid, writable timespec; CLOCK_MONOTONIC always exists on Linux.
+    unsafe { libc::clock_gettime(libc::CLOCK_MONOTONIC, &mut t) };
+    t.tv_sec as f64 + t.tv_nsec as f64 * 1e-9
+}
+
+struct Args {
+    mode: String,
+    n: usize,
+    reps: usize,
+    threads: usize,
+    cipher: Cipher,
+    options: QuicOptions,
+}
+
+fn parse() -> Result<Args, BoxError> {
+    let usage = "usage: profile_transport large|tcpbulk MILLIONS REPS | small|tcpecho CALLS [--threads T] [--cipher aes128|aes256|chacha] [--mtu N] [--gso]";
+    let a: Vec<String> = std::env::args().skip(1).collect();
+    let (Some(mode), Some(n)) = (a.first(), a.get(1)) else { return Err(usage.into()) };
+    let n = n.parse().map_err(|e| format!("{n:?}: {e}; {usage}"))?;
+    let mut args = Args {
+        mode: mode.clone(),
+        n,
+        reps: 1,
+        threads: 0,
+        cipher: Cipher::Aes128Gcm,
+        options: QuicOptions::default(),
+    };
+    let mut i = 2;
+    while i < a.len() {
+        let value = |i: usize| a.get(i + 1).ok_or_else(|| format!("{} needs a value; {usage}", a[i]));
+        match a[i].as_str() {
+            "--threads" => {
+                args.threads = value(i)?.parse()?;
+                i += 1;
+            }
+            "--cipher" => {
+                args.cipher = match value(i)?.as_str() {
+                    "aes128" => Cipher::Aes128Gcm,
+                    "aes256" => Cipher::Aes256Gcm,
+                    "chacha" => Cipher::ChaCha20Poly1305,
+                    other => return Err(format!("--cipher {other:?}; {usage}").into()),
+                };
+                i += 1;
+            }
+            "--mtu" => {
+                args.options.loopback.mtu = Some(value(i)?.parse()?);
+                i += 1;
+            }
+            "--gso" => args.options.loopback.segmentation_offload = true,
+            reps if i == 2 => args.reps = reps.parse().map_err(|e| format!("{reps:?}: {e}; {usage}"))?,
+            other => return Err(format!("unknown option {other:?}; {usage}").into()),
+        }
+        i += 1;
+    }
+    Ok(args)
+}
+
+fn main() -> Result<(), BoxError> {
+    let args = parse()?;
+    let mut builder = tokio::runtime::Builder::new_multi_thread();
+    if args.threads > 0 {
+        builder.worker_threads(args.threads);
+    }
+    builder.enable_all().build()?.block_on(run(args))
+}
+
+/// The median of `times`, and GiB/s for `bytes` in that time.
+fn median_rate(mut times: Vec<Duration>, bytes: usize) -> (Duration, f64) {
+    times.sort();
+    let median = times.get(times.len() / 2).copied().unwrap_or_default();
+    (median, bytes as f64 / median.as_secs_f64() / (1u64 << 30) as f64)
+}
+
+async fn run(args: Args) -> Result<(), BoxError> {
+    let Args { mode, n, reps, cipher, options, .. } = args;
+    let ca = DevCa::new()?;
+    let server = QuicTransport::with_options(ca.tls_config("server")?.with_cipher(cipher), options.clone())?;
+    let client = QuicTransport::with_options(ca.tls_config("client")?.with_cipher(cipher), options)?;
+    let listener = server.listen("127.0.0.1:0", Arc::new(Sink)).await?;
+    let conn = client.connect(listener.local_addr()).await?;
+    let tcp = TcpListener::bind("127.0.0.1:0").await?;
+    let tcp_addr = tcp.local_addr()?;
+    tokio::spawn(async move {
+        while let Ok((mut s, _)) = tcp.accept().await {
+            let _ = s.set_nodelay(true);
+            tokio::spawn(async move {
+                let Ok(mode) = s.read_u64_le().await else { return };
+                if mode == 0 {
+                    let mut b = [0u8; 16];
+                    while s.read_exact(&mut b).await.is_ok() {
+                        if s.write_all(&b).await.is_err() {
+                            return;
+                        }
+                    }
+                    return;
+                }
+                let mut reused = Vec::new();
+                while let Ok(len) = s.read_u64_le().await {
+                    reused.resize(len as usize, 0u8);
+                    if s.read_exact(&mut reused).await.is_err() || s.write_all(&[1]).await.is_err() {
+                        return;
+                    }
+                }
+            });
+        }
+    });
+    let small = Frame { method: 2, meta: Bytes::from_static(&[7u8; 16]), payload: Bytes::new() };
+    for _ in 0..200 {
+        conn.call(small.clone(), Duration::from_secs(5)).await?;
+    }
+    eprintln!("READY {}", std::process::id());
+    if std::env::var("OARPROF_WAIT").is_ok() {
+        // Time for a tracer to attach.
+        tokio::time::sleep(Duration::from_secs(2)).await;
+    }
+    let bytes = (n << 20) * 4;
+    match mode.as_str() {
+        "large" => {
+            let payload = Bytes::from(vec![0x3fu8; bytes]);
+            let large = Frame { method: 1, meta: Bytes::new(), payload };
+            conn.call(large.clone(), Duration::from_secs(60)).await?;
+            eprintln!("T0 {:.6}", monotonic());
+            let mut times = Vec::new();
+            for _ in 0..reps {
+                let started = Instant::now();
+                conn.call(large.clone(), Duration::from_secs(60)).await?;
+                times.push(started.elapsed());
+            }
+            eprintln!("T1 {:.6}", monotonic());
+            let (median, rate) = median_rate(times, bytes);
+            eprintln!("large {n}M x{reps}: median {median:?} = {rate:.2} GiB/s");
+        }
+        "tcpbulk" => {
+            let payload = vec![0x3fu8; bytes];
+            let mut s = TcpStream::connect(tcp_addr).await?;
+            s.set_nodelay(true)?;
+            s.write_u64_le(2).await?;
+            let mut times = Vec::new();
+            for _ in 0..=reps {
+                let started = Instant::now();
+                s.write_u64_le(payload.len() as u64).await?;
+                s.write_all(&payload).await?;
+                s.read_exact(&mut [0u8; 1]).await?;
+                times.push(started.elapsed());
+            }
+            times.remove(0);
+            let (median, rate) = median_rate(times, bytes);
+            eprintln!("tcpbulk {n}M: median {median:?} = {rate:.2} GiB/s");
+        }
+        "small" | "tcpecho" => {
+            let mut tcp = None;
+            if mode == "tcpecho" {
+                let mut s = TcpStream::connect(tcp_addr).await?;
+                s.set_nodelay(true)?;
+                s.write_u64_le(0).await?;
+                tcp = Some(s);
+            }
+            eprintln!("T0 {:.6}", monotonic());
+            let started = Instant::now();
+            let mut times = Vec::with_capacity(n);
+            for _ in 0..n {
+                let call = Instant::now();
+                match &mut tcp {
+                    Some(s) => {
+                        let mut b = [7u8; 16];
+                        s.write_all(&b).await?;
+                        s.read_exact(&mut b).await?;
+                    }
+                    None => {
+                        conn.call(small.clone(), Duration::from_secs(5)).await?;
+                    }
+                }
+                times.push(call.elapsed());
+            }
+            let total = started.elapsed();
+            eprintln!("T1 {:.6}", monotonic());
+            let (median, _) = median_rate(times, 0);
+            let mean = total.as_secs_f64() * 1e6 / n.max(1) as f64;
+            eprintln!(
+                "{mode} x{n}: total {total:?}, mean {mean:.1} us, median {:.1} us",
+                median.as_secs_f64() * 1e6
+            );
+        }
+        other => return Err(format!("unknown mode {other:?}: large, small, tcpbulk or tcpecho").into()),
+    }
+    eprintln!("DONE");
+    listener.close();
+    Ok(())
+}
