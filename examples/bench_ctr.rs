@@ -80,6 +80,9 @@
 //!   seconds) spent inside those batches; the rest is start-up, task
 //!   hand-outs and reports, and waiting at pass ends.
 
+#[path = "common/mod.rs"]
+mod common;
+
 use clap::{Parser, ValueEnum};
 use oar::{
     discovery::MemDiscovery,
@@ -89,7 +92,7 @@ use oar::{
         report::{JobReport, Progress},
         JobContext,
     },
-    pserver::{init_row, Mode, Optimizer, OptimizerConfig, ParamBuf, TableSpec},
+    pserver::{init_row, sparse::IdHash, Mode, Optimizer, OptimizerConfig, ParamBuf, TableSpec},
     trainer::{
         eval::evaluate_sparse,
         id_reader::{read_glob_ids, IdReaderOptions},
@@ -100,7 +103,6 @@ use oar::{
 };
 use std::{
     collections::HashMap,
-    hash::{BuildHasherDefault, Hasher},
     io::Write,
     path::{Path, PathBuf},
     process::ExitCode,
@@ -330,7 +332,7 @@ fn run(args: Args) -> Result<ExitCode, BoxError> {
         test_set.len(),
         args.lr
     );
-    println!("machine: {} cores; {}", cores(), load());
+    println!("machine: {} cores; {}", cores(), common::load());
 
     let mut keys = Vec::new();
     for &model in &args.models {
@@ -381,7 +383,7 @@ fn run(args: Args) -> Result<ExitCode, BoxError> {
         "{} repetitions in {:.0} s; machine after: {}",
         args.reps,
         started.elapsed().as_secs_f64(),
-        load()
+        common::load()
     );
 
     println!();
@@ -470,28 +472,6 @@ fn write_copies(source: &Path, out: &Path, copies: usize) -> Result<(), BoxError
     Ok(())
 }
 
-/// A multiply-shift mixer for `u64` ids (the murmur3 finaliser), as the
-/// pserver's table and the trainer's `RowBatch` hash them.
-#[derive(Clone, Copy, Default)]
-struct IdHasher(u64);
-
-impl Hasher for IdHasher {
-    fn write(&mut self, bytes: &[u8]) {
-        for &b in bytes {
-            self.0 = (self.0 ^ u64::from(b)).wrapping_mul(0x0000_0100_0000_01b3);
-        }
-    }
-    fn write_u64(&mut self, id: u64) {
-        let mut z = id ^ self.0;
-        z = (z ^ (z >> 33)).wrapping_mul(0xff51_afd7_ed55_8ccd);
-        z = (z ^ (z >> 33)).wrapping_mul(0xc4ce_b9fe_1a85_ec53);
-        self.0 = z ^ (z >> 33);
-    }
-    fn finish(&self) -> u64 {
-        self.0
-    }
-}
-
 /// A row of a local table: its step, then `dim` values and each optimizer
 /// slot's `dim` values (the pserver's layout).
 struct Row {
@@ -502,7 +482,7 @@ struct Row {
 /// One table of the reference, keyed by id.
 struct LocalTable {
     spec: TableSpec,
-    rows: HashMap<u64, Row, BuildHasherDefault<IdHasher>>,
+    rows: HashMap<u64, Row, IdHash>,
 }
 
 impl LocalTable {
@@ -694,21 +674,6 @@ fn fmt_eps(x: f64) -> String {
     } else {
         format!("{:.1}k", x / 1e3)
     }
-}
-
-/// The load average, and how many `rustc` are running (other sessions
-/// build on the same machine), as `examples/common` reports them.
-fn load() -> String {
-    let avg = std::fs::read_to_string("/proc/loadavg").unwrap_or_default();
-    let avg: Vec<&str> = avg.split_whitespace().take(3).collect();
-    let rustc = std::fs::read_dir("/proc")
-        .map(|d| {
-            d.filter_map(|e| e.ok())
-                .filter(|e| std::fs::read_to_string(e.path().join("comm")).is_ok_and(|c| c.trim() == "rustc"))
-                .count()
-        })
-        .unwrap_or(0);
-    format!("load average {}, {rustc} rustc running", avg.join(" "))
 }
 
 fn cores() -> usize {

@@ -58,6 +58,9 @@
 //!    (peak and final, over the baseline before the table existed) against
 //!    `cap * bytes_per_row`, and the apply rate.
 
+#[path = "common/mod.rs"]
+mod common;
+
 use clap::{Parser, ValueEnum};
 use oar::{
     discovery::{Discovery, MemDiscovery},
@@ -375,20 +378,6 @@ fn cpu_seconds() -> Result<f64, BoxError> {
     }
     let seconds = |t: libc::timeval| t.tv_sec as f64 + t.tv_usec as f64 * 1e-6;
     Ok(seconds(usage.ru_utime) + seconds(usage.ru_stime))
-}
-
-/// The load average and how many `rustc` run (the figures mean little while other builds run).
-fn load() -> String {
-    let avg = std::fs::read_to_string("/proc/loadavg").unwrap_or_default();
-    let avg: Vec<&str> = avg.split_whitespace().take(3).collect();
-    let rustc = std::fs::read_dir("/proc")
-        .map(|d| {
-            d.filter_map(|e| e.ok())
-                .filter(|e| std::fs::read_to_string(e.path().join("comm")).is_ok_and(|c| c.trim() == "rustc"))
-                .count()
-        })
-        .unwrap_or(0);
-    format!("load average {}, {rustc} rustc running", avg.join(" "))
 }
 
 /// A child process and the lines it prints, read on a thread of their own.
@@ -936,7 +925,7 @@ fn parent(args: &Args) -> Result<(), BoxError> {
         args.zipf_s,
         args.universe,
         args.batch,
-        load()
+        common::load()
     );
     println!("{}", check_zipf(args.universe, args.zipf_s)?);
     let mut verdicts = Vec::new();
@@ -1071,7 +1060,7 @@ fn parent(args: &Args) -> Result<(), BoxError> {
         }
     }
 
-    println!("\n{}", load());
+    println!("\n{}", common::load());
     for v in verdicts {
         println!("verdict: {v}");
     }

@@ -101,6 +101,9 @@
 //! (B over the A or A64 run of the same repetition, B+ over A), medians
 //! quoted.
 
+#[path = "common/mod.rs"]
+mod common;
+
 use clap::{Parser, ValueEnum};
 use oar::{
     discovery::MemDiscovery,
@@ -231,14 +234,14 @@ fn main() -> Result<(), BoxError> {
     }
     let lines = source_lines(&args.source)?;
     let dir = tempfile::tempdir()?;
-    println!("machine: {} cores; {}", cores(), load());
+    println!("machine: {} cores; {}", cores(), common::load());
     if args.only.contains(&Part::Latency) {
         latency(&args, &lines, dir.path())?;
     }
     if args.only.contains(&Part::Throughput) {
         throughput(&args, dir.path())?;
     }
-    println!("machine after: {}", load());
+    println!("machine after: {}", common::load());
     Ok(())
 }
 
@@ -1099,18 +1102,4 @@ fn fmt_eps(x: f64) -> String {
 
 fn cores() -> usize {
     std::thread::available_parallelism().map(|n| n.get()).unwrap_or(1)
-}
-
-/// The load average, and how many `rustc` run (other sessions build on this machine).
-fn load() -> String {
-    let avg = fs::read_to_string("/proc/loadavg").unwrap_or_default();
-    let avg: Vec<&str> = avg.split_whitespace().take(3).collect();
-    let rustc = fs::read_dir("/proc")
-        .map(|d| {
-            d.filter_map(|e| e.ok())
-                .filter(|e| fs::read_to_string(e.path().join("comm")).is_ok_and(|c| c.trim() == "rustc"))
-                .count()
-        })
-        .unwrap_or(0);
-    format!("load average {}, {rustc} rustc running", avg.join(" "))
 }

@@ -272,9 +272,10 @@ pub fn row_bytes(dim: usize, state_slots: usize) -> usize {
 }
 
 /// Hashes `u64` ids with the SplitMix64 mixer: fast, and spread well in
-/// every bit (the index uses both the low and the high bits).
+/// every bit (the index uses both the low and the high bits). Ids come from
+/// the job's own data, so hash flooding is not a concern. Built by [`IdHash`].
 #[derive(Clone, Copy, Debug, Default)]
-struct IdHasher(u64);
+pub struct IdHasher(u64);
 
 impl Hasher for IdHasher {
     fn write(&mut self, bytes: &[u8]) {
@@ -293,8 +294,10 @@ impl Hasher for IdHasher {
     }
 }
 
+/// The [`BuildHasher`] of [`IdHasher`], for maps keyed by row id (the
+/// tables' index, a trainer's `RowBatch`).
 #[derive(Clone, Copy, Debug, Default)]
-struct IdHash;
+pub struct IdHash;
 
 impl BuildHasher for IdHash {
     type Hasher = IdHasher;

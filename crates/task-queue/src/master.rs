@@ -838,7 +838,9 @@ async fn poller(discovery: Arc<dyn Discovery>, shared: Arc<Shared>, stream: Stre
             status.position = polled.position.clone();
         }
         let now = Instant::now();
-        if !polled.chunks.is_empty() || polled.mark != mark || closed {
+        // Only an append changes what is stored; the rest is status.
+        let appended = !polled.chunks.is_empty() || polled.mark != mark || closed;
+        if appended {
             let tasks = tasks_of(polled.chunks, chunks_per_task);
             match core.queue.append(tasks, polled.mark.0, closed) {
                 Ok(ids) => {
@@ -860,7 +862,7 @@ async fn poller(discovery: Arc<dyn Discovery>, shared: Arc<Shared>, stream: Stre
             status.oldest_open_seconds = oldest;
             status.backlog = backlog;
         }
-        shared.changed(&mut core, true);
+        shared.changed(&mut core, appended);
     }
 }
 

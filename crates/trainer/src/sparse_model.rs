@@ -11,9 +11,8 @@
 //! second `RowBatch` with the same ids.
 
 use std::collections::HashMap;
-use std::hash::{BuildHasherDefault, Hasher};
 
-use oar_pserver::sparse::TableSpec;
+use oar_pserver::sparse::{IdHash, TableSpec};
 use oar_pserver::{ParamBuf, ParamSpec};
 
 use crate::id_reader::IdExample;
@@ -37,7 +36,7 @@ struct Rows {
     dim: usize,
     ids: Vec<u64>,
     values: Vec<f32>,
-    index: HashMap<u64, usize, BuildHasherDefault<IdHasher>>,
+    index: HashMap<u64, usize, IdHash>,
 }
 
 impl Rows {
@@ -146,32 +145,6 @@ impl RowBatch {
         for rows in &mut self.tables {
             rows.values.fill(v);
         }
-    }
-}
-
-/// A hasher for `u64` ids: the murmur3 64-bit finaliser, a bijection whose
-/// output bits each depend on every input bit, far cheaper than SipHash.
-/// Ids come from the job's own data, so hash flooding is not a concern.
-#[derive(Clone, Copy, Debug, Default)]
-struct IdHasher(u64);
-
-impl Hasher for IdHasher {
-    fn write(&mut self, bytes: &[u8]) {
-        // Only `write_u64` is used for u64 keys; this keeps other keys correct.
-        for &b in bytes {
-            self.0 = (self.0 ^ u64::from(b)).wrapping_mul(0x0000_0100_0000_01b3);
-        }
-    }
-
-    fn write_u64(&mut self, id: u64) {
-        let mut z = id ^ self.0;
-        z = (z ^ (z >> 33)).wrapping_mul(0xff51_afd7_ed55_8ccd);
-        z = (z ^ (z >> 33)).wrapping_mul(0xc4ce_b9fe_1a85_ec53);
-        self.0 = z ^ (z >> 33);
-    }
-
-    fn finish(&self) -> u64 {
-        self.0
     }
 }
 
