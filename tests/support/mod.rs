@@ -261,20 +261,41 @@ impl Proc {
     /// Whether its last task event is "got task": it is training (a
     /// trainer logs "reporting task" before it sends a report).
     pub fn mid_task(&self) -> bool {
+        self.last_of(&["got task", "reporting task"]) == Some("got task")
+    }
+
+    /// Whether its log says it is in the middle of a task some of whose
+    /// gradients the pservers acknowledged.
+    pub fn mid_task_pushed(&self) -> bool {
+        let first = "first gradients of the task applied";
+        self.last_of(&["got task", "reporting task", first]) == Some(first)
+    }
+
+    /// Which of `marks` its log shows last.
+    fn last_of<'a>(&self, marks: &[&'a str]) -> Option<&'a str> {
         let err = self.stderr();
-        let last = err.lines().rev().find(|l| l.contains("got task") || l.contains("reporting task"));
-        last.is_some_and(|l| l.contains("got task"))
+        err.lines().rev().find_map(|l| marks.iter().find(|m| l.contains(*m)).copied())
     }
 
     /// Leave this trainer stopped (SIGSTOP) in the middle of a task: stop
     /// it, look, let it run a little if it was between tasks, try again;
     /// panics if it exits or is never caught within `timeout`.
     pub fn stop_mid_task(&mut self, timeout: Duration) {
+        self.stop_when(timeout, Self::mid_task)
+    }
+
+    /// [`stop_mid_task`](Self::stop_mid_task), caught once some of the
+    /// task's gradients were applied.
+    pub fn stop_mid_task_pushed(&mut self, timeout: Duration) {
+        self.stop_when(timeout, Self::mid_task_pushed)
+    }
+
+    fn stop_when(&mut self, timeout: Duration, state: fn(&Self) -> bool) {
         let caught = wait_until(timeout, || {
             assert!(self.wait(Duration::ZERO).is_none(), "{} ended first\n{}", self.name, self.dump());
             self.signal("STOP");
             std::thread::sleep(Duration::from_millis(100));
-            let caught = self.mid_task();
+            let caught = state(self);
             if !caught {
                 self.signal("CONT");
                 std::thread::sleep(Duration::from_millis(37));

@@ -82,6 +82,7 @@ impl Pusher {
                 step: 0,
                 weight: 1.0,
                 rows: Vec::new(),
+                origin: None,
             };
             let t = Instant::now();
             let reply = call(

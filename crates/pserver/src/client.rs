@@ -38,7 +38,7 @@ use crate::{
     error::{ServiceError as Error, ServiceResult as Result},
     protocol::{BlockSpan, PsReply, PsRequest, PulledShard, ShardRows, TableRows, PSERVER_METHOD},
     topology::TopologyWatch,
-    ParamBuf, Placement, PserverKeys, PushOutcome,
+    Origin, ParamBuf, Placement, PserverKeys, PushOutcome,
 };
 use oar_discovery::Discovery;
 use oar_transport::{Connection, RetryPolicy, Transport};
@@ -68,6 +68,8 @@ pub struct PserverClient {
     inner: Arc<Inner>,
     shards: Vec<ShardState>,
     max_part_bytes: usize,
+    /// The origin the next pushes carry ([`set_origin`](Self::set_origin)).
+    origin: Option<Origin>,
 }
 
 /// How a [`PserverClient`] finds and calls the pservers.
@@ -140,6 +142,8 @@ struct ShardState {
     epoch: u64,
     /// Pushes the shard acknowledged as taken (not stale).
     acknowledged: u64,
+    /// Pushes the shard answered [`PushOutcome::AppliedBefore`].
+    applied_before: u64,
 }
 
 /// What a push did, over all shards.
@@ -177,6 +181,7 @@ impl PserverClient {
             inner: Arc::new(inner),
             shards: vec![ShardState::default(); servers],
             max_part_bytes: options.max_part_bytes.max(1),
+            origin: None,
         }
     }
 
@@ -353,36 +358,43 @@ impl PserverClient {
                     step: state.pulled_step,
                     weight,
                     rows,
+                    origin: self.origin,
                 }
             })
             .collect();
         let replies = self.exchange(&parts, calls, Some(grads), &extra, None).await?;
         // Per shard: stale if any part was; else taken if any part was (the
-        // rest were retries of parts already taken).
-        let mut outcomes: Vec<(u32, Option<u64>, bool)> = Vec::new();
+        // rest were retries of parts already taken); applied before if
+        // every part was.
+        let mut outcomes: Vec<(u32, Option<u64>, bool, bool)> = Vec::new();
         for (part, reply) in replies {
             let index = part.index;
-            let (stale, taken) = match reply {
-                PsReply::Pushed(PushOutcome::Applied { .. } | PushOutcome::Buffered { .. }) => (None, true),
-                PsReply::Pushed(PushOutcome::Duplicate) => (None, false),
-                PsReply::Stale { current } => (Some(current), false),
+            let (stale, taken, before) = match reply {
+                PsReply::Pushed(PushOutcome::Applied { .. } | PushOutcome::Buffered { .. }) => {
+                    (None, true, false)
+                }
+                PsReply::Pushed(PushOutcome::Duplicate) => (None, false, false),
+                PsReply::Pushed(PushOutcome::AppliedBefore) => (None, false, true),
+                PsReply::Stale { current } => (Some(current), false, false),
                 other => {
                     return Err(Error::Protocol(format!("shard {index} answered a push with {other:?}")))
                 }
             };
             match outcomes.last_mut() {
-                Some((i, s, t)) if *i == index => {
+                Some((i, s, t, b)) if *i == index => {
                     *s = s.or(stale);
                     *t |= taken;
+                    *b &= before;
                 }
-                _ => outcomes.push((index, stale, taken)),
+                _ => outcomes.push((index, stale, taken, before)),
             }
         }
         let mut result = PushResult::Accepted;
-        for (index, stale, taken) in outcomes {
+        for (index, stale, taken, before) in outcomes {
             let shard = &mut self.shards[index as usize];
             shard.seq += 1;
             shard.acknowledged += u64::from(stale.is_none());
+            shard.applied_before += u64::from(before);
             if let Some(current) = stale {
                 tracing::debug!(index, current, "stale sync push");
                 shard.next_step = None;
@@ -427,26 +439,32 @@ impl PserverClient {
                 seq: self.shards[part.index as usize].seq,
                 weight,
                 rows,
+                origin: self.origin,
             })
             .collect();
         let replies = self.exchange(&parts, calls, Some(grads), &extra, Some(params)).await?;
-        let mut steps: Vec<(u32, u64)> = Vec::new();
+        let mut steps: Vec<(u32, u64, bool)> = Vec::new();
         for (part, reply) in replies {
-            let PsReply::PushedPulled { step, .. } = reply else {
+            let PsReply::PushedPulled { step, outcome } = reply else {
                 return Err(Error::Protocol(format!(
                     "shard {} answered a push-pull with {reply:?}",
                     part.index
                 )));
             };
+            let before = outcome == PushOutcome::AppliedBefore;
             match steps.last_mut() {
-                Some((index, at)) if *index == part.index => *at = (*at).min(step),
-                _ => steps.push((part.index, step)),
+                Some((index, at, b)) if *index == part.index => {
+                    *at = (*at).min(step);
+                    *b &= before;
+                }
+                _ => steps.push((part.index, step, before)),
             }
         }
-        for (index, step) in steps {
+        for (index, step, before) in steps {
             let shard = &mut self.shards[index as usize];
             shard.seq += 1;
             shard.acknowledged += 1;
+            shard.applied_before += u64::from(before);
             shard.next_step = None;
             self.pulled(index, step);
         }
@@ -619,6 +637,22 @@ impl PserverClient {
     /// of this trainer.
     pub fn acknowledged(&self, shard: u32) -> u64 {
         self.shards.get(shard as usize).map_or(0, |s| s.acknowledged)
+    }
+
+    /// Pushes, summed over the shards, that a shard answered
+    /// [`PushOutcome::AppliedBefore`]: their examples were applied already
+    /// (see [`set_origin`](Self::set_origin)).
+    pub fn applied_before(&self) -> u64 {
+        self.shards.iter().map(|s| s.applied_before).sum()
+    }
+
+    /// The origin the pushes from now on carry, until set again: which
+    /// examples of which task their gradient comes from. A shard applies
+    /// the examples of an origin once, whoever pushes them (see
+    /// [`crate::origin`]); a trainer sets it before each push. `None` (the
+    /// default): pushes are deduplicated by trainer and seq only.
+    pub fn set_origin(&mut self, origin: Option<Origin>) {
+        self.origin = origin;
     }
 
     /// [`acknowledged`](Self::acknowledged) of every shard that took any.

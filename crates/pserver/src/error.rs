@@ -140,6 +140,45 @@ pub enum Error {
         /// The push's sequence number.
         seq: u64,
     },
+    /// A push's examples overlap examples of its task already applied
+    /// without being all applied (see [`crate::origin`]).
+    #[error(
+        "examples {start}..{end} of task {task} (pass {pass}) overlap examples {applied_start}..{applied_end} already applied: do the job's trainers use different batch sizes or push cadences?",
+        task = .task.task, pass = .task.pass
+    )]
+    OriginOverlap {
+        /// The task.
+        task: crate::origin::TaskKey,
+        /// The push's first example.
+        start: u32,
+        /// One past its last.
+        end: u32,
+        /// The applied range it overlaps.
+        applied_start: u32,
+        /// One past its last example.
+        applied_end: u32,
+    },
+    /// Some of a part's units were applied under its origin and some were
+    /// not: the parts are cut differently from the first push's.
+    #[error("a part of examples {start}..{end} of task {task} (pass {pass}) is half applied already: its parts are cut differently from the first push's", task = .task.task, pass = .task.pass)]
+    OriginPartOverlap {
+        /// The task.
+        task: crate::origin::TaskKey,
+        /// The push's first example.
+        start: u32,
+        /// One past its last.
+        end: u32,
+    },
+    /// An origin with an empty or reversed range of examples.
+    #[error("examples {start}..{end} of task {task} (pass {pass}): an origin names at least one example", task = .task.task, pass = .task.pass)]
+    EmptyOrigin {
+        /// The task.
+        task: crate::origin::TaskKey,
+        /// The push's first example.
+        start: u32,
+        /// One past its last.
+        end: u32,
+    },
     /// A gradient's length does not match its block.
     #[error(
         "push from trainer {trainer:?}: gradient for block {block} has {got} values, expected {expected}"

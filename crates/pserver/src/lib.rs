@@ -114,7 +114,7 @@
 //!
 //! // A trainer pushes a gradient of ones for every block of this shard.
 //! let grads = placement.blocks_on(1).map(|b| (b.id, vec![1.0; b.len].into())).collect();
-//! let push = Push { trainer: "trainer-0".into(), seq: 1, step: 0, weight: 1.0, grads, rows: Vec::new() };
+//! let push = Push { trainer: "trainer-0".into(), seq: 1, step: 0, weight: 1.0, grads, rows: Vec::new(), origin: None };
 //! assert_eq!(store.push(push.clone())?, PushOutcome::Applied { step: 1 });
 //! // A retry of the same push is not applied twice.
 //! assert_eq!(store.push(push)?, PushOutcome::Duplicate);
@@ -137,6 +137,7 @@ pub mod client;
 pub mod coordinator;
 pub mod error;
 pub mod optimizer;
+pub mod origin;
 pub mod placement;
 #[cfg(feature = "service")]
 pub mod protocol;
@@ -162,6 +163,7 @@ pub use error::{ServiceError, ServiceResult};
 pub use optimizer::{
     AdaGrad, Adam, Momentum, Optimizer, OptimizerConfig, OptimizerState, Sgd, OPTIMIZER_NAMES,
 };
+pub use origin::{AppliedOrigins, Origin, TaskKey};
 pub use placement::{BlockInfo, Placement};
 pub use rng::{hash_str, SplitMix64};
 #[cfg(feature = "service")]

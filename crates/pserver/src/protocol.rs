@@ -19,7 +19,7 @@
 //! under itself, so a deposed primary (an older map) is refused, and one
 //! that is ahead is asked to wait until the other sees its map.
 
-use crate::{block::BlockId, Mode, PushOutcome};
+use crate::{block::BlockId, AppliedOrigins, Mode, Origin, PushOutcome};
 use serde::{Deserialize, Serialize};
 
 /// The transport method number of every pserver call (the request enum says which).
@@ -93,6 +93,9 @@ pub enum PsRequest {
         /// only, see [`crate::Push`]); their values follow the blocks' in
         /// the payload.
         rows: Vec<TableRows>,
+        /// Which examples of which task the gradient comes from, if known
+        /// ([`crate::origin`]).
+        origin: Option<Origin>,
     },
     /// The parameters of the blocks `blocks` of `shard`.
     Pull {
@@ -125,6 +128,8 @@ pub enum PsRequest {
         weight: f32,
         /// Row gradients, as in [`PsRequest::Push`] (pushed, not pulled back).
         rows: Vec<TableRows>,
+        /// As in [`PsRequest::Push`].
+        origin: Option<Origin>,
     },
     /// Rows of sparse tables, of every shard named that this pserver is
     /// the primary of: one call per pserver for a batch's rows. Answered
@@ -293,6 +298,8 @@ pub enum UpdateKind {
         blocks: Vec<BlockId>,
         /// Its row gradients, after the blocks in the payload.
         rows: Vec<TableRows>,
+        /// Its origin, if it had one.
+        origin: Option<Origin>,
     },
     /// A trainer joined the barrier.
     Join(String),
@@ -310,6 +317,8 @@ pub enum UpdateKind {
         /// The (trainer, seq) of every push the step took, so that the
         /// followers deduplicate a retried push as the primary does.
         seqs: Vec<(String, u64)>,
+        /// The origins of the pushes it took, with their units.
+        origins: Vec<(Origin, Vec<u32>)>,
     },
 }
 
@@ -444,6 +453,8 @@ pub enum PsReply {
         blocks: Vec<(BlockId, u64)>,
         /// The deduplication table (trainer, last seq).
         last_seqs: Vec<(String, u64)>,
+        /// The origins applied (boxed: most replies are small).
+        origins: Box<AppliedOrigins>,
         /// How many parts of the snapshot hold sparse table rows (they
         /// come after the block parts).
         row_parts: u32,

@@ -110,7 +110,8 @@ impl History {
 /// One update as a primary forwards it.
 #[derive(Clone, Debug, PartialEq)]
 pub enum Update {
-    /// Async: a push the primary applied, as it came.
+    /// Async: a push the primary applied (or took as applied before, see
+    /// [`PushOutcome::AppliedBefore`]), as it came.
     Push(Push),
     /// A trainer joined the barrier.
     Join(String),
@@ -152,7 +153,9 @@ pub enum Applied {
 pub fn apply_update(store: &mut ParamStore, update: Update) -> Result<()> {
     match update {
         Update::Push(push) => match store.push(push)? {
-            PushOutcome::Applied { .. } | PushOutcome::Buffered { .. } => Ok(()),
+            // Applied before: the primary found the same (it forwards such
+            // pushes so that the replicas record the trainer's seq too).
+            PushOutcome::Applied { .. } | PushOutcome::Buffered { .. } | PushOutcome::AppliedBefore => Ok(()),
             PushOutcome::Duplicate => Err(Error::Replication(
                 "a forwarded push was one the replica had already taken: it has drifted from its primary"
                     .into(),
@@ -292,6 +295,8 @@ pub struct SnapshotPart {
     pub blocks: Vec<(BlockId, Vec<f32>, OptimizerState)>,
     /// The deduplication table (trainer, last seq): every part carries it.
     pub last_seqs: Vec<(String, u64)>,
+    /// The origins applied ([`crate::origin`]): every part carries them.
+    pub origins: crate::AppliedOrigins,
     /// How many row parts the snapshot has (every part says it).
     pub row_parts: u32,
     /// A row part's rows of one sparse table.
@@ -336,6 +341,7 @@ pub fn snapshot_parts(
         members: snapshot.members().to_vec(),
         blocks,
         last_seqs: last_seqs.clone(),
+        origins: snapshot.origins().clone(),
         row_parts: 0,
         rows: None,
     };
@@ -434,6 +440,7 @@ impl CatchUp {
             members,
             blocks,
             last_seqs,
+            origins,
             row_parts,
             rows,
         } = part;
@@ -508,6 +515,7 @@ impl CatchUp {
         for (trainer, seq) in last_seqs {
             self.store.restore_last_seq(&trainer, seq);
         }
+        self.store.restore_origins(&origins);
         if self.step.is_none() {
             self.store.set_step(step);
             self.store.set_pushes(pushes);

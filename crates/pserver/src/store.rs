@@ -9,6 +9,7 @@ use std::sync::{Arc, Mutex, PoisonError};
 use crate::block::BlockId;
 use crate::error::{Error, Result};
 use crate::optimizer::{Optimizer, OptimizerState};
+use crate::origin::{AppliedOrigins, Origin, Seen};
 use crate::placement::Placement;
 use crate::sparse::{row_shard, row_shard_hashed, SparseTable, TableSnapshot, MAX_ROWS_PER_CALL};
 use crate::spec::init_values;
@@ -160,6 +161,11 @@ pub struct Push {
     /// Row gradients per sparse table, each table at most once (see above:
     /// only in the first part; empty in a job without tables).
     pub rows: Vec<RowGrads>,
+    /// Which examples of which task the gradient comes from, if the trainer
+    /// says: a push of examples already applied (by a trainer that died in
+    /// the middle of the task, say) is a duplicate, whatever its trainer
+    /// and seq ([`crate::origin`]).
+    pub origin: Option<Origin>,
 }
 
 /// What a push did.
@@ -182,6 +188,13 @@ pub enum PushOutcome {
     },
     /// A retry of a push already accepted: nothing changed.
     Duplicate,
+    /// Async: the examples its gradient comes from were applied already,
+    /// by another push of the same origin (another trainer's, before it
+    /// died) or their task is finished ([`crate::origin`]): taken (and
+    /// counted, in the step and the pushes, as a push is) but no parameter
+    /// changed. Sync, such a push takes its place in the step with no
+    /// weight, and is answered as any other.
+    AppliedBefore,
 }
 
 /// A held block.
@@ -247,6 +260,8 @@ pub struct StoreSnapshot {
     tables: Vec<TableSnapshot>,
     /// Sorted by trainer, so the same state always gives the same bytes.
     last_seqs: Vec<(String, u64)>,
+    /// The origins applied (see [`crate::origin`]).
+    origins: AppliedOrigins,
     /// Where the blocks only this snapshot holds go when it is dropped.
     spares: Spares,
 }
@@ -311,6 +326,11 @@ impl StoreSnapshot {
     /// The last accepted seq of every trainer seen, sorted by trainer.
     pub fn last_seqs(&self) -> impl ExactSizeIterator<Item = (&str, u64)> + '_ {
         self.last_seqs.iter().map(|(t, s)| (t.as_str(), *s))
+    }
+
+    /// The origins applied, as the parameters hold them.
+    pub fn origins(&self) -> &AppliedOrigins {
+        &self.origins
     }
 
     /// The sparse tables' rows and statistics, in [`Placement::tables`] order.
@@ -391,6 +411,11 @@ pub struct ParamStore {
     step_prev_seqs: HashMap<String, Option<u64>>,
     /// Last accepted seq per trainer.
     last_seq: HashMap<String, u64>,
+    /// The origins applied (see [`crate::origin`]).
+    origins: AppliedOrigins,
+    /// Sync: the origins of the pushes taken for the current step, with
+    /// their units; applied (and recorded) when the step completes.
+    step_origins: Vec<(Origin, Vec<usize>)>,
     /// The units (blocks, then rows) taken so far of a trainer's last push,
     /// while some are missing.
     partial: HashMap<String, Vec<bool>>,
@@ -419,6 +444,9 @@ pub struct CompletedStep {
     /// records them, so a push retried on it once it is primary is a
     /// duplicate there too.
     pub seqs: Vec<(String, u64)>,
+    /// The origins of the pushes it took, with their units (held block
+    /// indices, then the rows): a follower records them too.
+    pub origins: Vec<(Origin, Vec<u32>)>,
 }
 
 #[derive(Debug, Default)]
@@ -520,6 +548,8 @@ impl ParamStore {
             step_seqs: HashMap::new(),
             step_prev_seqs: HashMap::new(),
             last_seq: HashMap::new(),
+            origins: AppliedOrigins::default(),
+            step_origins: Vec::new(),
             partial: HashMap::new(),
             scratch: Vec::new(),
             spares: Spares::default(),
@@ -618,6 +648,7 @@ impl ParamStore {
             blocks: self.held.iter().map(|h| (h.id, h.data.clone())).collect(),
             tables: self.tables.iter().map(SparseTable::snapshot).collect(),
             last_seqs,
+            origins: self.origins.clone(),
             spares: self.spares.clone(),
         })
     }
@@ -680,7 +711,7 @@ impl ParamStore {
     /// mode, the step, a second push for the same step, and a newcomer
     /// while the step is underway. Any error leaves the store unchanged.
     pub fn push(&mut self, push: Push) -> Result<PushOutcome> {
-        let Push { trainer, seq, step, weight, grads, rows } = push;
+        let Push { trainer, seq, step, weight, grads, rows, origin } = push;
         let last = self.last_seq.get(&trainer).copied();
         let continues = last == Some(seq);
         if last.is_some_and(|last| seq < last) || (continues && !self.partial.contains_key(&trainer)) {
@@ -701,7 +732,22 @@ impl ParamStore {
                 return Err(Error::PartOverlap { trainer, seq });
             }
         }
+        let seen = match &origin {
+            Some(o) => self.origin_seen(o, &units)?,
+            None => Seen::New,
+        };
         match self.mode {
+            Mode::Async if seen == Seen::Applied => {
+                // Applied already, under another trainer or seq: take it
+                // (so its retries are duplicates too) and count it as a push
+                // taken, but change no parameter. Forwarded to followers like
+                // any push taken.
+                if self.take(&trainer, seq, units.into_iter()) {
+                    self.step += 1;
+                    self.pushes += 1;
+                }
+                Ok(PushOutcome::AppliedBefore)
+            }
             Mode::Async => {
                 let mut scratch = Vec::new();
                 for (i, g) in &grads {
@@ -713,6 +759,10 @@ impl ParamStore {
                     table.apply(&r.ids, r.grads.floats(&mut scratch), self.step, self.optimizer.as_ref());
                 }
                 self.join(&trainer);
+                if let Some(o) = &origin {
+                    let n = self.units();
+                    self.origins.record(o, units.iter().copied(), n);
+                }
                 if self.take(&trainer, seq, units.into_iter()) {
                     self.step += 1;
                     self.pushes += 1;
@@ -737,10 +787,22 @@ impl ParamStore {
                 self.step_prev_seqs.entry(trainer.clone()).or_insert(last);
                 self.step_seqs.insert(trainer.clone(), seq);
                 self.take(&trainer, seq, units.iter().copied());
+                // A push of examples applied already still takes its place
+                // in the barrier (the others wait for it), with no weight.
+                let weight = match (seen, origin) {
+                    (Seen::Applied, _) => 0.0,
+                    (Seen::New, Some(o)) => {
+                        self.step_origins.push((o, units.clone()));
+                        weight
+                    }
+                    (_, None) => weight,
+                };
                 for (i, g) in grads {
+                    let g = if weight == 0.0 { Grad::Floats(vec![0.0; g.len()]) } else { g };
                     self.pending[i].insert(trainer.clone(), (weight, g));
                 }
                 if let Some(rows) = rows {
+                    let rows = if weight == 0.0 { Vec::new() } else { rows };
                     self.pending_rows.insert(trainer.clone(), (weight, rows));
                 }
                 if self.settle(units) {
@@ -777,7 +839,7 @@ impl ParamStore {
     /// step may be underway, and every gradient must be for a held block,
     /// once, of the right length and finite; else nothing changes.
     pub fn apply_step(&mut self, completed: CompletedStep) -> Result<()> {
-        let CompletedStep { step, grads, seqs, rows } = completed;
+        let CompletedStep { step, grads, seqs, rows, origins } = completed;
         if self.mode != Mode::Sync {
             return Err(Error::Replication(format!("step {step}: an async store takes pushes, not steps")));
         }
@@ -788,8 +850,9 @@ impl ParamStore {
                 self.step_underway()
             )));
         }
-        let grads = grads.into_iter().map(|(id, g)| (id, Grad::Floats(g))).collect();
-        let grads = self.check_grads("the primary", 1.0, grads)?;
+        let grads: Vec<(BlockId, Grad)> = grads.into_iter().map(|(id, g)| (id, Grad::Floats(g))).collect();
+        // A step of pushes all applied before updates nothing.
+        let grads = if grads.is_empty() { Vec::new() } else { self.check_grads("the primary", 1.0, grads)? };
         self.check_row_grads("the primary", &rows)?;
         let mut scratch = Vec::new();
         for (i, g) in &grads {
@@ -803,6 +866,10 @@ impl ParamStore {
         self.pushes += seqs.len() as u64;
         for (trainer, seq) in seqs {
             self.restore_last_seq(&trainer, seq);
+        }
+        let n = self.units();
+        for (o, units) in origins {
+            self.origins.record(&o, units.into_iter().map(|u| u as usize), n);
         }
         self.step += 1;
         Ok(())
@@ -857,11 +924,49 @@ impl ParamStore {
         self.updated_count = 0;
         self.step_seqs.clear();
         self.step_prev_seqs.clear();
+        self.step_origins.clear();
         self.members.append(&mut self.joining);
         if let Some(r) = &mut self.recording {
             r.current.clear();
             r.current_rows.clear();
         }
+    }
+
+    /// The origins applied (see [`crate::origin`]).
+    pub fn origins(&self) -> &AppliedOrigins {
+        &self.origins
+    }
+
+    /// Take in the origins a checkpoint or a primary's snapshot applied
+    /// (with the parameters restored from it).
+    pub fn restore_origins(&mut self, origins: &AppliedOrigins) {
+        self.origins.merge(origins);
+    }
+
+    /// Whether the examples of a push from `origin` with `units` are applied
+    /// already: in the store, or (sync) in a push taken for this step.
+    fn origin_seen(&self, origin: &Origin, units: &[usize]) -> Result<Seen> {
+        if self.origins.check(origin, units)? == Seen::Applied {
+            return Ok(Seen::Applied);
+        }
+        for (taken, taken_units) in &self.step_origins {
+            if taken.task != origin.task || taken.end <= origin.start || origin.end <= taken.start {
+                continue;
+            }
+            let (task, start, end) = (origin.task, origin.start, origin.end);
+            if (taken.start, taken.end) != (start, end) {
+                let (applied_start, applied_end) = (taken.start, taken.end);
+                return Err(Error::OriginOverlap { task, start, end, applied_start, applied_end });
+            }
+            let again = units.iter().filter(|u| taken_units.contains(u)).count();
+            if again == units.len() {
+                return Ok(Seen::Applied);
+            }
+            if again > 0 {
+                return Err(Error::OriginPartOverlap { task, start, end });
+            }
+        }
+        Ok(Seen::New)
     }
 
     /// The last accepted seq of every trainer seen (for checkpoints, so
@@ -1035,7 +1140,16 @@ impl ParamStore {
                 let mut seqs: Vec<(String, u64)> =
                     self.step_seqs.iter().map(|(t, &s)| (t.clone(), s)).collect();
                 seqs.sort_unstable();
-                r.completed.push(CompletedStep { step: self.step, grads, seqs, rows });
+                let origins = self
+                    .step_origins
+                    .iter()
+                    .map(|(o, units)| (*o, units.iter().map(|&u| u as u32).collect()))
+                    .collect();
+                r.completed.push(CompletedStep { step: self.step, grads, seqs, rows, origins });
+            }
+            let n = self.units();
+            for (o, units) in std::mem::take(&mut self.step_origins) {
+                self.origins.record(&o, units, n);
             }
             self.step += 1;
             self.pushes += self.step_seqs.len() as u64;
@@ -1055,6 +1169,12 @@ impl ParamStore {
         let mut grads = pushed.values();
         let Some((first_weight, first)) = grads.next() else { return };
         let total = pushed.values().fold(0.0, |t, (w, _)| t + w);
+        if total == 0.0 {
+            // Every push of it was of examples applied already.
+            self.updated[i] = true;
+            self.updated_count += 1;
+            return;
+        }
         let mut decoded = Vec::new();
         let acc = &mut self.scratch;
         acc.clear();
@@ -1091,6 +1211,12 @@ impl ParamStore {
     /// before a failover or a move included.
     pub fn row_updates(&self) -> u64 {
         self.tables.iter().map(|t| t.snapshot().records().map(|r| r.step).sum::<u64>()).sum()
+    }
+
+    /// Rows this shard's tables hold (rows come to be with their first
+    /// update; a pull creates none).
+    pub fn rows_held(&self) -> u64 {
+        self.tables.iter().map(|t| t.len() as u64).sum()
     }
 
     /// Table `table`, to restore rows into (from a checkpoint or a snapshot).
@@ -1319,7 +1445,7 @@ mod tests {
             .blocks()
             .map(|(id, p, _)| (id, Grad::Floats((0..p.len()).map(|i| f(id, i)).collect())))
             .collect();
-        Push { trainer: trainer.into(), seq, step, weight, grads, rows: Vec::new() }
+        Push { trainer: trainer.into(), seq, step, weight, grads, rows: Vec::new(), origin: None }
     }
 
     fn snapshot(store: &ParamStore) -> Vec<Vec<f32>> {

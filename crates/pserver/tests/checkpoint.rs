@@ -44,7 +44,7 @@ fn push(st: &ParamStore, trainer: &str, seq: u64, seed: u64) -> Push {
             (id, g.into())
         })
         .collect();
-    Push { trainer: trainer.into(), seq, step: st.step(), weight: 1.0, grads, rows: Vec::new() }
+    Push { trainer: trainer.into(), seq, step: st.step(), weight: 1.0, grads, rows: Vec::new(), origin: None }
 }
 
 /// Everything a checkpoint carries, floats as bits so the comparison is exact.

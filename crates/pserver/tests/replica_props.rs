@@ -117,6 +117,8 @@ struct Job {
     history: Vec<frozen::Frozen>,
     seqs: [u64; TRAINERS.len()],
     last_push: [Option<Push>; TRAINERS.len()],
+    /// New pushes carry an origin (most of the time).
+    origins: bool,
     /// Sync: the step of each trainer's last part, and the block after it.
     next_block: [(u64, usize); TRAINERS.len()],
     replicas: Vec<Replica>,
@@ -163,6 +165,7 @@ impl Job {
             history,
             seqs: [0; TRAINERS.len()],
             last_push: Default::default(),
+            origins: true,
             next_block: Default::default(),
             replicas,
         }
@@ -234,13 +237,16 @@ impl Job {
                     weight: 1.0 + trainer as f32,
                     grads,
                     rows: Vec::new(),
+                    origin: if self.origins { frozen::origin(&mut rng) } else { None },
                 }
             }
         };
         self.last_push[trainer] = Some(push.clone());
         let outcome = self.primary.push(push.clone());
         match (self.mode, outcome) {
-            (Mode::Async, Ok(PushOutcome::Applied { .. })) => self.record(Update::Push(push)),
+            (Mode::Async, Ok(PushOutcome::Applied { .. } | PushOutcome::AppliedBefore)) => {
+                self.record(Update::Push(push))
+            }
             (Mode::Async, Ok(PushOutcome::Buffered { .. })) => {
                 return Err(TestCaseError::fail("an async store buffered a push"))
             }
@@ -427,12 +433,14 @@ impl Job {
                                 weight: 1.0,
                                 grads: vec![(id, Grad::Floats(vec![0.5; len + 1]))],
                                 rows: Vec::new(),
+                                origin: None,
                             }),
                             Mode::Sync => Update::Step(oar_pserver::CompletedStep {
                                 step: follower.store().step(),
                                 grads: vec![(id, vec![0.5; len + 1])],
                                 seqs: Vec::new(),
                                 rows: Vec::new(),
+                                origins: Vec::new(),
                             }),
                         };
                         "length"
@@ -544,6 +552,8 @@ impl Job {
             return Err(TestCaseError::fail("replica 0 does not follow"));
         };
         let (mut promoted, _, _) = follower.promote(EPOCH + 1);
+        // The new pushes below must apply: no origin that may be applied before.
+        self.origins = false;
         for t in 0..TRAINERS.len() {
             if let Some(push) = self.last_push[t].clone() {
                 let on_old = format!("{:?}", self.primary.push(push.clone()));

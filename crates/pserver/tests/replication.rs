@@ -606,6 +606,7 @@ async fn bad_replication_calls_are_refused_by_name_and_change_nothing() {
             weight: 1.0,
             blocks,
             rows: Vec::new(),
+            origin: None,
         },
     };
     let epoch = map.epoch(0);

@@ -331,8 +331,15 @@ impl Sim {
             Mode::Async => self.seqs[trainer] + u64::from(fresh || self.seqs[trainer] == 0),
         };
         self.seqs[trainer] = seq;
-        let push =
-            Push { trainer: TRAINERS[trainer].into(), seq, step, weight: 1.0, grads, rows: Vec::new() };
+        let push = Push {
+            trainer: TRAINERS[trainer].into(),
+            seq,
+            step,
+            weight: 1.0,
+            grads,
+            rows: Vec::new(),
+            origin: None,
+        };
         let outcome = store.push(push.clone());
         match (self.mode, outcome) {
             (Mode::Async, Ok(PushOutcome::Applied { .. })) => self.record(p, Update::Push(push)),

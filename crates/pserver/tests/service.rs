@@ -122,6 +122,7 @@ async fn raw_push_blocks(
         step: 0,
         weight: 1.0,
         rows: Vec::new(),
+        origin: None,
     };
     call(conn.as_ref(), PSERVER_METHOD, &request, f32s_to_bytes(&grad), Duration::from_secs(1))
         .await
@@ -166,6 +167,7 @@ async fn bad_pushes_are_refused_by_name_and_change_nothing() {
         step: 0,
         weight: 1.0,
         rows: Vec::new(),
+        origin: None,
     };
     let payload = f32s_to_bytes(&vec![0.0; total()]);
     let result = call(conn.as_ref(), PSERVER_METHOD, &elsewhere, payload, Duration::from_secs(1))
@@ -334,6 +336,7 @@ async fn a_push_pull_applies_once_and_answers_the_parameters_after_it() {
         seq: 0,
         weight: 4.0,
         rows: Vec::new(),
+        origin: None,
     };
     let (reply, payload): (PsReply, Bytes) = call(
         conn.as_ref(),
@@ -361,6 +364,7 @@ async fn a_sync_pserver_refuses_a_push_pull_by_name() {
         seq: 0,
         weight: 1.0,
         rows: Vec::new(),
+        origin: None,
     };
     let result = call(
         conn.as_ref(),
@@ -578,6 +582,7 @@ async fn a_panic_midway_through_a_push_stops_the_pserver_and_a_replacement_loads
                 step: 0,
                 weight: 1.0,
                 rows: Vec::new(),
+                origin: None,
             },
             vec![1.0; total()],
         ),
@@ -590,6 +595,7 @@ async fn a_panic_midway_through_a_push_stops_the_pserver_and_a_replacement_loads
                 seq: 3,
                 weight: 1.0,
                 rows: Vec::new(),
+                origin: None,
             },
             vec![1.0; total()],
         ),

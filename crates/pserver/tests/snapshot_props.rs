@@ -116,6 +116,7 @@ fn run(mode: Mode, block_size: usize, events: Vec<Event>) -> Result<(), TestCase
                     weight: 1.0,
                     grads,
                     rows: Vec::new(),
+                    origin: frozen::origin(&mut rng),
                 };
                 let got = outcome(store.push(push.clone()));
                 prop_assert_eq!(got, outcome(twin.push(push)));

@@ -31,7 +31,7 @@ fn ids_on(shard: u32, n: usize) -> Vec<u64> {
 fn push(store: &ParamStore, trainer: &str, seq: u64, weight: f32, ids: &[u64], grads: Vec<f32>) -> Push {
     let blocks = store.blocks().map(|(id, p, _)| (id, Grad::Floats(vec![0.0; p.len()]))).collect();
     let rows = vec![RowGrads { table: 0, ids: ids.to_vec(), grads: Grad::Floats(grads) }];
-    Push { trainer: trainer.into(), seq, step: store.step(), weight, grads: blocks, rows }
+    Push { trainer: trainer.into(), seq, step: store.step(), weight, grads: blocks, rows, origin: None }
 }
 
 fn pull(store: &ParamStore, ids: &[u64]) -> Vec<f32> {
@@ -229,6 +229,7 @@ fn rows_travel_in_the_first_part_only() {
         weight: 1.0,
         grads: vec![(blocks[b], Grad::Floats(vec![0.0; 4]))],
         rows,
+        origin: None,
     };
     let e = store.push(part(1, rows(&[5]))).unwrap_err();
     assert!(e.to_string().contains("not its push's first"), "{e}");

@@ -395,11 +395,21 @@ fn run(
                         (id, g)
                     })
                     .collect();
-                let push =
-                    Push { trainer: t.to_string(), seq, step, weight, grads: pushed, rows: Vec::new() };
+                let push = Push {
+                    trainer: t.to_string(),
+                    seq,
+                    step,
+                    weight,
+                    grads: pushed,
+                    rows: Vec::new(),
+                    origin: None,
+                };
                 let members_before = store.members();
                 let got = match store.push(push) {
                     Ok(PushOutcome::Duplicate) => Expect::Duplicate,
+                    Ok(PushOutcome::AppliedBefore) => {
+                        return Err(TestCaseError::fail("a push without an origin was 'applied before'"))
+                    }
                     Ok(PushOutcome::Applied { step }) => Expect::Applied { step },
                     Ok(PushOutcome::Buffered { step, waiting_for }) => Expect::Buffered { step, waiting_for },
                     Err(e) => {

@@ -950,6 +950,7 @@ impl MasterHandler {
                 timeout_ms: a.deadline.saturating_duration_since(now).as_millis() as u64,
                 task: a.task,
                 task_ref: a.task_ref,
+                open_from: a.open_from,
             },
             GetTask::Wait => TaskReply::Wait { retry_after_ms: self.wait_hint.as_millis().max(10) as u64 },
             GetTask::Done => TaskReply::Done,

@@ -1,6 +1,6 @@
 //! The master's wire protocol: requests and replies as typed metadata.
 
-use crate::{JobState, Status, TaskRef, TaskSpec};
+use crate::{JobState, Status, TaskId, TaskRef, TaskSpec};
 use serde::{Deserialize, Serialize};
 
 /// The transport method number of every master call (the request enum says which).
@@ -66,6 +66,9 @@ pub enum TaskReply {
         task_ref: TaskRef,
         /// Time the master gives before it hands the task to someone else.
         timeout_ms: u64,
+        /// The lowest id of the pass's tasks still open: every task below
+        /// it is finished ([`crate::Assignment::open_from`]).
+        open_from: TaskId,
     },
     /// Nothing to hand out now (the pass's last tasks are pending); ask again later.
     Wait {

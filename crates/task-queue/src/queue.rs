@@ -110,6 +110,11 @@ pub struct Assignment {
     pub task_ref: TaskRef,
     /// When the task times out unless reported.
     pub deadline: Instant,
+    /// The lowest id of the pass's tasks still open (todo or pending) when
+    /// this one was handed out: every task of the pass below it, and every
+    /// task of earlier passes, is finished or discarded. Pservers forget
+    /// what they kept of the tasks below it (see `oar_pserver::origin`).
+    pub open_from: TaskId,
 }
 
 /// The answer to [`TaskQueue::get_task`].
@@ -272,6 +277,9 @@ pub struct TaskQueue {
     taken_version: u64,
     /// A streaming queue's source state; `None` for a batch queue.
     stream: Option<Stream>,
+    /// Every task below this position is finished or discarded (see
+    /// [`open_from`](Self::open_from)); back to 0 when positions change.
+    open_cursor: usize,
 }
 
 /// A streaming queue's state beyond its tasks.
@@ -343,6 +351,7 @@ impl TaskQueue {
             snapshot_due: true,
             taken_version: 0,
             stream,
+            open_cursor: 0,
         }
     }
 
@@ -455,7 +464,19 @@ impl TaskQueue {
         self.mark(i);
         let task = self.tasks[i].clone();
         let task_ref = TaskRef { task: task.id, pass: self.pass, attempt };
-        GetTask::Assigned(Assignment { task, task_ref, deadline })
+        let open_from = self.open_from();
+        GetTask::Assigned(Assignment { task, task_ref, deadline, open_from })
+    }
+
+    /// The lowest id of a task still open in this pass (see
+    /// [`Assignment::open_from`]). Finished tasks stay finished within a
+    /// pass, so a cursor past them moves only forward: amortised O(1).
+    fn open_from(&mut self) -> TaskId {
+        let finished = |s: &Slot| matches!(s, Slot::Done | Slot::Discarded { .. });
+        while self.slots.get(self.open_cursor).is_some_and(finished) {
+            self.open_cursor += 1;
+        }
+        self.tasks.get(self.open_cursor).map_or(TaskId(u64::MAX), |t| t.id)
     }
 
     /// `now + task_timeout`; the config caps the timeout so this cannot
@@ -680,6 +701,7 @@ impl TaskQueue {
             self.events.push(QueueEvent::JobDone);
         } else {
             self.pass += 1;
+            self.open_cursor = 0;
             self.failures.iter_mut().for_each(|f| *f = 0);
             for (i, slot) in self.slots.iter_mut().enumerate() {
                 if matches!(slot, Slot::Done) {
@@ -831,6 +853,7 @@ impl TaskQueue {
         self.slots = std::mem::take(&mut self.slots).into_iter().filter(keep).collect();
         self.todo.iter_mut().for_each(|i| *i = new_index[*i]);
         stream.staged.iter_mut().for_each(|i| *i = new_index[*i]);
+        self.open_cursor = 0;
         self.pending =
             std::mem::take(&mut self.pending).into_iter().map(|(d, i)| (d, new_index[i])).collect();
         stream.stored.done_before = self.done as u64;
@@ -911,6 +934,7 @@ impl TaskQueue {
             taken_version: version,
             config,
             stream: None,
+            open_cursor: 0,
         };
         if let Some(stored) = stream {
             queue.done = stored.done_before as usize;

@@ -10,6 +10,10 @@
 //!
 //! Marks are encoded by this module (a format byte, then postcard) and are
 //! opaque to the master; each kind checks that a mark is one of its own.
+//! A mark outlives the binary that wrote it (the master stores it in every
+//! snapshot, and a master of a later release resumes from it), so every
+//! encoding ever written still decodes: a kind whose mark changes gets a
+//! new variant, and keeps decoding the old one.
 //!
 //! Identities of files use the inode number, never the device number: the
 //! device of a network file system (NFS) is numbered per mount, differently
@@ -19,7 +23,7 @@
 //! and NFS file systems are stable; some FUSE file systems (gcsfuse, s3fs)
 //! number inodes per mount, and are not supported as streaming sources.
 
-use std::collections::{BTreeSet, HashMap, HashSet};
+use std::collections::{BTreeMap, HashMap, HashSet};
 use std::fmt;
 use std::fs::{self, File};
 use std::io::{self, Read};
@@ -63,10 +67,12 @@ pub struct Polled {
 ///   reported once per source value) depends only on the mark and on what
 ///   the source holds at the call. Marks returned in order
 ///   (`m0` = empty, `m1` from `poll(m0)`, `m2` from `poll(m1)`, ...) split the
-///   data: every record is in the chunks of exactly one of those polls. Polling
-///   an old mark again returns the same data again (plus whatever arrived
-///   since), so a master that lost a poll's result before journaling it
-///   loses nothing by polling the journaled mark again.
+///   data: every record is in the chunks of exactly one of those polls
+///   (what a record is, is each kind's: to a [`DirSource`], a file deleted
+///   and put back is new data). Polling an old mark again returns the same
+///   data again (plus whatever arrived since), so a master that lost a
+///   poll's result before journaling it loses nothing by polling the
+///   journaled mark again.
 /// * **A mark only from this source**: the empty mark, or one this source
 ///   (same kind, same options) returned. A mark of another kind is an error;
 ///   one of another source of the same kind is not detected.
@@ -94,21 +100,41 @@ const HEAD_BYTES: usize = 4096;
 const SETTLE: Duration = Duration::from_secs(1);
 /// Block size for finding a file's last newline, reading backwards.
 const SCAN_BLOCK: u64 = 64 * 1024;
-/// First byte of every non-empty mark: its encoding's format.
+/// First byte of every non-empty mark: its encoding's format. A kind's new
+/// mark is a new variant of [`Mark`] under the same format; this changes
+/// only if the whole encoding does.
 const MARK_FORMAT: u8 = 1;
 /// Bytes of one file's identity in a [`DirSource`] mark.
 const ID_BYTES: usize = 24;
 
 /// A mark's content, postcard-encoded after [`MARK_FORMAT`].
+///
+/// Postcard numbers variants by their position, and marks stored by earlier
+/// releases must still decode: never remove, reorder or change a variant.
+/// A kind whose mark changes gets a new variant at the end (its version),
+/// and its source keeps reading the old one.
 #[derive(Debug, PartialEq, Eq, Serialize, Deserialize)]
 enum Mark {
     /// A [`GlobSource`] that returned everything: what it returned, for the position.
     Glob { files: u64, bytes: u64 },
-    /// A [`DirSource`]: the sorted identities of the files taken ([`FileId::to_bytes`]).
-    Dir { closed: bool, files: Vec<[u8; ID_BYTES]> },
+    /// A [`DirSource`]'s first mark (still read, no longer written): the
+    /// sorted identities ([`FileId::to_bytes`]) of every file ever taken.
+    DirV1 { closed: bool, files: Vec<[u8; ID_BYTES]> },
     /// A [`FileSource`]: the file's inode, the offset taken up to, and the
     /// hash of the file's first `min(offset, 4096)` bytes.
     File { inode: u64, offset: u64, head: u64, closed: bool },
+    /// A [`DirSource`] (see [`DirMark`]): how many files it ever took and
+    /// their bytes, and the sorted identities of the files it remembers:
+    /// those in the directory at the last poll (`present`), and those the
+    /// last poll missed but the one before saw (`missed`). No identities
+    /// once closed.
+    Dir {
+        closed: bool,
+        taken_files: u64,
+        taken_bytes: u64,
+        present: Vec<[u8; ID_BYTES]>,
+        missed: Vec<[u8; ID_BYTES]>,
+    },
 }
 
 impl Mark {
@@ -241,7 +267,7 @@ impl TaskSource for GlobSource {
 fn wrong_kind(source: &str, mark: &Mark) -> Error {
     let kind = match mark {
         Mark::Glob { .. } => "glob",
-        Mark::Dir { .. } => "directory",
+        Mark::DirV1 { .. } | Mark::Dir { .. } => "directory",
         Mark::File { .. } => "file",
     };
     Error::Source(format!("{source}: the mark given is not one it returned: it is a {kind} source's mark"))
@@ -284,19 +310,44 @@ impl DirSourceOptions {
 /// time, then name. A chunk names its file by its path at the poll
 /// (`dir/name`): a file renamed after being taken is not found by the trainer.
 ///
-/// **Never twice.** The mark holds the identity of every file taken: its
-/// inode, size, and a 64-bit FNV-1a hash of its first 4 KiB. A renamed or
-/// touched file keeps all three, so it is not taken again, nor is a second
-/// hard link to it. A new file that reuses a deleted file's inode (file
-/// systems do reuse them) differs in size or first bytes, so it is taken.
-/// The blind spot: a new file with the inode, the size and the first 4 KiB
-/// of a file taken before (and since deleted) is taken for that file and
-/// never trained. The device number is left out on purpose (see the
-/// [module docs](self)): files of one directory share a file system.
+/// **Never twice.** The mark holds the identity of every file taken that is
+/// still in the directory: its inode, size, and a 64-bit FNV-1a hash of its
+/// first 4 KiB. A renamed or touched file keeps all three, so it is not taken
+/// again, nor is a second hard link to it. A new file that reuses a deleted
+/// file's inode (file systems do reuse them) differs in size or first bytes,
+/// so it is taken. The blind spot: a new file with the inode, the size and
+/// the first 4 KiB of a file taken and deleted less than two polls before is
+/// taken for that file and never trained. The device number is left out on
+/// purpose (see the [module docs](self)): files of one directory share a
+/// file system.
 ///
-/// **The mark** grows by 24 bytes per file taken and never shrinks (a file
-/// deleted after training stays in it): 40,000 files make a 1 MB mark,
-/// which the master stores with its state.
+/// **Forgetting.** A file taken is dropped from the mark once two
+/// consecutive polls did not find it in the directory; the mark says of
+/// each file whether the last poll missed it, so what a poll returns still
+/// depends only on the mark and the directory. Not after one poll: a
+/// listing concurrent with a rename may miss the file under both its names
+/// (POSIX allows it), and a file forgotten then would be taken again at the
+/// next poll. Hence:
+///
+/// * a file renamed within the directory is never taken again, whatever
+///   its new name (hidden or `.tmp` ones too: a file present under a name
+///   that is not data's, or present but unreadable, is held by its inode
+///   and size);
+/// * a file deleted from the directory (or moved out of it) and put back
+///   after two polls or more is new data, taken whole again, even with the
+///   same inode and bytes (`mv` out and back in keeps both). Back after
+///   one poll only, it is the file taken, and not taken again;
+/// * a file deleted after it was cut into tasks and before they were
+///   trained is forgotten as any other: its tasks fail, naming it, as the
+///   master fails a task whose file cannot be read.
+///
+/// **The mark** holds 24 bytes per file in the directory, plus those missed
+/// by the last poll, and the count and bytes of the files taken since the
+/// start (for the position, "12 files, 3.4 MB taken"): its size follows what
+/// the directory holds, not its history. 40,000 files present make a 1 MB
+/// mark, which the master stores with its state. A closed mark holds no
+/// files. A mark of the first encoding (every file ever taken, none
+/// forgotten) is still read: its files count as present at the last poll.
 ///
 /// **Closed** when the marker exists at the start of a poll (checked before
 /// listing, so every file renamed in before the marker was created is in
@@ -310,13 +361,17 @@ impl DirSourceOptions {
 /// new change time). A file changed less than a second before it was read
 /// is read again at the next poll: time stamps are coarse (a clock tick),
 /// so a change within the same tick would keep the stamps it was
-/// remembered by.
+/// remembered by. Entries that are not data (named like files being
+/// written, or unreadable) are stat'ed only by a poll that misses a file
+/// the mark holds.
 ///
 /// Errors (passing ones: the next poll may succeed): the directory cannot
 /// be listed (missing), the marker cannot be stat'ed. A file that vanishes
-/// between the listing and its stat or read is skipped (not in the mark:
-/// if it reappears, it is taken then); one that cannot be read, or whose
-/// name is not UTF-8, is a problem and skipped.
+/// between the listing and its stat or read is missing from that listing
+/// (a new one is taken when it is found; one taken is forgotten if the next
+/// poll misses it too); one that cannot be read, or whose name is not
+/// UTF-8, is a problem and skipped (held if taken before, see above; one
+/// that cannot even be stat'ed counts as missing).
 pub struct DirSource {
     options: DirSourceOptions,
     /// Head hashes read before, by [`HeadKey`].
@@ -485,9 +540,68 @@ impl DirSource {
     }
 }
 
-fn dir_position(taken: &BTreeSet<FileId>) -> String {
-    let bytes = taken.iter().fold(0u64, |sum, id| sum.saturating_add(id.len));
-    format!("{}, {} taken", count_files(taken.len() as u64), human_bytes(bytes))
+/// The (inode, size) of a regular file that is in the directory but not
+/// identified as data (named like a file being written, or unreadable): a
+/// file taken and renamed so, or made unreadable, is still there.
+fn held_key(path: &Path) -> Option<(u64, u64)> {
+    fs::metadata(path).ok().filter(fs::Metadata::is_file).map(|meta| (meta.ino(), meta.len()))
+}
+
+/// A [`DirSource`] mark, decoded.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+struct DirMark {
+    closed: bool,
+    /// Files taken since the start, deleted ones included, and their bytes.
+    taken_files: u64,
+    taken_bytes: u64,
+    /// The files remembered, each with whether the last poll missed it.
+    files: BTreeMap<FileId, bool>,
+}
+
+impl DirMark {
+    /// A mark of the first encoding: every file ever taken, all present.
+    fn from_v1(closed: bool, files: &[[u8; ID_BYTES]]) -> Self {
+        let files: BTreeMap<FileId, bool> = files.iter().map(|b| (FileId::from_bytes(b), false)).collect();
+        let taken_bytes = files.keys().fold(0u64, |sum, id| sum.saturating_add(id.len));
+        Self { closed, taken_files: files.len() as u64, taken_bytes, files }
+    }
+
+    /// `present` wins over `missed` (the encoder never writes a file in both).
+    fn from_v2(
+        closed: bool,
+        taken_files: u64,
+        taken_bytes: u64,
+        present: &[[u8; ID_BYTES]],
+        missed: &[[u8; ID_BYTES]],
+    ) -> Self {
+        let mut files: BTreeMap<FileId, bool> =
+            missed.iter().map(|b| (FileId::from_bytes(b), true)).collect();
+        files.extend(present.iter().map(|b| (FileId::from_bytes(b), false)));
+        Self { closed, taken_files, taken_bytes, files }
+    }
+
+    fn encode(&self) -> Result<SourceMark> {
+        let (mut present, mut missed) = (Vec::new(), Vec::new());
+        // A closed mark is never listed against again: its files are not needed.
+        if !self.closed {
+            for (id, &was_missed) in &self.files {
+                let list = if was_missed { &mut missed } else { &mut present };
+                list.push(id.to_bytes());
+            }
+        }
+        Mark::Dir {
+            closed: self.closed,
+            taken_files: self.taken_files,
+            taken_bytes: self.taken_bytes,
+            present,
+            missed,
+        }
+        .encode()
+    }
+
+    fn position(&self) -> String {
+        format!("{}, {} taken", count_files(self.taken_files), human_bytes(self.taken_bytes))
+    }
 }
 
 impl TaskSource for DirSource {
@@ -498,17 +612,17 @@ impl TaskSource for DirSource {
     /// See [`DirSource`].
     fn poll(&mut self, mark: &SourceMark) -> Result<Polled> {
         check_chunk_bytes(self.options.chunk_bytes)?;
-        let mut taken = BTreeSet::new();
-        match Mark::decode(mark, &self.describe())? {
-            None => {}
-            Some(Mark::Dir { closed, files }) => {
-                taken.extend(files.iter().map(FileId::from_bytes));
-                if closed {
-                    let position = dir_position(&taken);
-                    return Ok(Polled { mark: mark.clone(), closed: true, position, ..Polled::default() });
-                }
+        let was = match Mark::decode(mark, &self.describe())? {
+            None => DirMark::default(),
+            Some(Mark::DirV1 { closed, files }) => DirMark::from_v1(closed, &files),
+            Some(Mark::Dir { closed, taken_files, taken_bytes, present, missed }) => {
+                DirMark::from_v2(closed, taken_files, taken_bytes, &present, &missed)
             }
             Some(other) => return Err(wrong_kind(&self.describe(), &other)),
+        };
+        if was.closed {
+            let position = was.position();
+            return Ok(Polled { mark: mark.clone(), closed: true, position, ..Polled::default() });
         }
 
         let dir = self.options.dir.clone();
@@ -521,6 +635,8 @@ impl TaskSource for DirSource {
         let mut problems = Vec::new();
         let mut found = Vec::new();
         let mut incomplete = Vec::new();
+        // Entries present but not identified as data (see `held_key`).
+        let mut others = Vec::new();
         let mut seen = HashSet::new();
         for entry in listing {
             let entry = entry.map_err(Error::io(&dir_str, "list directory"))?;
@@ -532,6 +648,7 @@ impl TaskSource for DirSource {
                     path.display()
                 );
                 self.note(&mut problems, problem);
+                others.push(path);
                 continue;
             };
             if name == self.options.closed_marker {
@@ -541,24 +658,47 @@ impl TaskSource for DirSource {
                 if closing {
                     incomplete.push(path.display().to_string());
                 }
+                others.push(path);
                 continue;
             }
             match self.identify(name, &path, &mut seen) {
                 Entry::File(f) => found.push(f),
                 Entry::Skip => {}
-                Entry::Problem(p) => self.note(&mut problems, p),
+                Entry::Problem(p) => {
+                    self.note(&mut problems, p);
+                    others.push(path);
+                }
             }
         }
         // Forget the heads of files no longer listed (deleted, or changed).
         self.heads.retain(|key, _| seen.contains(key));
 
         found.sort_by(|a, b| (a.mtime, &a.name).cmp(&(b.mtime, &b.name)));
+        let mut next = DirMark { closed: closing, files: BTreeMap::new(), ..was };
         let mut files = Vec::new();
         for f in found {
-            // `insert` is false for a file taken before, and for a second
-            // name (hard link) of a file taken in this poll.
-            if taken.insert(f.id) {
+            // A file found is present (not missed). It is new unless the
+            // mark holds it, or it is a second name (hard link) of a file
+            // found earlier in this listing.
+            let first_name = next.files.insert(f.id, false).is_none();
+            if first_name && !was.files.contains_key(&f.id) {
+                next.taken_files += 1;
+                next.taken_bytes = next.taken_bytes.saturating_add(f.id.len);
                 files.push((f.path, f.id.len));
+            }
+        }
+        // The files the mark holds that this listing missed: held if still
+        // here under a name that is not data's, else missed once, else forgotten.
+        let missing: Vec<(FileId, bool)> =
+            was.files.into_iter().filter(|(id, _)| !next.files.contains_key(id)).collect();
+        if !missing.is_empty() {
+            let held: HashSet<(u64, u64)> = others.iter().filter_map(|path| held_key(path)).collect();
+            for (id, was_missed) in missing {
+                if held.contains(&(id.inode, id.len)) {
+                    next.files.insert(id, false);
+                } else if !was_missed {
+                    next.files.insert(id, true);
+                }
             }
         }
         let chunks = chunk_files(&files, self.options.chunk_bytes)?;
@@ -569,9 +709,8 @@ impl TaskSource for DirSource {
                 format!("{path}: never completed (still named like a file being written); not trained");
             self.note(&mut problems, problem);
         }
-        let position = dir_position(&taken);
-        let files = taken.iter().map(|id| id.to_bytes()).collect();
-        let mark = Mark::Dir { closed: closing, files }.encode()?;
+        let position = next.position();
+        let mark = next.encode()?;
         Ok(Polled { chunks, mark, closed: closing, problems, position })
     }
 }
@@ -801,10 +940,21 @@ mod tests {
     #[test]
     fn marks_round_trip_and_dir_ids_are_fixed_width() {
         let id = FileId { inode: u64::MAX, len: 7, head: 1 << 63 };
+        let other = FileId { inode: 1, len: 2, head: 3 };
         assert_eq!(FileId::from_bytes(&id.to_bytes()), id);
-        let one = Mark::Dir { closed: false, files: vec![id.to_bytes()] }.encode().unwrap();
-        let two = Mark::Dir { closed: false, files: vec![id.to_bytes(); 2] }.encode().unwrap();
-        assert_eq!(two.0.len() - one.0.len(), ID_BYTES, "24 bytes per file");
+        let dir = |files: &[(FileId, bool)]| DirMark {
+            closed: false,
+            taken_files: 2,
+            taken_bytes: 9,
+            files: files.iter().copied().collect(),
+        };
+        let one = dir(&[(id, false)]).encode().unwrap();
+        let two = dir(&[(id, false), (other, true)]).encode().unwrap();
+        assert_eq!(two.0.len() - one.0.len(), ID_BYTES, "24 bytes per file, a missed one too");
+        assert_eq!(decode_dir(&two), dir(&[(id, false), (other, true)]));
+        // Closed: the counts stay (the position), the files go.
+        let closed = DirMark { closed: true, ..dir(&[(id, false), (other, true)]) }.encode().unwrap();
+        assert_eq!(decode_dir(&closed), DirMark { closed: true, ..dir(&[]) });
         for m in
             [Mark::Glob { files: 3, bytes: 9 }, Mark::File { inode: 1, offset: 2, head: 3, closed: true }]
         {
@@ -815,6 +965,126 @@ mod tests {
         extra.0.push(0);
         assert!(Mark::decode(&extra, "s").is_err());
         assert!(Mark::decode(&SourceMark(vec![9, 0]), "s").is_err());
+    }
+
+    /// The [`DirMark`] in a directory source's mark (of either encoding).
+    fn decode_dir(mark: &SourceMark) -> DirMark {
+        match Mark::decode(mark, "s").unwrap().unwrap() {
+            Mark::DirV1 { closed, files } => DirMark::from_v1(closed, &files),
+            Mark::Dir { closed, taken_files, taken_bytes, present, missed } => {
+                DirMark::from_v2(closed, taken_files, taken_bytes, &present, &missed)
+            }
+            other => panic!("not a directory mark: {other:?}"),
+        }
+    }
+
+    /// A directory mark of the first encoding, byte by byte as that release
+    /// wrote it: the format, the variant (1), `closed`, the number of files,
+    /// then 24 bytes per file.
+    fn first_encoding(closed: bool, files: &[FileId]) -> SourceMark {
+        let mut bytes = vec![1, 1, u8::from(closed), files.len() as u8];
+        for id in files {
+            bytes.extend(id.to_bytes());
+        }
+        SourceMark(bytes)
+    }
+
+    #[test]
+    fn dir_mark_encodings_are_pinned_and_the_first_still_decodes() {
+        let a = FileId { inode: 5, len: 100, head: 7 };
+        let b = FileId { inode: 6, len: 200, head: 8 };
+        let old = first_encoding(false, &[a, b]);
+        assert_eq!(
+            Mark::decode(&old, "s").unwrap(),
+            Some(Mark::DirV1 { closed: false, files: vec![a.to_bytes(), b.to_bytes()] })
+        );
+        let files = [(a, false), (b, false)].into_iter().collect();
+        assert_eq!(decode_dir(&old), DirMark { closed: false, taken_files: 2, taken_bytes: 300, files });
+
+        // Today's: variant 3, `closed`, the counts (varints), then the present
+        // files and the missed ones, each a count and 24 bytes a file.
+        let files = [(a, false), (b, true)].into_iter().collect();
+        let mark = DirMark { closed: false, taken_files: 5, taken_bytes: 300, files }.encode().unwrap();
+        let mut want = vec![1, 3, 0, 5, 0xac, 0x02, 1];
+        want.extend(a.to_bytes());
+        want.push(1);
+        want.extend(b.to_bytes());
+        assert_eq!(mark.0, want);
+    }
+
+    /// The identity a poll gives the file at `path`.
+    fn id_of(path: &Path) -> FileId {
+        let meta = fs::metadata(path).unwrap();
+        let bytes = fs::read(path).unwrap();
+        FileId { inode: meta.ino(), len: meta.len(), head: fnv1a64(&bytes[..bytes.len().min(HEAD_BYTES)]) }
+    }
+
+    #[test]
+    fn a_job_resumes_from_a_first_encoding_mark() {
+        let tmp = tempfile::tempdir().unwrap();
+        let dir = tmp.path();
+        fs::write(dir.join("x"), b"x1\nx2\n").unwrap();
+        fs::write(dir.join("y"), b"y\n").unwrap();
+        let x = id_of(&dir.join("x"));
+        let gone = FileId { inode: x.inode.wrapping_add(1000), len: 40, head: 1 };
+        let mut source = DirSource::new(DirSourceOptions::new(dir, 100));
+
+        // x was taken, and so was a file deleted since; y is new.
+        let p1 = source.poll(&first_encoding(false, &[x, gone])).unwrap();
+        let y_path = dir.join("y").display().to_string();
+        assert_eq!(p1.chunks, [Chunk { path: y_path, start: 0, end: 2 }]);
+        assert_eq!(p1.position, "3 files, 48 bytes taken");
+        let y = id_of(&dir.join("y"));
+        let files = [(x, false), (y, false), (gone, true)].into_iter().collect();
+        assert_eq!(decode_dir(&p1.mark), DirMark { closed: false, taken_files: 3, taken_bytes: 48, files });
+
+        let p2 = source.poll(&p1.mark).unwrap();
+        assert_eq!(p2.chunks, vec![]);
+        assert_eq!(decode_dir(&p2.mark).files, [(x, false), (y, false)].into_iter().collect());
+        assert_eq!(p2.position, "3 files, 48 bytes taken", "what was taken, deleted files included");
+
+        // A closed one stays closed, as it was.
+        let closed = first_encoding(true, &[x]);
+        let p = source.poll(&closed).unwrap();
+        assert_eq!(
+            p,
+            Polled {
+                mark: closed,
+                closed: true,
+                position: "1 file, 6 bytes taken".into(),
+                ..Polled::default()
+            }
+        );
+    }
+
+    #[test]
+    fn the_mark_holds_the_files_present_and_those_missed_once() {
+        let tmp = tempfile::tempdir().unwrap();
+        let dir = tmp.path();
+        let mut source = DirSource::new(DirSourceOptions::new(dir, 1 << 20));
+        let mut mark = SourceMark::default();
+        for round in 0..40u64 {
+            for k in 0..3 {
+                fs::write(dir.join(format!("r{round}-{k}")), format!("round {round} file {k}\n")).unwrap();
+            }
+            if round >= 2 {
+                for k in 0..3 {
+                    fs::remove_file(dir.join(format!("r{}-{k}", round - 2))).unwrap();
+                }
+            }
+            let polled = source.poll(&mark).unwrap();
+            assert_eq!(polled.chunks.len(), 3, "round {round}: its own files");
+            mark = polled.mark;
+            let m = decode_dir(&mark);
+            // Present: this round's files and the last one's. Missed once:
+            // the round before (present at the last poll). The rounds
+            // before that were missed twice: forgotten.
+            let present = m.files.values().filter(|&&missed| !missed).count();
+            let missed = m.files.values().filter(|&&missed| missed).count();
+            assert_eq!((present, missed), (3 * (round.min(1) as usize + 1), if round >= 2 { 3 } else { 0 }));
+            assert_eq!(m.taken_files, 3 * (round + 1));
+            assert!(mark.0.len() <= 9 * ID_BYTES + 16, "round {round}: {} bytes", mark.0.len());
+        }
     }
 
     #[test]

@@ -240,6 +240,18 @@ impl Harness {
                     prop_assert_eq!(self.todo.pop_front(), Some(a.task.id), "not the front of todo");
                     let fails = self.failures.get(&(a.task.id, before.0.pass)).copied().unwrap_or(0);
                     prop_assert_eq!(a.task_ref.attempt, fails, "attempt = failures so far in this pass");
+                    // Every task below `open_from` is finished in this pass;
+                    // the one there (if any) is open (this one, at worst).
+                    for (k, &id) in self.ids.iter().enumerate() {
+                        let finished =
+                            matches!(before.1[k], Some(TaskState::Done | TaskState::Discarded { .. }));
+                        if id < a.open_from {
+                            prop_assert!(finished, "task {} below open_from {} is open", id, a.open_from);
+                        } else if id == a.open_from {
+                            prop_assert!(!finished, "open_from {} is finished", id);
+                        }
+                    }
+                    prop_assert!(a.open_from <= a.task.id);
                     prop_assert_eq!(a.deadline, self.now + self.config.task_timeout);
                     prop_assert_eq!(
                         self.q.task_state(a.task.id),

@@ -244,6 +244,169 @@ fn dir_a_new_file_under_a_deleted_files_name_is_taken() {
     assert_eq!(paths(&p5.chunks), [path_str(&f)]);
 }
 
+/// A directory to stream (`in`) and one beside it on the same file system
+/// (`out`), to move files out of the stream and back, inode and bytes kept.
+fn in_and_out() -> (tempfile::TempDir, PathBuf, PathBuf) {
+    let tmp = tempfile::tempdir().unwrap();
+    let (dir, out) = (tmp.path().join("in"), tmp.path().join("out"));
+    fs::create_dir(&dir).unwrap();
+    fs::create_dir(&out).unwrap();
+    (tmp, dir, out)
+}
+
+#[test]
+fn dir_a_file_missed_by_one_poll_is_not_taken_again() {
+    let (_tmp, dir, out) = in_and_out();
+    let mut source = dir_source(&dir, 100);
+    write_complete(&dir, "a", b"a\n");
+    write_complete(&dir, "b", b"b\n");
+    let p1 = source.poll(&SourceMark::default()).unwrap();
+    assert_eq!(lines(&p1.chunks).len(), 2);
+
+    // What a listing racing with a rename may see: `a` under neither name.
+    // One poll misses it...
+    fs::rename(dir.join("a"), out.join("a")).unwrap();
+    let p2 = source.poll(&p1.mark).unwrap();
+    assert_eq!(p2.chunks, vec![]);
+    assert_ne!(p2.mark, p1.mark, "the mark says that `a` was missed");
+    assert_eq!(p2.mark.0.len(), p1.mark.0.len(), "and still holds it");
+    // ...the next finds it again: the file taken, not new data.
+    fs::rename(out.join("a"), dir.join("a")).unwrap();
+    let p3 = source.poll(&p2.mark).unwrap();
+    assert_eq!(p3.chunks, vec![], "{p3:?}");
+    assert_eq!(p3.mark, p1.mark, "present again, as before");
+    assert_eq!(dir_source(&dir, 100).poll(&p2.mark).unwrap(), p3, "a restarted master agrees");
+    assert_eq!(p3.position, "2 files, 4 bytes taken");
+}
+
+#[test]
+fn dir_forgets_a_file_missing_from_two_polls_and_takes_it_again_when_put_back() {
+    let (_tmp, dir, out) = in_and_out();
+    let mut source = dir_source(&dir, 100);
+    write_complete(&dir, "a", b"a1\na2\n");
+    write_complete(&dir, "b", b"b\n");
+    let p1 = source.poll(&SourceMark::default()).unwrap();
+    assert_eq!(lines(&p1.chunks).len(), 3);
+
+    // Deleted from the directory (a second link kept outside, to put the
+    // very same file back later: same inode, size and bytes).
+    fs::hard_link(dir.join("a"), out.join("a")).unwrap();
+    fs::remove_file(dir.join("a")).unwrap();
+    let p2 = source.poll(&p1.mark).unwrap();
+    let p3 = source.poll(&p2.mark).unwrap();
+    assert_eq!((p2.chunks.len(), p3.chunks.len()), (0, 0));
+    assert!(p2.problems.is_empty() && p3.problems.is_empty());
+    assert_eq!(p1.mark.0.len() - p3.mark.0.len(), 24, "missing from two polls: forgotten");
+    assert_eq!(source.poll(&p3.mark).unwrap().mark, p3.mark, "and it stays forgotten");
+
+    // Put back: new data to the mark that forgot it (the documented
+    // choice), taken whole again; not to the one that missed it once.
+    fs::hard_link(out.join("a"), dir.join("a")).unwrap();
+    let p4 = source.poll(&p3.mark).unwrap();
+    assert_eq!(lines(&p4.chunks), ["a1", "a2"]);
+    assert_eq!(p4.position, "3 files, 14 bytes taken");
+    assert_eq!(p4.mark.0.len(), p1.mark.0.len());
+    assert_eq!(dir_source(&dir, 100).poll(&p2.mark).unwrap().chunks, vec![]);
+}
+
+#[test]
+fn dir_a_file_renamed_within_the_directory_is_never_taken_again() {
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = tmp.path();
+    let mut source = dir_source(dir, 100);
+    write_complete(dir, "a", b"a\n");
+    let p1 = source.poll(&SourceMark::default()).unwrap();
+    assert_eq!(lines(&p1.chunks), ["a"]);
+    // Under names that are not data's (like a file being written's) for
+    // many polls, then under a data name again.
+    let mut mark = p1.mark.clone();
+    let mut at = dir.join("a");
+    for name in [".a.done", ".a.done", "a.tmp", "a.tmp", "a.tmp", "z", ".a.done", "a"] {
+        fs::rename(&at, dir.join(name)).unwrap();
+        at = dir.join(name);
+        let polled = source.poll(&mark).unwrap();
+        assert_eq!(polled.chunks, vec![], "renamed {name}");
+        assert_eq!(polled.mark, p1.mark, "renamed {name}: present, never missed");
+        mark = polled.mark;
+    }
+}
+
+#[test]
+fn dir_a_file_deleted_after_it_was_taken_fails_only_its_own_chunks() {
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = tmp.path();
+    let mut source = dir_source(dir, 3);
+    let a = write_complete(dir, "a", b"a1\na2\n");
+    write_complete(dir, "b", b"b1\nb2\n");
+    let p1 = source.poll(&SourceMark::default()).unwrap();
+    fs::remove_file(&a).unwrap();
+    let p2 = source.poll(&p1.mark).unwrap();
+    let p3 = source.poll(&p2.mark).unwrap();
+    for p in [&p2, &p3] {
+        assert!(p.chunks.is_empty() && p.problems.is_empty() && !p.closed, "{p:?}");
+        assert_eq!(p.position, "2 files, 12 bytes taken");
+    }
+    // The chunks handed out before: `a`'s fail naming it (the master's
+    // accounting fails their tasks), `b`'s read.
+    let (of_a, of_b): (Vec<Chunk>, Vec<Chunk>) = p1.chunks.into_iter().partition(|c| c.path == a);
+    assert_eq!(of_a.len(), 2);
+    for chunk in &of_a {
+        let err = read_chunk_lines(chunk).unwrap_err();
+        assert!(err.to_string().contains(&a), "{err}");
+    }
+    assert_eq!(lines(&of_b), ["b1", "b2"]);
+}
+
+#[test]
+fn dir_a_file_taken_then_made_unreadable_is_held_not_forgotten() {
+    use std::os::unix::fs::PermissionsExt;
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = tmp.path();
+    let mut source = dir_source(dir, 100);
+    let a = write_complete(dir, "a", b"a\n");
+    let p1 = source.poll(&SourceMark::default()).unwrap();
+    fs::set_permissions(&a, fs::Permissions::from_mode(0o000)).unwrap();
+    if File::open(&a).is_ok() {
+        return; // root reads it anyway
+    }
+    let mut mark = p1.mark.clone();
+    for i in 0..3 {
+        let polled = source.poll(&mark).unwrap();
+        assert_eq!(polled.chunks, vec![]);
+        assert_eq!(polled.problems.len(), usize::from(i == 0), "reported once: {:?}", polled.problems);
+        assert_eq!(polled.mark, p1.mark, "held by inode and size");
+        mark = polled.mark;
+    }
+    fs::set_permissions(&a, fs::Permissions::from_mode(0o644)).unwrap();
+    assert_eq!(source.poll(&mark).unwrap().chunks, vec![]);
+}
+
+#[test]
+fn dir_mark_holds_the_files_present_not_every_file_taken() {
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = tmp.path();
+    let mut source = dir_source(dir, 1 << 20);
+    let mut mark = SourceMark::default();
+    let mut largest = 0;
+    // A file a poll, each deleted three polls later: the mark never holds
+    // more than the three present and the one missed once.
+    for i in 0..200 {
+        write_complete(dir, &format!("part-{i:04}"), format!("record {i}\n").as_bytes());
+        if i >= 3 {
+            fs::remove_file(dir.join(format!("part-{:04}", i - 3))).unwrap();
+        }
+        let polled = source.poll(&mark).unwrap();
+        assert_eq!(polled.chunks.len(), 1);
+        mark = polled.mark;
+        largest = largest.max(mark.0.len());
+        if i >= 4 {
+            assert_eq!(mark.0.len() / 24, 4, "poll {i}: 24 bytes a file remembered, and a few more");
+        }
+    }
+    assert!(largest < 5 * 24, "{largest} bytes");
+    assert!(source.poll(&mark).unwrap().position.starts_with("200 files, "));
+}
+
 #[test]
 fn dir_empty_files_are_taken_without_chunks_and_big_files_are_split() {
     let tmp = tempfile::tempdir().unwrap();
@@ -584,5 +747,147 @@ proptest! {
         }
         prop_assert_eq!(at, full as u64, "up to just after the last newline");
         prop_assert_eq!(lines(&all), complete_lines(&written));
+    }
+}
+
+// ---------------------------------------------------------------------------
+// The directory source under random arrivals, renames, deletions, polls and restarts
+
+#[derive(Clone, Debug)]
+enum DirOp {
+    /// A new file renamed into place.
+    New,
+    /// A file in the directory moved out of it (inode and bytes kept).
+    MoveOut(prop::sample::Index),
+    /// A file moved out, put back under its name.
+    MoveIn(prop::sample::Index),
+    /// A file in the directory renamed within it, to a hidden name or not.
+    Rename(prop::sample::Index, bool),
+    /// A file in the directory deleted for good.
+    Delete(prop::sample::Index),
+    Poll,
+    /// A restarted master, back to an earlier mark.
+    Restart(prop::sample::Index),
+}
+
+fn dir_op() -> impl Strategy<Value = DirOp> {
+    use prop::sample::Index;
+    prop_oneof![
+        3 => Just(DirOp::New),
+        1 => any::<Index>().prop_map(DirOp::MoveOut),
+        1 => any::<Index>().prop_map(DirOp::MoveIn),
+        1 => (any::<Index>(), any::<bool>()).prop_map(|(i, hidden)| DirOp::Rename(i, hidden)),
+        1 => any::<Index>().prop_map(DirOp::Delete),
+        4 => Just(DirOp::Poll),
+        1 => any::<Index>().prop_map(DirOp::Restart),
+    ]
+}
+
+/// Where a file of the model is.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Place {
+    In,
+    Out,
+    Deleted,
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(64))]
+
+    /// The model of the documented rules: a file in the directory under a
+    /// data name is taken unless the mark remembers it; the mark remembers
+    /// the files in the directory (under any name) and, once more, those
+    /// the last poll missed.
+    #[test]
+    fn dir_source_takes_a_file_again_only_after_two_polls_without_it(
+        ops in prop::collection::vec(dir_op(), 0..48),
+    ) {
+        let (_tmp, dir, out) = in_and_out();
+        let mut source = dir_source(&dir, 1 << 20);
+        // Files by number: name, place, size (all sizes differ).
+        let mut files: Vec<(String, Place, u64)> = Vec::new();
+        let mut renames = 0;
+        // marks[i] and remembered[i] (file -> missed by the last poll), taken[i]: after i polls.
+        let mut marks = vec![SourceMark::default()];
+        let mut remembered = vec![BTreeMap::<usize, bool>::new()];
+        let mut taken = vec![0u64];
+        let pick = |files: &[(String, Place, u64)], place: Place, i: &prop::sample::Index| {
+            let of: Vec<usize> = (0..files.len()).filter(|&f| files[f].1 == place).collect();
+            (!of.is_empty()).then(|| of[i.index(of.len())])
+        };
+        for op in ops {
+            match op {
+                DirOp::New => {
+                    let n = files.len();
+                    let name = format!("f{n}");
+                    let body = format!("file {n} {}\n", "x".repeat(n));
+                    write_complete(&dir, &name, body.as_bytes());
+                    files.push((name, Place::In, body.len() as u64));
+                }
+                DirOp::MoveOut(i) => if let Some(f) = pick(&files, Place::In, &i) {
+                    fs::rename(dir.join(&files[f].0), out.join(&files[f].0)).unwrap();
+                    files[f].1 = Place::Out;
+                },
+                DirOp::MoveIn(i) => if let Some(f) = pick(&files, Place::Out, &i) {
+                    fs::rename(out.join(&files[f].0), dir.join(&files[f].0)).unwrap();
+                    files[f].1 = Place::In;
+                },
+                DirOp::Rename(i, hidden) => if let Some(f) = pick(&files, Place::In, &i) {
+                    renames += 1;
+                    let name = if hidden { format!(".f{f}-{renames}") } else { format!("f{f}-{renames}") };
+                    fs::rename(dir.join(&files[f].0), dir.join(&name)).unwrap();
+                    files[f].0 = name;
+                },
+                DirOp::Delete(i) => if let Some(f) = pick(&files, Place::In, &i) {
+                    fs::remove_file(dir.join(&files[f].0)).unwrap();
+                    files[f].1 = Place::Deleted;
+                },
+                DirOp::Poll => {
+                    let mark = marks.last().unwrap().clone();
+                    let polled = source.poll(&mark).unwrap();
+                    prop_assert!(!polled.closed && polled.problems.is_empty(), "{:?}", polled);
+                    prop_assert_eq!(&dir_source(&dir, 1 << 20).poll(&mark).unwrap(), &polled, "restart");
+
+                    let was = remembered.last().unwrap();
+                    let mut now = BTreeMap::new();
+                    let mut want = Vec::new();
+                    for (f, (name, place, _)) in files.iter().enumerate() {
+                        if *place != Place::In {
+                            continue;
+                        }
+                        // Present: remembered, whatever its name; or new,
+                        // and taken if its name is data's.
+                        if was.contains_key(&f) {
+                            now.insert(f, false);
+                        } else if !name.starts_with('.') {
+                            now.insert(f, false);
+                            want.push(path_str(&dir.join(name)));
+                        }
+                    }
+                    for (&f, &missed) in was {
+                        if !now.contains_key(&f) && !missed {
+                            now.insert(f, true);
+                        }
+                    }
+                    let mut got = paths(&polled.chunks);
+                    got.sort();
+                    want.sort();
+                    prop_assert_eq!(got, want);
+                    prop_assert_eq!(polled.mark.0.len() / 24, now.len(), "24 bytes a file remembered");
+                    let count = taken.last().unwrap() + polled.chunks.len() as u64;
+                    prop_assert!(polled.position.starts_with(&format!("{count} file")), "{}", polled.position);
+                    marks.push(polled.mark);
+                    remembered.push(now);
+                    taken.push(count);
+                }
+                DirOp::Restart(i) => {
+                    let k = i.index(marks.len());
+                    marks.truncate(k + 1);
+                    remembered.truncate(k + 1);
+                    taken.truncate(k + 1);
+                    source = dir_source(&dir, 1 << 20);
+                }
+            }
+        }
     }
 }

@@ -9,6 +9,7 @@ use std::time::{Duration, Instant};
 
 use oar_task_queue::{
     Changes, Chunk, Delta, GetTask, JobState, QueueConfig, Report, Snapshot, TaskId, TaskQueue, TaskRef,
+    TaskState,
 };
 use proptest::prelude::*;
 
@@ -119,6 +120,13 @@ impl Harness {
                     let same = restored.tasks().find(|task| task.id == a.task.id);
                     prop_assert_eq!(same, Some(&a.task), "task handed out before it was stored");
                     prop_assert_eq!(Some(&a.task.chunks), self.appended.get(&a.task.id));
+                    // Every task below `open_from` is finished (or compacted away).
+                    prop_assert!(a.open_from <= a.task.id);
+                    for &id in self.appended.keys().filter(|&&id| id < a.open_from) {
+                        let state = self.q.task_state(id);
+                        let open = matches!(state, Some(TaskState::Todo | TaskState::Pending { .. }));
+                        prop_assert!(!open, "task {} below open_from {} is {:?}", id, a.open_from, state);
+                    }
                     self.held.push((a.task_ref, TRAINERS[t].to_string()));
                 }
             }

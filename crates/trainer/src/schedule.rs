@@ -236,6 +236,15 @@ impl Schedule {
         self.push_now = self.since_push > 0;
     }
 
+    /// A task was interrupted (handed back unfinished, to be trained again
+    /// whole): the gradient of its batches not pushed yet is dropped, not
+    /// pushed, so the push boundaries of a task stay every `push_every`
+    /// batches from its start, whoever trains it.
+    pub fn discard_unpushed(&mut self) {
+        self.since_push = 0;
+        self.push_now = false;
+    }
+
     /// The next action, at `now`, for what the shell wants; `finished` says
     /// whether the exchange in flight (if any) has completed, so that it is
     /// taken back without waiting.

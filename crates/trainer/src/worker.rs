@@ -41,6 +41,19 @@
 //! batch to batch, so there is no accumulated push to overlap, and
 //! `push_every`/`pull_every` must be 1 (checked at start).
 //!
+//! # Exactly once
+//!
+//! Every push names its origin ([`oar_pserver::origin`]): the task (pass
+//! and id), the examples of it whose gradient it carries, and the oldest
+//! task still open when the master handed this one out. A task's pushes
+//! are cut the same way whoever trains it (every `push_every` batches
+//! from its start, and at its end), so when a trainer dies in the middle
+//! of a task and the task is trained again, the shards drop the pushes of
+//! examples they have applied and apply the rest: each example's gradient
+//! is applied once. A task handed back at the stop signal drops its
+//! gradient not pushed yet, for the same reason (it is trained again
+//! whole).
+//!
 //! Order is kept where it matters: a task is reported only after the
 //! exchange that pushes its last gradients has been applied, and before
 //! the trainer waits, stops or asks again after a `Wait`, it pushes what it
@@ -57,7 +70,7 @@ use crate::{
     Error, Result,
 };
 use oar_discovery::LeaseGuard;
-use oar_pserver::{Mode, ParamBuf, PserverClient, PushResult, TableGrads};
+use oar_pserver::{Mode, Origin, ParamBuf, PserverClient, PushResult, TableGrads, TaskKey};
 use oar_task_queue::{MasterClient, ReportReply, TaskRef, TaskReply, TaskSpec, TaskStats};
 use std::{
     sync::Arc,
@@ -203,6 +216,10 @@ pub struct TrainerReport {
     pub skipped_lines: u64,
     /// The trainer stopped at its stop signal, before the job ended.
     pub shut_down: bool,
+    /// Pushes, summed over the shards, whose examples a shard had applied
+    /// already (a task trained again after its trainer died in it: see
+    /// [Exactly once](self#exactly-once)).
+    pub applied_before: u64,
     /// Per shard, the pushes it acknowledged as taken
     /// ([`PserverClient::acknowledged`]): sync, a push stale on one shard
     /// may have been taken on another.
@@ -274,6 +291,7 @@ pub async fn run_trainer(
         ready: Vec::new(),
         reporting: None,
         report: TrainerReport::default(),
+        task: None,
     };
     let result = state.run(&master).await;
     if let Some(schedule) = state.schedule.as_ref().filter(|_| state.sparse.is_none()) {
@@ -287,7 +305,10 @@ pub async fn run_trainer(
         let leave = async { state.pservers.lock().await.leave().await };
         let _ = tokio::time::timeout(Duration::from_secs(5), leave).await;
     }
-    state.report.shard_pushes = state.pservers.lock().await.acknowledged_by_shard();
+    let pservers = state.pservers.lock().await;
+    state.report.shard_pushes = pservers.acknowledged_by_shard();
+    state.report.applied_before = pservers.applied_before();
+    drop(pservers);
     result.map(|()| state.report)
 }
 
@@ -339,6 +360,27 @@ struct Loop {
     /// Reports on their way to the master, at most one batch of them.
     reporting: Option<AbortOnDropHandle<Result<Vec<Reported>>>>,
     report: TrainerReport,
+    /// The task in hand, for the origin of its pushes.
+    task: Option<TaskOrigin>,
+}
+
+/// The task in hand as its pushes name it (see [Exactly once](self#exactly-once)).
+#[derive(Clone, Copy, Debug)]
+struct TaskOrigin {
+    task: TaskKey,
+    floor: TaskKey,
+    /// Async: the first example whose gradient is not pushed yet.
+    next: u32,
+    /// Some push of the task was acknowledged (logged once per task).
+    pushed: bool,
+}
+
+impl TaskOrigin {
+    /// The origin of a push of examples `start..end` of this task.
+    fn of(&self, start: usize, end: usize) -> Origin {
+        let at = |i: usize| u32::try_from(i).unwrap_or(u32::MAX);
+        Origin { task: self.task, start: at(start), end: at(end), floor: self.floor }
+    }
 }
 
 /// What a sparse model's batch works on, reused from batch to batch.
@@ -370,6 +412,8 @@ struct InFlight {
     pulls: bool,
     /// Tasks whose last gradients it pushes: reported once it is applied.
     reports: Vec<(TaskRef, TaskStats)>,
+    /// The origin of its push.
+    origin: Option<Origin>,
 }
 
 impl Loop {
@@ -440,7 +484,14 @@ impl Loop {
                 None => fetch(master, &id, &self.model, &self.options.reader).await?,
             };
             match fetched {
-                Fetched::Task { task, task_ref, data } => {
+                Fetched::Task { task, task_ref, open_from, data } => {
+                    let key = |task| TaskKey { pass: task_ref.pass, task };
+                    self.task = Some(TaskOrigin {
+                        task: key(task.id.0),
+                        floor: key(open_from.0),
+                        next: 0,
+                        pushed: false,
+                    });
                     if self.options.prefetch && !self.stopping() {
                         let (master, id, model, reader) =
                             (master.clone(), id.clone(), self.model.clone(), self.options.reader.clone());
@@ -645,18 +696,19 @@ impl Loop {
             if self.stopping() && self.stop_by.is_some_and(|by| Instant::now() >= by) {
                 self.report.examples += stats.examples;
                 self.report.loss_sum += stats.loss_sum;
+                self.drop_unpushed();
                 return Ok(Trained::Interrupted);
             }
             let loss = match (&self.model, examples) {
                 (AnyModel::Dense(model), Examples::Dense(e)) => {
                     let model = model.clone();
                     match self.schedule {
-                        None => self.sync_step(&*model, &e[batch.clone()]).await?,
+                        None => self.sync_step(&*model, &e[batch.clone()], self.origin(&batch)).await?,
                         Some(_) => self.async_step(&*model, &e[batch.clone()]).await?,
                     }
                 }
                 (AnyModel::Sparse(model), Examples::Ids(e)) => {
-                    self.sparse_step(model.clone(), &e[batch.clone()]).await?
+                    self.sparse_step(model.clone(), &e[batch.clone()], self.origin(&batch)).await?
                 }
                 _ => {
                     return Err(Error::Panicked(
@@ -667,6 +719,8 @@ impl Loop {
             if !loss.is_finite() {
                 self.report.examples += stats.examples;
                 self.report.loss_sum += stats.loss_sum;
+                // The task fails, and may be tried again whole.
+                self.drop_unpushed();
                 return Ok(Trained::Diverged(format!(
                     "the loss of batch {} of {} is {loss}: training diverged (is the learning rate too high?)",
                     start / size + 1,
@@ -690,10 +744,44 @@ impl Loop {
         Ok(Trained::Finished(stats))
     }
 
+    /// The origin of a push of the examples `batch` of the task in hand.
+    fn origin(&self, batch: &std::ops::Range<usize>) -> Option<Origin> {
+        self.task.map(|t| t.of(batch.start, batch.end))
+    }
+
+    /// A push from `origin` was acknowledged: the first of the task in
+    /// hand is logged (a trainer that dies after it leaves examples of the
+    /// task applied, which its rerun finds applied before).
+    fn acknowledged(&mut self, origin: Option<Origin>) {
+        let Some(t) = self.task.as_mut().filter(|t| !t.pushed && origin.is_some_and(|o| o.task == t.task))
+        else {
+            return;
+        };
+        t.pushed = true;
+        let (trainer, task, pass) = (&self.options.id, t.task.task, t.task.pass);
+        tracing::info!(trainer, task, pass, "first gradients of the task applied");
+    }
+
+    /// A task is handed back unfinished: drop the gradient not pushed yet
+    /// (see [Exactly once](self#exactly-once)).
+    fn drop_unpushed(&mut self) {
+        if let Some(schedule) = &mut self.schedule {
+            schedule.discard_unpushed();
+        }
+        self.sum.fill(0.0);
+        self.pending_weight = 0.0;
+    }
+
     /// Pull step s, compute, push for step s; if the pservers moved on
     /// without us (we were taken for gone), do it again at the new step.
-    async fn sync_step(&mut self, model: &dyn Model, batch: &[Example]) -> Result<f32> {
+    async fn sync_step(
+        &mut self,
+        model: &dyn Model,
+        batch: &[Example],
+        origin: Option<Origin>,
+    ) -> Result<f32> {
         let mut pservers = self.pservers.lock().await;
+        pservers.set_origin(origin);
         loop {
             let started = Instant::now();
             pservers.pull(&mut self.params).await?;
@@ -703,9 +791,11 @@ impl Loop {
             }
             match pservers.push(&self.grads, batch.len() as f32).await? {
                 PushResult::Accepted => {
+                    drop(pservers);
                     metrics().exchange.observe(started.elapsed().as_secs_f64());
                     self.report.pushes += 1;
                     self.report.pushed_examples += batch.len() as u64;
+                    self.acknowledged(origin);
                     return Ok(loss);
                 }
                 PushResult::Stale => {
@@ -720,13 +810,19 @@ impl Loop {
     /// pull its rows (and, sync or at the start, the dense parameters), run
     /// the model, push the row and dense gradients; sync, again at the new
     /// step if the pservers moved on without us.
-    async fn sparse_step(&mut self, model: Arc<dyn SparseModel>, batch: &[IdExample]) -> Result<f32> {
+    async fn sparse_step(
+        &mut self,
+        model: Arc<dyn SparseModel>,
+        batch: &[IdExample],
+        origin: Option<Origin>,
+    ) -> Result<f32> {
         let Some(buffers) = self.sparse.as_mut() else {
             return Err(Error::Panicked("a sparse step without row buffers".into()));
         };
         let sync = self.options.mode == Mode::Sync;
         let weight = batch.len() as f32;
         let mut pservers = self.pservers.lock().await;
+        pservers.set_origin(origin);
         loop {
             let started = Instant::now();
             if sync || !buffers.dense_fresh {
@@ -764,6 +860,8 @@ impl Loop {
                 self.report.pushed_rows += tables.iter().map(|t| t.ids.len() as u64).sum::<u64>();
                 self.report.pushes += 1;
                 self.report.pushed_examples += batch.len() as u64;
+                drop(pservers);
+                self.acknowledged(origin);
                 return Ok(loss);
             }
             tracing::info!(trainer = self.options.id, "sync step moved on without us; rejoining");
@@ -834,20 +932,29 @@ impl Loop {
     /// The gradient to push: the weighted mean of what `sum` holds, and
     /// the examples behind it. The pushed batches' tasks are then waiting
     /// for this push.
-    fn take_push(&mut self) -> (f32, Vec<(TaskRef, TaskStats)>) {
+    fn take_push(&mut self) -> (f32, Option<Origin>, Vec<(TaskRef, TaskStats)>) {
         let weight = self.pending_weight;
         let inv = 1.0 / weight;
         self.sum.as_mut_slice().iter_mut().for_each(|s| *s *= inv);
         self.pending_weight = 0.0;
         self.report.pushes += 1;
         self.report.pushed_examples += weight as u64;
-        (weight, std::mem::take(&mut self.unpushed))
+        // The examples since the last push of this task.
+        let origin = self.task.as_mut().map(|t| {
+            let start = t.next as usize;
+            let origin = t.of(start, start + weight as usize);
+            t.next = origin.end;
+            origin
+        });
+        (weight, origin, std::mem::take(&mut self.unpushed))
     }
 
     /// An exchange the loop waits for, on its own buffers.
     async fn exchange_in_place(&mut self, exchange: Exchange) -> Result<()> {
-        let (weight, reports) = if exchange.push { self.take_push() } else { (0.0, Vec::new()) };
+        let (weight, origin, reports) =
+            if exchange.push { self.take_push() } else { (0.0, None, Vec::new()) };
         let mut pservers = self.pservers.lock().await;
+        pservers.set_origin(origin);
         match (exchange.push, exchange.pull) {
             (true, true) => pservers.push_pull(&self.sum, weight, &mut self.params).await?,
             (true, false) => pservers.push(&self.sum, weight).await.map(drop)?,
@@ -857,6 +964,7 @@ impl Loop {
         drop(pservers);
         if exchange.push {
             self.sum.fill(0.0);
+            self.acknowledged(origin);
         }
         self.ready.extend(reports);
         Ok(())
@@ -867,12 +975,14 @@ impl Loop {
         let Some((spare_sum, mut params)) = self.spare.take() else {
             return Err(Error::Panicked("an exchange started while another holds the buffers".into()));
         };
-        let (weight, reports) = if exchange.push { self.take_push() } else { (0.0, Vec::new()) };
+        let (weight, origin, reports) =
+            if exchange.push { self.take_push() } else { (0.0, None, Vec::new()) };
         // Without a push the spare goes out unused and comes back zeroed.
         let sum = if exchange.push { std::mem::replace(&mut self.sum, spare_sum) } else { spare_sum };
         let pservers = self.pservers.clone();
         let run = async move {
             let mut pservers = pservers.lock().await;
+            pservers.set_origin(origin);
             let result = match (exchange.push, exchange.pull) {
                 (true, true) => pservers.push_pull(&sum, weight, &mut params).await,
                 (true, false) => pservers.push(&sum, weight).await.map(drop),
@@ -883,7 +993,8 @@ impl Loop {
             (sum, params, result, Instant::now())
         };
         let done = spawn(run.instrument(tracing::Span::current()));
-        self.in_flight = Some(InFlight { done, started: Instant::now(), pulls: exchange.pull, reports });
+        self.in_flight =
+            Some(InFlight { done, started: Instant::now(), pulls: exchange.pull, reports, origin });
         Ok(())
     }
 
@@ -891,7 +1002,7 @@ impl Loop {
     /// become the ones trained on, and the tasks it pushed the last
     /// gradients of become ready to report.
     async fn join(&mut self) -> Result<()> {
-        let Some(InFlight { done, started, pulls, reports }) = self.in_flight.take() else {
+        let Some(InFlight { done, started, pulls, reports, origin }) = self.in_flight.take() else {
             // The schedule and the loop disagree: a bug, not a reason to spin.
             return Err(Error::Panicked("the schedule waits for an exchange that is not in flight".into()));
         };
@@ -905,6 +1016,7 @@ impl Loop {
         let params = if pulls { std::mem::replace(&mut self.params, params) } else { params };
         self.spare = Some((sum, params));
         self.ready.extend(reports);
+        self.acknowledged(origin);
         Ok(())
     }
 }
@@ -933,8 +1045,15 @@ enum Trained {
 /// The master's answer to a trainer asking for a task, with the task's
 /// data read (or why it could not be).
 enum Fetched {
-    Task { task: TaskSpec, task_ref: TaskRef, data: Result<(Examples, u64)> },
-    Wait { retry_after_ms: u64 },
+    Task {
+        task: TaskSpec,
+        task_ref: TaskRef,
+        open_from: oar_task_queue::TaskId,
+        data: Result<(Examples, u64)>,
+    },
+    Wait {
+        retry_after_ms: u64,
+    },
     Done,
     Failed,
 }
@@ -942,9 +1061,9 @@ enum Fetched {
 /// Ask the master for a task and read its data (on the blocking pool).
 async fn fetch(master: &MasterClient, id: &str, model: &AnyModel, reader: &ReaderOptions) -> Result<Fetched> {
     match master.get_task(id).await? {
-        TaskReply::Assigned { task, task_ref, .. } => {
+        TaskReply::Assigned { task, task_ref, open_from, .. } => {
             let data = read_task(&task, model.clone(), reader.clone()).await;
-            Ok(Fetched::Task { task, task_ref, data })
+            Ok(Fetched::Task { task, task_ref, open_from, data })
         }
         TaskReply::Wait { retry_after_ms } => Ok(Fetched::Wait { retry_after_ms }),
         TaskReply::Done => Ok(Fetched::Done),

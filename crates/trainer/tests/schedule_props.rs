@@ -15,10 +15,17 @@ enum Event {
     Task { batches: u32 },
     /// Push everything and take everything back (the trainer waits or stops).
     Drain,
+    /// Train this many batches of a task, then hand it back unfinished:
+    /// what was not pushed is dropped, and the trainer drains.
+    Interrupted { batches: u32 },
 }
 
 fn event() -> impl Strategy<Value = Event> {
-    prop_oneof![5 => (1u32..30).prop_map(|batches| Event::Task { batches }), 1 => Just(Event::Drain)]
+    prop_oneof![
+        5 => (1u32..30).prop_map(|batches| Event::Task { batches }),
+        1 => Just(Event::Drain),
+        1 => (1u32..30).prop_map(|batches| Event::Interrupted { batches }),
+    ]
 }
 
 /// The shell, simulated: a clock, the exchange in flight and when it ends,
@@ -41,6 +48,8 @@ struct Sim {
     pulled_at: Option<Instant>,
     batches: u64,
     pushed_batches: u64,
+    /// Batches of interrupted tasks dropped unpushed.
+    dropped_batches: u64,
     pushes: u64,
     exchanges: usize,
 }
@@ -69,6 +78,7 @@ impl Sim {
             pulled_at: None,
             batches: 0,
             pushed_batches: 0,
+            dropped_batches: 0,
             pushes: 0,
             exchanges: 0,
         }
@@ -226,11 +236,22 @@ proptest! {
                     sim.run(Want::Flush)?;
                 }
                 Event::Drain => sim.run(Want::Drain)?,
+                Event::Interrupted { batches } => {
+                    for _ in 0..batches {
+                        sim.run(Want::Batch)?;
+                    }
+                    prop_assert_eq!(sim.schedule.unpushed(), sim.since_push);
+                    sim.dropped_batches += u64::from(sim.since_push);
+                    sim.since_push = 0;
+                    sim.schedule.discard_unpushed();
+                    sim.run(Want::Drain)?;
+                }
             }
         }
         sim.run(Want::Drain)?;
-        // Every batch's gradient was pushed, once.
-        prop_assert_eq!(sim.pushed_batches, sim.batches);
+        // Every batch's gradient was pushed once, but those of interrupted
+        // tasks not pushed at the interruption.
+        prop_assert_eq!(sim.pushed_batches + sim.dropped_batches, sim.batches);
         let counts = sim.schedule.counts();
         prop_assert_eq!((counts.batches, counts.pushes), (sim.batches, sim.pushes));
         prop_assert_eq!(sim.schedule.unpushed(), 0);

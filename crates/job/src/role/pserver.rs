@@ -30,6 +30,9 @@ pub struct PserverReport {
     /// hold ([`oar_pserver::ParamStore::row_updates`]): in async mode the
     /// exact count of acknowledged row gradients the shard applied.
     pub row_updates: std::collections::BTreeMap<u32, u64>,
+    /// For each of those shards that holds table rows, how many
+    /// ([`oar_pserver::ParamStore::rows_held`]).
+    pub rows: std::collections::BTreeMap<u32, u64>,
     /// It stopped at the shutdown signal, not at the job's end.
     pub shut_down: bool,
     /// The job released it: drained of its replicas after a scale-in, or
@@ -62,6 +65,7 @@ async fn run_pserver(
         pushes: Default::default(),
         trainer_seqs: Default::default(),
         row_updates: Default::default(),
+        rows: Default::default(),
         shut_down: true,
         released: false,
     };
@@ -126,9 +130,19 @@ async fn run_pserver(
         .filter(|(_, at)| at.row_updates > 0)
         .map(|(&shard, at)| (shard, at.row_updates))
         .collect();
+    let rows = held.iter().filter(|(_, at)| at.rows > 0).map(|(&shard, at)| (shard, at.rows)).collect();
     let trainer_seqs =
         held.into_iter().filter(|(_, at)| at.step > 0).map(|(shard, at)| (shard, at.last_seqs)).collect();
-    Ok(PserverReport { name: Some(name), primaries, pushes, trainer_seqs, row_updates, shut_down, released })
+    Ok(PserverReport {
+        name: Some(name),
+        primaries,
+        pushes,
+        trainer_seqs,
+        row_updates,
+        rows,
+        shut_down,
+        released,
+    })
 }
 
 /// How often a pserver looks whether the job ended, at the longest (a

@@ -10,6 +10,7 @@ use std::path::Path;
 use crate::block::BlockId;
 use crate::error::{Error, Result};
 use crate::optimizer::OptimizerState;
+use crate::origin::AppliedOrigins;
 use crate::sparse::{Candidate, RowRecord, TableStats};
 use crate::store::{ParamStore, StoreSnapshot};
 
@@ -98,8 +99,10 @@ impl<'a> Encoder<'a> {
             w.u64(seq)?;
         }
         // The sparse tables, if the model has any (rows and candidates in
-        // id order: the same table always gives the same bytes).
-        if !snap.tables().is_empty() {
+        // id order: the same table always gives the same bytes); a count of
+        // 0 if there are none but origins follow.
+        let origins = snap.origins();
+        if !snap.tables().is_empty() || !origins.is_empty() {
             w.u64(snap.tables().len() as u64)?;
             for table in snap.tables() {
                 let name = &table.spec().name;
@@ -130,6 +133,13 @@ impl<'a> Encoder<'a> {
                     w.u64(c.last_seen)?;
                 }
             }
+        }
+        // The origins applied, if any (postcard; a map in key order, so the
+        // same state always gives the same bytes).
+        if !origins.is_empty() {
+            let bytes = postcard::to_allocvec(origins).map_err(io::Error::other)?;
+            w.u64(bytes.len() as u64)?;
+            w.put(&bytes)?;
         }
         Ok(())
     }
@@ -276,6 +286,8 @@ impl Header {
 struct Scanned {
     header: Header,
     seqs: Vec<(String, u64)>,
+    /// The origins applied (empty in a file without them).
+    origins: AppliedOrigins,
     /// Each table's life counters (its rows and candidates went to `on_row`).
     table_stats: Vec<TableStats>,
     checksum: u32,
@@ -493,6 +505,15 @@ fn scan<R: Read + Seek>(
             Err(p) => problem = Some(p),
         }
     }
+    let mut origins = AppliedOrigins::default();
+    if problem.is_none() && r.remaining() > 0 {
+        let len = r.u64("origins length")?;
+        r.need(len, &format!("{len} bytes of origins"))?;
+        let mut bytes = vec![0u8; to_usize(len, "origins")?];
+        r.fill(&mut bytes)?;
+        origins = postcard::from_bytes(&bytes)
+            .map_err(|e| Reject::Corrupt(format!("the origins applied do not decode: {e}")))?;
+    }
     if problem.is_some() {
         // Only to tell corruption from a mismatch.
         r.skip(r.remaining(), "the rest")?;
@@ -500,7 +521,7 @@ fn scan<R: Read + Seek>(
     let checksum = r.finish()?;
     match problem {
         Some(p) => Err(p),
-        None => Ok(Scanned { header, seqs, table_stats, checksum, bytes: size }),
+        None => Ok(Scanned { header, seqs, origins, table_stats, checksum, bytes: size }),
     }
 }
 
@@ -672,6 +693,7 @@ pub(super) fn load<R: Read + Seek>(r: &mut R, store: &mut ParamStore) -> Check<L
     for (trainer, seq) in &second.seqs {
         store.restore_last_seq(trainer, *seq);
     }
+    store.restore_origins(&second.origins);
     Ok(Loaded {
         step: second.header.step,
         checksum: second.checksum,

@@ -47,6 +47,7 @@
 //! | per block | param (`u32`), block (`u32`), len (`u64`), optimizer step (`u64`), `len` parameters, `slots * len` state values |
 //! | 8 | number of last-seq entries (`u64`), then per entry: trainer id length (`u32`), UTF-8 bytes, last seq (`u64`) |
 //! | | *sparse tables, only in a model that has them:* table count (`u64`); per table: name length (`u32`) and UTF-8 bytes, dim (`u64`), counters admitted, evicted, expired, dropped candidates (`u64` each), row count (`u64`) and per row (id order) id (`u64`), optimizer step (`u64`), sightings (`u32`), last push's step (`u64`), `dim` values, `slots * dim` state values; candidate count (`u64`) and per candidate id (`u64`), sightings (`u32`), last step (`u64`) |
+//! | | *origins applied, only if any ([`AppliedOrigins`](crate::AppliedOrigins), see [`origin`](crate::origin)); a table count of 0 comes first in a model without tables:* length (`u64`) and that many bytes of postcard |
 //! | 4 | CRC32 (IEEE) of every byte before it |
 
 use std::fmt;
@@ -141,7 +142,16 @@ mod tests {
     fn trained() -> ParamStore {
         let mut st = store(1);
         let grads = st.blocks().map(|(id, p, _)| (id, vec![0.5; p.len()].into())).collect();
-        st.push(Push { trainer: "t".into(), seq: 3, step: 0, weight: 1.0, grads, rows: Vec::new() }).unwrap();
+        st.push(Push {
+            trainer: "t".into(),
+            seq: 3,
+            step: 0,
+            weight: 1.0,
+            grads,
+            rows: Vec::new(),
+            origin: None,
+        })
+        .unwrap();
         st
     }
 

@@ -128,7 +128,9 @@ impl PsHandler {
     /// Apply a push (or a part of one) to `shard`. Its gradients are views
     /// into the received `payload`, not copies.
     async fn push(&self, request: PsRequest, payload: &Bytes) -> Reply<PsReply> {
-        let PsRequest::Push { shard, fingerprint, blocks, trainer, seq, step, weight, rows } = request else {
+        let PsRequest::Push { shard, fingerprint, blocks, trainer, seq, step, weight, rows, origin } =
+            request
+        else {
             return Err(RemoteError::internal("not a push"));
         };
         self.check_fingerprint(fingerprint)?;
@@ -154,7 +156,7 @@ impl PsHandler {
         }
         let rows = wire_rows(&self.shared.placement, rows, payload, at);
         let pusher = trainer.clone();
-        let push = Push { trainer, seq, step, weight, grads, rows };
+        let push = Push { trainer, seq, step, weight, grads, rows, origin };
         let (reply, wait, waits_in_step) = {
             let Some(mut state) = self.primary(&slot)? else { return Ok(self.not_primary(shard)) };
             let SlotState::Primary { store, links } = &mut *state else { unreachable!() };
@@ -171,8 +173,14 @@ impl PsHandler {
             }
             let version = self.shared.map_version();
             if replicated {
-                if let (Ok(PushOutcome::Applied { .. } | PushOutcome::Buffered { .. }), Some(push)) =
-                    (&taken, forwarded)
+                if let (
+                    Ok(
+                        PushOutcome::Applied { .. }
+                        | PushOutcome::Buffered { .. }
+                        | PushOutcome::AppliedBefore,
+                    ),
+                    Some(push),
+                ) = (&taken, forwarded)
                 {
                     links.record(version, Update::Push(push));
                 }
@@ -262,7 +270,8 @@ impl PsHandler {
 
     /// Async mode: apply a push and answer with the parameters after it.
     async fn push_pull(&self, request: PsRequest, payload: &Bytes) -> Reply<Frame> {
-        let PsRequest::PushPull { shard, fingerprint, blocks, trainer, seq, weight, rows } = request else {
+        let PsRequest::PushPull { shard, fingerprint, blocks, trainer, seq, weight, rows, origin } = request
+        else {
             return Err(RemoteError::internal("not a push-pull"));
         };
         if self.shared.options.mode != Mode::Async {
@@ -270,7 +279,8 @@ impl PsHandler {
                 "push-pull from {trainer}: only async pservers take it (a sync push waits for its step)"
             )));
         }
-        let push = PsRequest::Push { shard, fingerprint, blocks, trainer, seq, step: 0, weight, rows };
+        let push =
+            PsRequest::Push { shard, fingerprint, blocks, trainer, seq, step: 0, weight, rows, origin };
         let outcome = match self.push(push, payload).await? {
             PsReply::Pushed(outcome) => outcome,
             reply @ PsReply::NotPrimary { .. } => {

@@ -812,6 +812,7 @@ impl Pserver {
                         step: store.step(),
                         pushes: store.pushes(),
                         row_updates: store.row_updates(),
+                        rows: store.rows_held(),
                         last_seqs: store.last_seqs().map(|(t, s)| (t.to_string(), s)).collect(),
                     },
                 )),
@@ -855,6 +856,8 @@ pub struct PrimaryAtStop {
     pub pushes: u64,
     /// The row updates its sparse tables hold ([`ParamStore::row_updates`]).
     pub row_updates: u64,
+    /// The rows its sparse tables hold ([`ParamStore::rows_held`]).
+    pub rows: u64,
     /// Each trainer's last push seq the shard took. A client numbers its
     /// pushes to a shard from 0, one at a time, so in async mode trainer
     /// `t` had `seq + 1` pushes applied there, each once.

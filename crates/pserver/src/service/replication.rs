@@ -414,6 +414,7 @@ pub(super) fn encode(batch: &[Arc<Forwarded>]) -> (Vec<UpdateMeta>, Vec<Cow<'_, 
                     weight: push.weight,
                     blocks: push.grads.iter().map(|(id, _)| *id).collect(),
                     rows: table_rows(&push.rows),
+                    origin: push.origin,
                 }
             }
             Update::Step(step) => {
@@ -424,6 +425,7 @@ pub(super) fn encode(batch: &[Arc<Forwarded>]) -> (Vec<UpdateMeta>, Vec<Cow<'_, 
                     blocks: step.grads.iter().map(|(id, _)| *id).collect(),
                     seqs: step.seqs.clone(),
                     rows: table_rows(&step.rows),
+                    origins: step.origins.clone(),
                 }
             }
             Update::Join(trainer) => UpdateKind::Join(trainer.clone()),
@@ -462,7 +464,7 @@ pub(super) fn decode(
     for meta in updates {
         let seq = meta.seq;
         let update = match &meta.kind {
-            UpdateKind::Push { trainer, seq: push_seq, step, weight, blocks, rows } => {
+            UpdateKind::Push { trainer, seq: push_seq, step, weight, blocks, rows, origin } => {
                 let grads = blocks
                     .iter()
                     .map(|id| cursor.block(placement, shard, id, seq).map(|b| (*id, Grad::Wire(b))))
@@ -475,9 +477,10 @@ pub(super) fn decode(
                     weight: *weight,
                     grads,
                     rows,
+                    origin: *origin,
                 })
             }
-            UpdateKind::Step { step, blocks, seqs, rows } => {
+            UpdateKind::Step { step, blocks, seqs, rows, origins } => {
                 let mut grads = Vec::with_capacity(blocks.len());
                 for id in blocks {
                     let bytes = cursor.block(placement, shard, id, seq)?;
@@ -485,7 +488,8 @@ pub(super) fn decode(
                     grads.push((*id, values));
                 }
                 let rows = cursor.rows(placement, rows, seq)?;
-                Update::Step(CompletedStep { step: *step, grads, seqs: seqs.clone(), rows })
+                let origins = origins.clone();
+                Update::Step(CompletedStep { step: *step, grads, seqs: seqs.clone(), rows, origins })
             }
             UpdateKind::Join(trainer) => Update::Join(trainer.clone()),
             UpdateKind::Leave(trainer) => Update::Leave(trainer.clone()),
@@ -652,6 +656,7 @@ pub(super) fn encode_part(
         members: snapshot.members().to_vec(),
         blocks: blocks.iter().map(|(id, _, state)| (*id, state.step)).collect(),
         last_seqs: snapshot.last_seqs().map(|(t, s)| (t.to_string(), s)).collect(),
+        origins: Box::new(snapshot.origins().clone()),
         row_parts,
         rows,
     };
@@ -668,7 +673,8 @@ fn decode_part(
     reply: PsReply,
     payload: Bytes,
 ) -> ServiceResult<SnapshotPart> {
-    let PsReply::SnapshotPart { step, pushes, members, blocks, last_seqs, row_parts, rows } = reply else {
+    let PsReply::SnapshotPart { step, pushes, members, blocks, last_seqs, origins, row_parts, rows } = reply
+    else {
         return Err(ServiceError::Protocol(format!("a snapshot part answered with {reply:?}")));
     };
     let mut at = 0usize;
@@ -728,6 +734,7 @@ fn decode_part(
         members,
         blocks: out,
         last_seqs,
+        origins: *origins,
         row_parts,
         rows,
     })
