@@ -155,9 +155,12 @@ fn ctrl_c_stops_a_running_job_gracefully() {
 #[test]
 fn the_ctr_example_trains_a1a_with_no_feature_count() {
     let ctr = support::example("ctr");
-    for args in [
-        &[][..],
-        &[
+    // The least test accuracy of each run: LR (sync, the default) scores
+    // 84.3%; FM async varies with the trainers' interleaving, 82.8-83.8%
+    // over 20 runs (2026-11-26), so it is held to 82%.
+    for (least, args) in [
+        (0.83, &[][..]),
+        (0.82, &[
             "--data",
             "testdata/a1a",
             "--test-data",
@@ -168,7 +171,7 @@ fn the_ctr_example_trains_a1a_with_no_feature_count() {
             "fm",
             "--mode",
             "async",
-        ][..],
+        ][..]),
     ] {
         let out = Command::new(&ctr).args(args).output().unwrap();
         let stdout = String::from_utf8_lossy(&out.stdout);
@@ -182,7 +185,7 @@ fn the_ctr_example_trains_a1a_with_no_feature_count() {
         assert_eq!(report["state"], "done", "{report}");
         assert_eq!(report["tasks_discarded"], 0, "{report}");
         let accuracy = report["test_accuracy"].as_f64().unwrap();
-        assert!(accuracy >= 0.83, "{args:?}: {accuracy} on a1a.t\n{report}");
+        assert!(accuracy >= least, "{args:?}: {accuracy} on a1a.t\n{report}");
     }
     let out = Command::new(&ctr).args(["--model", "softmax"]).output().unwrap();
     assert_eq!(out.status.code(), Some(2));

@@ -582,11 +582,13 @@ impl ParamStore {
         self.step
     }
 
-    /// Number of trainer pushes whose gradients the store applied, over
-    /// its whole life (across restores and replicas): async, the same as
-    /// [`step`](Self::step); sync, each completed step counts every push it
-    /// combined. What an exact "every acknowledged push applied once"
-    /// count compares with the pushes the trainers saw acknowledged.
+    /// Number of trainer pushes the store took, over its whole life (across
+    /// restores and replicas): async, the same as [`step`](Self::step);
+    /// sync, each completed step counts every push it combined. A push of
+    /// examples applied before ([`PushOutcome::AppliedBefore`]) counts,
+    /// though it changes no parameter. What an exact "every acknowledged
+    /// push taken once" count compares with the pushes the trainers saw
+    /// acknowledged.
     pub fn pushes(&self) -> u64 {
         self.pushes
     }
