@@ -15,6 +15,8 @@
 //!   --small R          small round trips measured (median reported)            [3000]
 //!   --sizes a,b,c      tensor sizes in millions of f32                         [1,16,64]
 //!   --threads T        tokio worker threads (0: one per core)                   [0]
+//!   --in-task          run both ends' callers in a spawned task, on a worker,
+//!                      instead of on block_on's thread                         [off]
 //! ```
 //!
 //! (a) one call carrying N float32 (request payload; a tiny reply), against
@@ -60,6 +62,7 @@ struct Args {
     small: usize,
     sizes: Vec<usize>,
     threads: usize,
+    in_task: bool,
 }
 
 fn parse_args() -> Result<Args, String> {
@@ -71,6 +74,7 @@ fn parse_args() -> Result<Args, String> {
         small: 3000,
         sizes: vec![1, 16, 64],
         threads: 0,
+        in_task: false,
     };
     let mut it = std::env::args().skip(1);
     while let Some(flag) = it.next() {
@@ -96,6 +100,7 @@ fn parse_args() -> Result<Args, String> {
             }
             "--streams" => args.streams = number(value()?)?.max(1) as usize,
             "--threads" => args.threads = number(value()?)? as usize,
+            "--in-task" => args.in_task = true,
             "--reps" => args.reps = number(value()?)?.max(1) as usize,
             "--small" => args.small = number(value()?)?.max(1) as usize,
             "--sizes" => {
@@ -323,7 +328,16 @@ fn main() {
         builder.worker_threads(args.threads);
     }
     let runtime = builder.enable_all().build().expect("a tokio runtime");
-    if let Err(e) = runtime.block_on(run(args)) {
+    let result = if args.in_task {
+        runtime.block_on(async {
+            tokio::spawn(async { run(args).await.map_err(|e| e.to_string()) })
+                .await
+                .unwrap_or_else(|e| Err(e.to_string()))
+        })
+    } else {
+        runtime.block_on(run(args)).map_err(|e| e.to_string())
+    };
+    if let Err(e) = result {
         eprintln!("benchmark failed: {e}");
         std::process::exit(1);
     }

@@ -12,6 +12,7 @@
 //! target/release/examples/profile_transport tcpbulk 64 9    # raw TCP into a reused buffer
 //! target/release/examples/profile_transport tcpecho 40000   # TCP_NODELAY echo
 //! # options: --threads T (runtime workers) --cipher aes128|aes256|chacha --mtu N --gso
+//! #   --in-task: the caller runs in a spawned task (on a worker) instead of on block_on's thread
 //! perf script -i perf.data --time $T0,$T1 | python3 scripts/perf_classify.py
 //! ```
 
@@ -58,10 +59,12 @@ struct Args {
     threads: usize,
     cipher: Cipher,
     options: QuicOptions,
+    /// Run the caller in a spawned task rather than on `block_on`'s thread.
+    in_task: bool,
 }
 
 fn parse() -> Result<Args, BoxError> {
-    let usage = "usage: profile_transport large|tcpbulk MILLIONS REPS | small|tcpecho CALLS [--threads T] [--cipher aes128|aes256|chacha] [--mtu N] [--gso]";
+    let usage = "usage: profile_transport large|tcpbulk MILLIONS REPS | small|tcpecho CALLS [--threads T] [--cipher aes128|aes256|chacha] [--mtu N] [--gso] [--in-task]";
     let a: Vec<String> = std::env::args().skip(1).collect();
     let (Some(mode), Some(n)) = (a.first(), a.get(1)) else { return Err(usage.into()) };
     let n = n.parse().map_err(|e| format!("{n:?}: {e}; {usage}"))?;
@@ -72,6 +75,7 @@ fn parse() -> Result<Args, BoxError> {
         threads: 0,
         cipher: Cipher::Aes128Gcm,
         options: QuicOptions::default(),
+        in_task: false,
     };
     let mut i = 2;
     while i < a.len() {
@@ -95,6 +99,7 @@ fn parse() -> Result<Args, BoxError> {
                 i += 1;
             }
             "--gso" => args.options.loopback.segmentation_offload = true,
+            "--in-task" => args.in_task = true,
             reps if i == 2 => args.reps = reps.parse().map_err(|e| format!("{reps:?}: {e}; {usage}"))?,
             other => return Err(format!("unknown option {other:?}; {usage}").into()),
         }
@@ -109,7 +114,12 @@ fn main() -> Result<(), BoxError> {
     if args.threads > 0 {
         builder.worker_threads(args.threads);
     }
-    builder.enable_all().build()?.block_on(run(args))
+    let runtime = builder.enable_all().build()?;
+    if args.in_task {
+        runtime.block_on(async { tokio::spawn(run(args)).await? })
+    } else {
+        runtime.block_on(run(args))
+    }
 }
 
 /// The median of `times`, and GiB/s for `bytes` in that time.

@@ -24,7 +24,10 @@
 //! reply frame, so a 400 MB tensor never blocks a small call. A client keeps
 //! one connection per peer address (with keep-alive and an idle timeout) and
 //! dials again when it died, e.g. because the peer restarted. A server
-//! serves each connection and each stream in a task of its own; a malformed,
+//! serves each connection in a task of its own, which runs a call as far as
+//! it goes without waiting (all of most small calls); a call that has to
+//! wait continues in a task of its own. A large payload is received into a
+//! reused buffer ([`QuicOptions::receive_pool`]). A malformed,
 //! oversized or stalled request gets an error reply ([`RemoteErrorKind::BadRequest`])
 //! and costs nothing else. The frame layout and its checks are in [`wire`];
 //! tuning is in [`QuicOptions`].
@@ -125,6 +128,7 @@ mod dev_ca;
 mod error;
 mod frame;
 mod mem;
+mod pool;
 mod quic;
 mod retry;
 mod tls;
@@ -147,7 +151,8 @@ use std::{sync::Arc, time::Duration};
 
 /// The server side of a call: turns one request into one response.
 ///
-/// Handlers run concurrently, one task per call. A handler that cannot make
+/// Handlers run concurrently: a call that has to wait (in the handler, or
+/// for its request) runs in a task of its own. A handler that cannot make
 /// sense of a request returns a [`RemoteError`]; it never panics.
 #[async_trait]
 pub trait Handler: Send + Sync + 'static {

@@ -20,9 +20,13 @@
 //! *before* allocating anything; then it allocates the metadata and the
 //! payload buffers once each, at their declared (already checked) sizes,
 //! copies received chunks into them and freezes them into the frame's
-//! [`Bytes`]. A payload is never decoded element by element.
+//! [`Bytes`]. A payload is never decoded element by element. A decoder
+//! made with [`Decoder::with_pool`] takes the payload's buffer from a
+//! [`BufferPool`] instead (the same checks come first), and the frame's
+//! payload gives it back when dropped.
 
-use crate::{Error, Frame, Result};
+pub use crate::pool::{BufferPool, DEFAULT_POOLED_FROM};
+use crate::{pool::Lent, Error, Frame, Result};
 use bytes::{Bytes, BytesMut};
 
 /// The first four bytes of every frame.
@@ -201,7 +205,9 @@ pub struct Decoder {
     head_filled: usize,
     header: Option<Header>,
     meta: BytesMut,
-    payload: BytesMut,
+    payload: Lent,
+    /// Where a kept payload's buffer comes from; `None`: a fresh one.
+    pool: Option<BufferPool>,
     /// The payload is handed to the caller ([`Decoder::feed_streaming`]),
     /// not kept.
     streaming: bool,
@@ -219,10 +225,18 @@ impl Decoder {
             head_filled: 0,
             header: None,
             meta: BytesMut::new(),
-            payload: BytesMut::new(),
+            payload: Lent::none(),
+            pool: None,
             streaming: false,
             payload_seen: 0,
         }
+    }
+
+    /// As [`new`](Self::new), receiving the payload into a buffer from
+    /// `pool` (taken only once the header has passed every check), which
+    /// the frame's payload gives back when its last [`Bytes`] is dropped.
+    pub fn with_pool(expect: Expect, max_message: u64, pool: BufferPool) -> Decoder {
+        Decoder { pool: Some(pool), ..Decoder::new(expect, max_message) }
     }
 
     /// A decoder that keeps the header and metadata but hands each piece
@@ -259,7 +273,7 @@ impl Decoder {
     pub fn feed(&mut self, input: &[u8]) -> Result<()> {
         let payload = self.take(input)?;
         if !self.streaming {
-            self.payload.extend_from_slice(payload);
+            self.payload.extend(payload);
         }
         Ok(())
     }
@@ -286,7 +300,10 @@ impl Decoder {
             // Lengths are checked: now allocate each buffer once, at its size.
             self.meta = alloc_exact(u64::from(header.meta_len))?;
             if !self.streaming {
-                self.payload = alloc_exact(header.payload_len)?;
+                self.payload = match &self.pool {
+                    Some(pool) => pool.take(header.payload_len)?,
+                    None => Lent::own(header.payload_len)?,
+                };
             }
             self.header = Some(header);
         }
@@ -329,7 +346,9 @@ impl Decoder {
                 got: self.payload_seen,
             });
         }
-        let frame = Frame { method: header.method, meta: self.meta.freeze(), payload: self.payload.freeze() };
+        debug_assert!(self.streaming || self.payload.len() as u64 == header.payload_len);
+        let frame =
+            Frame { method: header.method, meta: self.meta.freeze(), payload: self.payload.into_bytes() };
         Ok((header.kind, frame))
     }
 }
@@ -352,6 +371,39 @@ mod tests {
 
     fn bytes_of(kind: Kind, frame: &Frame) -> Vec<u8> {
         encode(kind, frame).unwrap().concat()
+    }
+
+    /// [`decode`] through a pooled decoder (every payload size pooled).
+    fn decode_pooled(bytes: &[u8], expect: Expect, max: u64, pool: &BufferPool) -> Result<(Kind, Frame)> {
+        let mut decoder = Decoder::with_pool(expect, max, pool.clone());
+        decoder.feed(bytes)?;
+        decoder.finish()
+    }
+
+    #[test]
+    fn a_pooled_decoder_reuses_the_buffer_once_the_payload_is_dropped() {
+        let pool = BufferPool::new(1 << 20).pooling_from(0);
+        let frame = Frame { method: 3, meta: Bytes::new(), payload: Bytes::from(vec![5u8; 1000]) };
+        let b = bytes_of(Kind::Request, &frame);
+        let (_, first) = decode_pooled(&b, Expect::Request, 4096, &pool).unwrap();
+        assert_eq!(first, frame);
+        let at = first.payload.as_ptr();
+        drop(first);
+        assert_eq!(pool.idle_buffers(), 1);
+        let (_, second) = decode_pooled(&b, Expect::Request, 4096, &pool).unwrap();
+        assert_eq!(second.payload.as_ptr(), at, "the same memory again");
+        assert_eq!(second, frame);
+        // A malformed frame gives its buffer back too, and never shows
+        // what an earlier frame left in it.
+        drop(second);
+        let short = bytes_of(Kind::Request, &Frame { payload: Bytes::from(vec![9u8; 900]), ..frame.clone() });
+        let mut decoder = Decoder::with_pool(Expect::Request, 4096, pool.clone());
+        decoder.feed(&short[..short.len() - 10]).unwrap();
+        assert!(matches!(decoder.finish(), Err(Error::Truncated { part: "payload", .. })));
+        assert_eq!(pool.idle_buffers(), 1);
+        let (_, third) = decode_pooled(&short, Expect::Request, 4096, &pool).unwrap();
+        assert_eq!(third.payload.as_ptr(), at);
+        assert_eq!(third.payload.as_ref(), &[9u8; 900][..]);
     }
 
     #[test]
@@ -457,6 +509,11 @@ mod tests {
         assert!(matches!(decode(&b, Expect::Request, 1024), Err(Error::TrailingData { extra: 3 })));
     }
 
+    /// A chunk size that differs from frame to frame.
+    fn cuts_step(frame: &Frame) -> usize {
+        frame.payload.len() % 13 + 1
+    }
+
     proptest! {
         #[test]
         fn any_split_decodes_the_same(
@@ -477,13 +534,34 @@ mod tests {
             }
             let (kind, back) = d.finish().unwrap();
             prop_assert_eq!(kind, Kind::Error);
-            prop_assert_eq!(back, frame);
+            prop_assert_eq!(&back, &frame);
+            let pool = BufferPool::new(1 << 20).pooling_from(0);
+            let mut d = Decoder::with_pool(Expect::Reply, 1024, pool.clone());
+            for chunk in b.chunks(cuts_step(&back)) {
+                d.feed(chunk).unwrap();
+            }
+            prop_assert_eq!(d.finish().unwrap(), (Kind::Error, frame));
         }
 
         #[test]
         fn random_bytes_never_panic(b in proptest::collection::vec(any::<u8>(), 0..200), max in 0u64..300) {
-            let _ = decode(&b, Expect::Request, max);
-            let _ = decode(&b, Expect::Reply, max);
+            // A pool that already holds buffers (with old bytes in them)
+            // must decide exactly as a fresh buffer does.
+            let pool = BufferPool::new(1 << 20).pooling_from(0);
+            for len in [8usize, 64, 256] {
+                let old = Frame { method: 0, meta: Bytes::new(), payload: Bytes::from(vec![0x11u8; len]) };
+                drop(decode_pooled(&bytes_of(Kind::Request, &old), Expect::Request, 1 << 20, &pool));
+            }
+            prop_assert_eq!(pool.idle_buffers(), 3);
+            for expect in [Expect::Request, Expect::Reply] {
+                let plain = decode(&b, expect, max);
+                let pooled = decode_pooled(&b, expect, max, &pool);
+                match (&plain, &pooled) {
+                    (Ok(a), Ok(b)) => prop_assert_eq!(a, b),
+                    (Err(a), Err(b)) => prop_assert_eq!(a.to_string(), b.to_string()),
+                    _ => prop_assert!(false, "plain {:?}, pooled {:?}", plain, pooled),
+                }
+            }
         }
 
         #[test]

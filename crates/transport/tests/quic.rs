@@ -75,6 +75,96 @@ async fn a_small_call_completes_while_a_large_one_is_in_flight() {
 }
 
 #[tokio::test]
+async fn large_payloads_are_received_into_reused_buffers() {
+    let ca = DevCa::new().unwrap();
+    let server = start_server(&ca).await;
+    let client = client(&ca, "c");
+    let conn = client.connect(&server.addr()).await.unwrap();
+    // Server side: the handler drops each request before it answers, so
+    // the next one lands in the same memory (down to half its size). Only
+    // payloads from DEFAULT_POOLED_FROM (32 MiB) up are pooled.
+    let address = |len: usize| {
+        let conn = conn.clone();
+        async move {
+            let request = Frame { method: ADDRESS, meta: Default::default(), payload: vec![1u8; len].into() };
+            conn.call(request, Duration::from_secs(10)).await.unwrap().meta::<u64>().unwrap()
+        }
+    };
+    let first = address(40 << 20).await;
+    assert_eq!(address(40 << 20).await, first);
+    assert_eq!(address(32 << 20).await, first);
+    // Client side: a large reply kept whole (`call`) lands in the memory
+    // of the previous one once the caller has dropped it.
+    let big = || {
+        conn.call(Frame::new(BIG_REPLY, &(10u64 << 20), Default::default()).unwrap(), Duration::from_secs(10))
+    };
+    let reply = big().await.unwrap();
+    let at = reply.payload.as_ptr();
+    drop(reply);
+    let again = big().await.unwrap();
+    assert_eq!(again.payload.as_ptr(), at);
+    assert!(again.payload.iter().all(|b| *b == 0) && again.payload.len() == 40 << 20);
+}
+
+#[tokio::test]
+async fn a_close_waits_for_a_reply_still_on_its_way() {
+    // A 2 MiB reply fits quinn's send window, so the connection's task
+    // writes it at once and keeps only its stream, awaiting the peer's
+    // acknowledgement; the close comes while most of it is still to be
+    // sent, and must wait for it rather than cut it short.
+    let ca = DevCa::new().unwrap();
+    let server = start_server(&ca).await;
+    let client = client(&ca, "c");
+    let conn = client.connect(&server.addr()).await.unwrap();
+    echo_ok(conn.as_ref(), 0).await;
+    let call = {
+        let conn = conn.clone();
+        let request = Frame::new(BIG_THEN_NOTIFY, &(512u64 << 10), Default::default()).unwrap();
+        tokio::spawn(async move { conn.call(request, Duration::from_secs(10)).await })
+    };
+    server.service.replied.notified().await;
+    server.listener.close();
+    let reply = call.await.unwrap().expect("the reply arrives whole despite the close");
+    assert_eq!(reply.payload.len(), 2 << 20);
+    tokio::time::timeout(Duration::from_secs(10), server.listener.wait_closed()).await.unwrap();
+}
+
+#[tokio::test]
+async fn a_close_never_cuts_an_answered_reply_short() {
+    // Replies finished but not yet acknowledged are awaited by the
+    // connection's task: a close must wait for them, not drop them.
+    let ca = DevCa::new().unwrap();
+    let server = start_server(&ca).await;
+    let client = client(&ca, "c");
+    let conn = client.connect(&server.addr()).await.unwrap();
+    let callers = (0..32).map(|i| {
+        let conn = conn.clone();
+        tokio::spawn(async move {
+            let mut ok = 0usize;
+            while conn
+                .call(Frame::new(ECHO, &i, Default::default()).unwrap(), Duration::from_secs(5))
+                .await
+                .is_ok()
+            {
+                ok += 1;
+            }
+            ok
+        })
+    });
+    let callers: Vec<_> = callers.collect();
+    while server.service.answered.load(Ordering::SeqCst) < 200 {
+        tokio::time::sleep(Duration::from_millis(1)).await;
+    }
+    server.listener.close();
+    let mut received = 0;
+    for caller in callers {
+        received += caller.await.unwrap();
+    }
+    tokio::time::timeout(Duration::from_secs(10), server.listener.wait_closed()).await.unwrap();
+    assert_eq!(received, server.service.answered.load(Ordering::SeqCst), "every answered call got its reply");
+}
+
+#[tokio::test]
 async fn handler_errors_and_panics_reach_the_caller_typed() {
     let ca = DevCa::new().unwrap();
     let server = start_server(&ca).await;

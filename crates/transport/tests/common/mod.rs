@@ -27,6 +27,11 @@ pub const BIG_REPLY: u16 = 5;
 pub const GATED: u16 = 6;
 /// Sleeps 300 ms, then echoes.
 pub const SLOW: u16 = 7;
+/// Replies with the address of the request's payload (u64): shows whether
+/// receive buffers are reused.
+pub const ADDRESS: u16 = 8;
+/// As BIG_REPLY, and notifies `replied` once the reply is made.
+pub const BIG_THEN_NOTIFY: u16 = 9;
 
 /// The test service. Counts the calls it answered.
 #[derive(Default)]
@@ -34,6 +39,7 @@ pub struct TestService {
     pub entered: AtomicUsize,
     pub answered: AtomicUsize,
     pub gate: Notify,
+    pub replied: Notify,
 }
 
 #[async_trait]
@@ -48,8 +54,11 @@ impl Handler for TestService {
             }
             FAIL => Err(RemoteError::bad_request("method 3 always fails")),
             PANIC => panic!("test handler panics on purpose"),
-            BIG_REPLY => {
+            BIG_REPLY | BIG_THEN_NOTIFY => {
                 let n: u64 = request.meta()?;
+                if request.method == BIG_THEN_NOTIFY {
+                    self.replied.notify_one();
+                }
                 Ok(Frame {
                     method: BIG_REPLY,
                     meta: Bytes::new(),
@@ -64,6 +73,8 @@ impl Handler for TestService {
                 tokio::time::sleep(Duration::from_millis(300)).await;
                 Ok(request)
             }
+            ADDRESS => Frame::new(ADDRESS, &(request.payload.as_ptr() as u64), Bytes::new())
+                .map_err(RemoteError::internal),
             m => Err(RemoteError::bad_request(format!("unknown method {m}"))),
         };
         self.answered.fetch_add(1, Ordering::SeqCst);

@@ -1,0 +1,312 @@
+//! Receive buffers kept for reuse (issue 20).
+//!
+//! A frame's payload is received into one buffer of its declared size. A
+//! fresh buffer of 64–256 MiB is a fresh `mmap`: its first write faults
+//! every page in (and the kernel zeroes it), and freeing it is a `munmap`;
+//! that was 38% of a large call's CPU (BENCHMARKS.md, "Profile before
+//! changes"). A pool hands the next frame a buffer that is already mapped.
+
+use bytes::Bytes;
+use std::sync::{Arc, Mutex, PoisonError, Weak};
+
+use crate::{Error, Result};
+
+/// Payloads from this size up (32 MiB) are received into pooled buffers by
+/// default. glibc's malloc maps every buffer this large afresh, but keeps
+/// smaller ones for reuse itself once one has been freed (its mmap
+/// threshold follows freed buffers up to 32 MiB). Pooling those too made
+/// 4 MiB calls slower: the threshold then never rose, and glibc kept
+/// handing quinn's per-datagram buffers back to the kernel (up to 5x the
+/// page faults).
+pub const DEFAULT_POOLED_FROM: usize = 32 << 20;
+
+/// At most this many buffers are kept idle, whatever their sizes: it bounds
+/// the search for a fitting one.
+const MAX_IDLE_BUFFERS: usize = 16;
+
+/// Large receive buffers kept for reuse, so that a large frame lands in
+/// memory that is already mapped and faulted in.
+///
+/// A decoder made with [`Decoder::with_pool`](crate::wire::Decoder::with_pool)
+/// borrows a buffer once the frame's header has been checked, and the
+/// frame's payload [`Bytes`] owns it; when the last `Bytes` of that payload
+/// is dropped (the handler is done with it), the buffer goes back to the
+/// pool. A frame is only given a buffer of at most twice its size, so a
+/// payload kept for long never pins much more than itself.
+///
+/// Memory bound: the pool keeps at most `max_idle_bytes` of idle buffers
+/// (counted by capacity), and at most 16 of them; a returned buffer that
+/// would go over evicts the least recently returned ones, and a buffer
+/// larger than the bound is freed at once. Buffers lent out belong to their
+/// frames and are not counted, so the pool adds at most `max_idle_bytes`
+/// to what the process would hold without it. Clones share one pool.
+#[derive(Clone, Debug)]
+pub struct BufferPool {
+    inner: Arc<PoolInner>,
+}
+
+#[derive(Debug)]
+struct PoolInner {
+    max_idle_bytes: usize,
+    pooled_from: usize,
+    idle: Mutex<Idle>,
+}
+
+/// The idle buffers, least recently returned first, and their capacities summed.
+#[derive(Debug, Default)]
+struct Idle {
+    buffers: Vec<Vec<u8>>,
+    bytes: usize,
+}
+
+impl BufferPool {
+    /// A pool that keeps at most `max_idle_bytes` of idle buffers, for
+    /// payloads of [`DEFAULT_POOLED_FROM`] bytes and more. With 0 nothing
+    /// is ever kept: each frame gets a fresh buffer, as without a pool.
+    pub fn new(max_idle_bytes: usize) -> BufferPool {
+        BufferPool {
+            inner: Arc::new(PoolInner {
+                max_idle_bytes,
+                pooled_from: DEFAULT_POOLED_FROM,
+                idle: Mutex::new(Idle::default()),
+            }),
+        }
+    }
+
+    /// The same bound, pooling payloads of `bytes` and more (tests and the
+    /// fuzzer use 0 to send small frames through the pool too).
+    pub fn pooling_from(self, bytes: usize) -> BufferPool {
+        let max_idle_bytes = self.inner.max_idle_bytes;
+        BufferPool {
+            inner: Arc::new(PoolInner {
+                max_idle_bytes,
+                pooled_from: bytes,
+                idle: Mutex::new(Idle::default()),
+            }),
+        }
+    }
+
+    /// The capacity of the idle buffers, summed (never above the bound).
+    pub fn idle_bytes(&self) -> usize {
+        self.inner.lock().bytes
+    }
+
+    /// How many buffers are idle.
+    pub fn idle_buffers(&self) -> usize {
+        self.inner.lock().buffers.len()
+    }
+
+    /// An empty buffer with room for `len` bytes: an idle one that fits
+    /// (the smallest of at most twice `len`), or a fresh one. An error
+    /// instead of an abort when memory is short.
+    pub(crate) fn take(&self, len: u64) -> Result<Lent> {
+        let inner = &self.inner;
+        let fits_pool =
+            usize::try_from(len).is_ok_and(|n| n >= inner.pooled_from && n <= inner.max_idle_bytes);
+        if !fits_pool {
+            return Lent::own(len);
+        }
+        let n = len as usize;
+        let reused = {
+            let mut idle = inner.lock();
+            let best = idle
+                .buffers
+                .iter()
+                .enumerate()
+                .filter(|(_, b)| b.capacity() >= n && b.capacity() / 2 <= n)
+                .min_by_key(|(_, b)| b.capacity())
+                .map(|(i, _)| i);
+            best.map(|i| {
+                let buffer = idle.buffers.remove(i);
+                idle.bytes -= buffer.capacity();
+                buffer
+            })
+        };
+        let buffer = match reused {
+            Some(mut buffer) => {
+                buffer.clear();
+                buffer
+            }
+            None => alloc_exact(len)?,
+        };
+        Ok(Lent { buffer, pool: Arc::downgrade(inner) })
+    }
+}
+
+impl PoolInner {
+    fn lock(&self) -> std::sync::MutexGuard<'_, Idle> {
+        self.idle.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+
+    /// Keep `buffer` for reuse, within the bounds.
+    fn put(&self, buffer: Vec<u8>) {
+        let capacity = buffer.capacity();
+        if capacity == 0 || capacity > self.max_idle_bytes {
+            return;
+        }
+        let evicted = {
+            let mut idle = self.lock();
+            idle.buffers.push(buffer);
+            idle.bytes += capacity;
+            let mut over = 0;
+            let mut freed = 0;
+            while idle.bytes - freed > self.max_idle_bytes || idle.buffers.len() - over > MAX_IDLE_BUFFERS {
+                freed += idle.buffers[over].capacity();
+                over += 1;
+            }
+            idle.bytes -= freed;
+            idle.buffers.drain(..over).collect::<Vec<_>>()
+        };
+        // Freed outside the lock: a munmap of a large buffer takes a while.
+        drop(evicted);
+    }
+}
+
+/// One buffer of exactly `len` bytes' capacity, or an error instead of an
+/// abort when memory is short.
+fn alloc_exact(len: u64) -> Result<Vec<u8>> {
+    let n = usize::try_from(len).map_err(|_| Error::OutOfMemory { bytes: len })?;
+    let mut v: Vec<u8> = Vec::new();
+    v.try_reserve_exact(n).map_err(|_| Error::OutOfMemory { bytes: len })?;
+    Ok(v)
+}
+
+/// A payload buffer being filled by a decoder: lent by a pool (and given
+/// back to it when dropped), or a buffer of its own.
+pub(crate) struct Lent {
+    buffer: Vec<u8>,
+    /// The pool to give the buffer back to; dangling for a buffer of its own.
+    pool: Weak<PoolInner>,
+}
+
+impl std::fmt::Debug for Lent {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Lent")
+            .field("len", &self.buffer.len())
+            .field("capacity", &self.buffer.capacity())
+            .field("pooled", &(self.pool.strong_count() > 0))
+            .finish()
+    }
+}
+
+impl Lent {
+    /// No buffer at all (before the header is in, or when there is no payload to keep).
+    pub(crate) fn none() -> Lent {
+        Lent { buffer: Vec::new(), pool: Weak::new() }
+    }
+
+    /// A buffer of its own, of exactly `len` bytes' capacity.
+    pub(crate) fn own(len: u64) -> Result<Lent> {
+        Ok(Lent { buffer: alloc_exact(len)?, pool: Weak::new() })
+    }
+
+    pub(crate) fn len(&self) -> usize {
+        self.buffer.len()
+    }
+
+    #[cfg(test)]
+    pub(crate) fn capacity(&self) -> usize {
+        self.buffer.capacity()
+    }
+
+    /// Append `bytes`; the decoder never appends more than the declared
+    /// length, so this never grows the buffer.
+    pub(crate) fn extend(&mut self, bytes: &[u8]) {
+        debug_assert!(self.buffer.len() + bytes.len() <= self.buffer.capacity());
+        self.buffer.extend_from_slice(bytes);
+    }
+
+    /// The filled part as [`Bytes`]: owning the buffer (which returns to
+    /// its pool when the last clone is dropped), or the buffer itself.
+    pub(crate) fn into_bytes(mut self) -> Bytes {
+        if self.pool.strong_count() > 0 {
+            Bytes::from_owner(self)
+        } else {
+            Bytes::from(std::mem::take(&mut self.buffer))
+        }
+    }
+}
+
+impl AsRef<[u8]> for Lent {
+    fn as_ref(&self) -> &[u8] {
+        &self.buffer
+    }
+}
+
+impl Drop for Lent {
+    fn drop(&mut self) {
+        if let Some(pool) = self.pool.upgrade() {
+            pool.put(std::mem::take(&mut self.buffer));
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn filled(pool: &BufferPool, len: usize) -> Bytes {
+        let mut lent = pool.take(len as u64).unwrap();
+        lent.extend(&vec![7u8; len]);
+        lent.into_bytes()
+    }
+
+    #[test]
+    fn a_returned_buffer_is_reused_for_the_next_frame_that_fits() {
+        let pool = BufferPool::new(1 << 20).pooling_from(0);
+        let a = filled(&pool, 1000);
+        let first = a.as_ptr();
+        assert_eq!(pool.idle_buffers(), 0, "lent out, not idle");
+        let b = a.clone();
+        drop(a);
+        assert_eq!(pool.idle_buffers(), 0, "a clone still holds it");
+        drop(b);
+        assert_eq!((pool.idle_buffers(), pool.idle_bytes()), (1, 1000));
+        // Same size, and smaller down to half: the same memory again.
+        let c = filled(&pool, 600);
+        assert_eq!(c.as_ptr(), first);
+        assert_eq!(c.len(), 600);
+        drop(c);
+        // Less than half: a buffer of its own, the big one stays idle.
+        let d = filled(&pool, 400);
+        assert_ne!(d.as_ptr(), first);
+        assert_eq!(pool.idle_buffers(), 1);
+    }
+
+    #[test]
+    fn idle_memory_stays_within_the_bound() {
+        let pool = BufferPool::new(3000).pooling_from(0);
+        let held: Vec<Bytes> = (0..5).map(|_| filled(&pool, 1000)).collect();
+        drop(held);
+        assert_eq!((pool.idle_buffers(), pool.idle_bytes()), (3, 3000));
+        // Larger than the bound: never kept.
+        drop(filled(&pool, 5000));
+        assert_eq!(pool.idle_bytes(), 3000);
+        // A newer buffer evicts the least recently returned.
+        drop(filled(&pool, 2500));
+        assert_eq!((pool.idle_buffers(), pool.idle_bytes()), (1, 2500));
+        let many = BufferPool::new(1 << 30).pooling_from(0);
+        let held: Vec<Bytes> = (0..40).map(|_| filled(&many, 10)).collect();
+        drop(held);
+        assert_eq!(many.idle_buffers(), MAX_IDLE_BUFFERS);
+    }
+
+    #[test]
+    fn small_frames_and_a_zero_bound_bypass_the_pool() {
+        let pool = BufferPool::new(1 << 20);
+        drop(filled(&pool, 1000));
+        assert_eq!(pool.idle_buffers(), 0, "below DEFAULT_POOLED_FROM");
+        let off = BufferPool::new(0).pooling_from(0);
+        drop(filled(&off, 1000));
+        assert_eq!(off.idle_buffers(), 0);
+    }
+
+    #[test]
+    fn a_buffer_outliving_its_pool_is_just_freed() {
+        let pool = BufferPool::new(1 << 20).pooling_from(0);
+        let b = filled(&pool, 100);
+        drop(pool);
+        assert_eq!(b.len(), 100);
+        drop(b);
+    }
+}
