@@ -135,9 +135,18 @@ fn a_deposed_primary_acknowledges_nothing_after_its_pause() {
     for trainer in &job.trainers {
         trainer.signal("STOP");
     }
-    // Calls under way finish (they wait for the followers, which run).
-    std::thread::sleep(Duration::from_millis(500));
-    let before = metric_value(&scrape(&metrics), "oar_ps_acknowledged_pushes_total") as u64;
+    // Calls under way finish (they wait for the followers, which run): the
+    // count holds still for 300 ms (on a loaded machine 500 ms of sleep
+    // was once not enough, and a call acknowledged after the reading was
+    // taken for one after the pause).
+    let acknowledged = || metric_value(&scrape(&metrics), "oar_ps_acknowledged_pushes_total") as u64;
+    let mut before = acknowledged();
+    let settled = wait_until(LONG, || {
+        std::thread::sleep(Duration::from_millis(300));
+        let now = acknowledged();
+        std::mem::replace(&mut before, now) == now
+    });
+    assert!(settled, "the acknowledged pushes kept rising with the trainers frozen");
     job.pservers[victim].signal("STOP");
     for trainer in &job.trainers {
         trainer.signal("CONT");

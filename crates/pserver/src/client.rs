@@ -406,11 +406,20 @@ impl PserverClient {
         Ok(result)
     }
 
-    /// Async mode: push `grads` (the mean gradient over `weight` examples)
-    /// and pull every parameter into `params` in one round trip per shard:
-    /// each shard applies the push and answers with its parameters after it.
-    /// Sync pservers refuse it.
-    pub async fn push_pull(&mut self, grads: &ParamBuf, weight: f32, params: &mut ParamBuf) -> Result<()> {
+    /// Push `grads` (the mean gradient over `weight` examples) and pull
+    /// every parameter into `params` in one round trip per shard: each
+    /// shard applies the push and answers with its parameters after it.
+    /// Sync, a shard answers when the push's step completes, with the next
+    /// step's parameters (one round trip per step, the floor); a shard that
+    /// moved on without the push answers stale, and its parameters in
+    /// `params` are left as they were: join, pull and compute again. Async
+    /// pushes are always [`PushResult::Accepted`].
+    pub async fn push_pull(
+        &mut self,
+        grads: &ParamBuf,
+        weight: f32,
+        params: &mut ParamBuf,
+    ) -> Result<PushResult> {
         self.push_pull_rows(grads, &[], weight, params).await
     }
 
@@ -423,7 +432,7 @@ impl PserverClient {
         rows: &[TableGrads<'_>],
         weight: f32,
         params: &mut ParamBuf,
-    ) -> Result<()> {
+    ) -> Result<PushResult> {
         let fingerprint = self.inner.placement.fingerprint();
         let all: Vec<u32> = self.inner.shards_in_use().collect();
         let parts = self.parts(&all);
@@ -437,38 +446,52 @@ impl PserverClient {
                 blocks: part.blocks,
                 trainer: self.inner.trainer.clone(),
                 seq: self.shards[part.index as usize].seq,
+                step: self.shards[part.index as usize].pulled_step,
                 weight,
                 rows,
                 origin: self.origin,
             })
             .collect();
         let replies = self.exchange(&parts, calls, Some(grads), &extra, Some(params)).await?;
-        let mut steps: Vec<(u32, u64, bool)> = Vec::new();
+        // Per shard: the least step of its parts' parameters (None: stale),
+        // and whether every part was applied before.
+        let mut steps: Vec<(u32, Option<u64>, bool)> = Vec::new();
         for (part, reply) in replies {
-            let PsReply::PushedPulled { step, outcome } = reply else {
-                return Err(Error::Protocol(format!(
-                    "shard {} answered a push-pull with {reply:?}",
-                    part.index
-                )));
+            let (step, before) = match reply {
+                PsReply::PushedPulled { step, outcome } => {
+                    (Some(step), outcome == PushOutcome::AppliedBefore)
+                }
+                PsReply::Stale { .. } => (None, false),
+                other => {
+                    return Err(Error::Protocol(format!(
+                        "shard {} answered a push-pull with {other:?}",
+                        part.index
+                    )))
+                }
             };
-            let before = outcome == PushOutcome::AppliedBefore;
             match steps.last_mut() {
                 Some((index, at, b)) if *index == part.index => {
-                    *at = (*at).min(step);
+                    *at = at.zip(step).map(|(a, s)| a.min(s));
                     *b &= before;
                 }
                 _ => steps.push((part.index, step, before)),
             }
         }
+        let mut result = PushResult::Accepted;
         for (index, step, before) in steps {
             let shard = &mut self.shards[index as usize];
             shard.seq += 1;
+            shard.next_step = None;
+            let Some(step) = step else {
+                tracing::debug!(index, "stale sync push-pull");
+                result = PushResult::Stale;
+                continue;
+            };
             shard.acknowledged += 1;
             shard.applied_before += u64::from(before);
-            shard.next_step = None;
             self.pulled(index, step);
         }
-        Ok(())
+        Ok(result)
     }
 
     /// Row gradients sorted to their shards: per part of `parts`, its

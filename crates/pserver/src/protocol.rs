@@ -110,8 +110,11 @@ pub enum PsRequest {
         /// How long the server may wait for `min_step` before answering `ready: false`.
         max_wait_ms: u64,
     },
-    /// Async mode only: a push, answered with the shard's parameters after
-    /// it, as a pull would: one round trip where a push and a pull take two.
+    /// A push, answered with the shard's parameters after it, as a pull
+    /// would: one round trip where a push and a pull take two. Sync, the
+    /// answer comes when the push's step completes, with the parameters of
+    /// the next step ([`PsReply::Stale`] if the step moved on without it):
+    /// one round trip per step.
     PushPull {
         /// The logical shard.
         shard: u32,
@@ -124,6 +127,8 @@ pub enum PsRequest {
         /// As in [`PsRequest::Push`]: a retry carries the same number and is
         /// applied once (its reply still carries the parameters).
         seq: u64,
+        /// Sync mode: the step of the parameters the gradient was computed at.
+        step: u64,
         /// Examples behind the gradient.
         weight: f32,
         /// Row gradients, as in [`PsRequest::Push`] (pushed, not pulled back).

@@ -337,6 +337,7 @@ async fn a_push_pull_applies_once_and_answers_the_parameters_after_it() {
         weight: 4.0,
         rows: Vec::new(),
         origin: None,
+        step: 0,
     };
     let (reply, payload): (PsReply, Bytes) = call(
         conn.as_ref(),
@@ -351,32 +352,57 @@ async fn a_push_pull_applies_once_and_answers_the_parameters_after_it() {
     assert_eq!(payload, f32s_to_bytes(got.as_slice()));
 }
 
+/// Sync, a push-pull is one round trip per step: it answers when its step
+/// completes, with the new step's parameters (what a pull then reads); a
+/// push-pull for a step the shard left answers stale and changes nothing.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_sync_pserver_refuses_a_push_pull_by_name() {
+async fn a_sync_push_pull_answers_with_the_next_step_s_parameters() {
     let env = Env::new().await;
     let ps = env.pserver(Mode::Sync).await;
-    let conn = env.transport.connect(ps.addr()).await.unwrap();
-    let request = PsRequest::PushPull {
-        shard: 0,
-        fingerprint: env.placement.fingerprint(),
-        blocks: all_blocks(&env),
-        trainer: "t1".into(),
-        seq: 0,
-        weight: 1.0,
-        rows: Vec::new(),
-        origin: None,
-    };
-    let result = call(
-        conn.as_ref(),
-        PSERVER_METHOD,
-        &request,
-        f32s_to_bytes(&vec![1.0; total()]),
-        Duration::from_secs(1),
-    )
-    .await
-    .map(|(r, _): (PsReply, Bytes)| r);
-    assert_bad_request(result, "only async pservers");
+    let mut t1 = env.client("t1", Duration::from_secs(20));
+    let mut t2 = env.client("t2", Duration::from_secs(20));
+    t1.join().await.unwrap();
+    t2.join().await.unwrap();
+    let mut before = ParamBuf::zeros(&specs());
+    t1.pull(&mut before).await.unwrap();
+    t2.pull(&mut ParamBuf::zeros(&specs())).await.unwrap();
+    let first = tokio::spawn(async move {
+        let mut grads = ParamBuf::zeros(&specs());
+        grads.fill(1.0);
+        let mut got = ParamBuf::zeros(&specs());
+        let result = t1.push_pull(&grads, 1.0, &mut got).await.unwrap();
+        (t1, result, got)
+    });
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    assert!(!first.is_finished(), "answered before the step completed");
     assert_eq!(ps.step(0), Some(0));
+    let mut grads = ParamBuf::zeros(&specs());
+    grads.fill(3.0);
+    let mut got2 = ParamBuf::zeros(&specs());
+    assert_eq!(t2.push_pull(&grads, 1.0, &mut got2).await.unwrap(), PushResult::Accepted);
+    let (mut t1, result, got1) = first.await.unwrap();
+    assert_eq!(result, PushResult::Accepted);
+    assert_eq!(ps.step(0), Some(1));
+    assert_eq!(got1.as_slice(), got2.as_slice(), "both answered the new step's parameters");
+    for (a, b) in got1.as_slice().iter().zip(before.as_slice()) {
+        assert!((a - (b - 1.0)).abs() < 1e-6, "one SGD step of lr 0.5 on the mean gradient 2: {b} -> {a}");
+    }
+    let mut pulled = ParamBuf::zeros(&specs());
+    t1.pull(&mut pulled).await.unwrap();
+    assert_eq!(pulled.as_slice(), got1.as_slice(), "what a pull of the step reads");
+
+    // t2 leaves; t1 alone goes on, one round trip per step.
+    t2.leave().await.unwrap();
+    let mut got = ParamBuf::zeros(&specs());
+    assert_eq!(t1.push_pull(&grads, 1.0, &mut got).await.unwrap(), PushResult::Accepted);
+    assert_eq!(ps.step(0), Some(2));
+    // t2 pushes for step 1, which is over: stale, nothing applied, its
+    // buffer left as it was.
+    let mut stale = ParamBuf::zeros(&specs());
+    stale.fill(7.0);
+    assert_eq!(t2.push_pull(&grads, 1.0, &mut stale).await.unwrap(), PushResult::Stale);
+    assert!(stale.as_slice().iter().all(|&x| x == 7.0));
+    assert_eq!(ps.step(0), Some(2));
 }
 
 /// Messages above the client's small-message threshold are sent from the
@@ -596,6 +622,7 @@ async fn a_panic_midway_through_a_push_stops_the_pserver_and_a_replacement_loads
                 weight: 1.0,
                 rows: Vec::new(),
                 origin: None,
+                step: 0,
             },
             vec![1.0; total()],
         ),

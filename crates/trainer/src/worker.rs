@@ -18,6 +18,11 @@
 //!   dies returns them all when its lease ends, and the finished ones are
 //!   trained again. A report that fails ends the trainer a task later with
 //!   its error.
+//! - **Sync steps**: one round trip each. The push of step s is a
+//!   push-pull, answered when the step completes with step s + 1's
+//!   parameters ([`PserverClient::push_pull`]), so the next batch trains
+//!   at once; a pull comes first only after joining the barrier or a
+//!   stale push.
 //! - **Exchanges** ([`TrainerOptions::overlap`], async mode, models up to
 //!   [`OVERLAP_MAX_BYTES`]): a push (and the pull due with it) travels in
 //!   its own task while the next batches train on the parameters at hand;
@@ -33,13 +38,12 @@
 //! unique ids ([`SparseModel::batch_ids`]) are pulled from their shards in
 //! one call per pserver ([`PserverClient::pull_rows`]), the model runs, and
 //! its row gradients (summed per id, as the mean over the batch) go out
-//! with the dense gradient in one push ([`PserverClient::push_rows`]),
-//! exactly once as a dense push does. Async, that push also brings the
-//! dense parameters back ([`PserverClient::push_pull_rows`]), so a batch
-//! costs two round trips; sync, the dense pull waits for the step as for a
-//! dense model. A sparse model pushes every batch: its rows differ from
-//! batch to batch, so there is no accumulated push to overlap, and
-//! `push_every`/`pull_every` must be 1 (checked at start).
+//! with the dense gradient in one push, exactly once as a dense push
+//! does. That push also brings the dense parameters back
+//! ([`PserverClient::push_pull_rows`]; sync, when the step completes), so
+//! a batch costs two round trips. A sparse model pushes every batch: its
+//! rows differ from batch to batch, so there is no accumulated push to
+//! overlap, and `push_every`/`pull_every` must be 1 (checked at start).
 //!
 //! # Exactly once
 //!
@@ -258,7 +262,7 @@ pub async fn run_trainer(
         }
         AnyModel::Sparse(m) => {
             let rows = m.new_rows();
-            Some(SparseBuffers { grads: rows.clone(), pulled: Vec::new(), rows, dense_fresh: false })
+            Some(SparseBuffers { grads: rows.clone(), pulled: Vec::new(), rows })
         }
         AnyModel::Dense(_) => None,
     };
@@ -292,6 +296,7 @@ pub async fn run_trainer(
         reporting: None,
         report: TrainerReport::default(),
         task: None,
+        params_fresh: false,
     };
     let result = state.run(&master).await;
     if let Some(schedule) = state.schedule.as_ref().filter(|_| state.sparse.is_none()) {
@@ -362,6 +367,11 @@ struct Loop {
     report: TrainerReport,
     /// The task in hand, for the origin of its pushes.
     task: Option<TaskOrigin>,
+    /// Batch by batch (sync, and sparse models): the dense parameters at
+    /// hand came back with the last push (a push-pull), so the next batch
+    /// needs no pull. Cleared when the trainer joins or leaves the barrier
+    /// and when a push comes back stale.
+    params_fresh: bool,
 }
 
 /// The task in hand as its pushes name it (see [Exactly once](self#exactly-once)).
@@ -391,8 +401,6 @@ struct SparseBuffers {
     grads: RowBatch,
     /// What a row pull writes into, per table.
     pulled: Vec<Vec<f32>>,
-    /// Async: the dense parameters came back with the last push.
-    dense_fresh: bool,
 }
 
 /// A task's report and the master's answer.
@@ -522,6 +530,7 @@ impl Loop {
                         // Idle trainers leave the barrier so the busy ones do not wait for them.
                         self.pservers.lock().await.leave().await?;
                         self.joined = false;
+                        self.params_fresh = false;
                     }
                     let wait = tokio::time::sleep(Duration::from_millis(retry_after_ms));
                     tokio::select! {
@@ -651,6 +660,7 @@ impl Loop {
         if self.options.mode == Mode::Sync && !self.joined {
             self.pservers.lock().await.join().await?;
             self.joined = true;
+            self.params_fresh = false;
         }
         let (examples, skipped) = match data {
             Ok(read) => read,
@@ -669,6 +679,7 @@ impl Loop {
                     // Nothing of this step will come from us: do not make the others wait.
                     self.pservers.lock().await.leave().await?;
                     self.joined = false;
+                    self.params_fresh = false;
                 }
                 master.task_failed(&id, task_ref, &why).await?;
                 self.report.tasks_failed += 1;
@@ -772,8 +783,12 @@ impl Loop {
         self.pending_weight = 0.0;
     }
 
-    /// Pull step s, compute, push for step s; if the pservers moved on
-    /// without us (we were taken for gone), do it again at the new step.
+    /// Compute on step s, push for step s and take back step s + 1's
+    /// parameters with the answer (one round trip per step: a push-pull
+    /// answers when its step completes); pull first only when the
+    /// parameters at hand are not the step's. If the pservers moved on
+    /// without us (we were taken for gone), join and do it again at the new
+    /// step.
     async fn sync_step(
         &mut self,
         model: &dyn Model,
@@ -784,12 +799,16 @@ impl Loop {
         pservers.set_origin(origin);
         loop {
             let started = Instant::now();
-            pservers.pull(&mut self.params).await?;
+            if !self.params_fresh {
+                pservers.pull(&mut self.params).await?;
+            }
             let loss = model.loss_and_grad(&self.params, batch, &mut self.grads);
             if !loss.is_finite() {
                 return Ok(loss);
             }
-            match pservers.push(&self.grads, batch.len() as f32).await? {
+            let pushed = pservers.push_pull(&self.grads, batch.len() as f32, &mut self.params).await?;
+            self.params_fresh = pushed == PushResult::Accepted;
+            match pushed {
                 PushResult::Accepted => {
                     drop(pservers);
                     metrics().exchange.observe(started.elapsed().as_secs_f64());
@@ -825,7 +844,7 @@ impl Loop {
         pservers.set_origin(origin);
         loop {
             let started = Instant::now();
-            if sync || !buffers.dense_fresh {
+            if !self.params_fresh {
                 if !sync {
                     pservers.forget_steps();
                 }
@@ -848,14 +867,9 @@ impl Loop {
             let tables: Vec<TableGrads<'_>> = (0..grads.tables())
                 .map(|t| TableGrads { table: t as u32, ids: grads.ids(t), grads: grads.values(t) })
                 .collect();
-            let accepted = if sync {
-                pservers.push_rows(&self.grads, &tables, weight).await? == PushResult::Accepted
-            } else {
-                pservers.push_pull_rows(&self.grads, &tables, weight, &mut self.params).await?;
-                buffers.dense_fresh = true;
-                true
-            };
-            if accepted {
+            let pushed = pservers.push_pull_rows(&self.grads, &tables, weight, &mut self.params).await?;
+            self.params_fresh = pushed == PushResult::Accepted;
+            if pushed == PushResult::Accepted {
                 metrics().exchange.observe(started.elapsed().as_secs_f64());
                 self.report.pushed_rows += tables.iter().map(|t| t.ids.len() as u64).sum::<u64>();
                 self.report.pushes += 1;
@@ -956,7 +970,7 @@ impl Loop {
         let mut pservers = self.pservers.lock().await;
         pservers.set_origin(origin);
         match (exchange.push, exchange.pull) {
-            (true, true) => pservers.push_pull(&self.sum, weight, &mut self.params).await?,
+            (true, true) => pservers.push_pull(&self.sum, weight, &mut self.params).await.map(drop)?,
             (true, false) => pservers.push(&self.sum, weight).await.map(drop)?,
             (false, true) => async_pull(&mut pservers, &mut self.params).await?,
             (false, false) => {}
@@ -984,7 +998,7 @@ impl Loop {
             let mut pservers = pservers.lock().await;
             pservers.set_origin(origin);
             let result = match (exchange.push, exchange.pull) {
-                (true, true) => pservers.push_pull(&sum, weight, &mut params).await,
+                (true, true) => pservers.push_pull(&sum, weight, &mut params).await.map(drop),
                 (true, false) => pservers.push(&sum, weight).await.map(drop),
                 (false, true) => async_pull(&mut pservers, &mut params).await,
                 (false, false) => Ok(()),

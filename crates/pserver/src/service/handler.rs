@@ -270,23 +270,20 @@ impl PsHandler {
 
     /// Async mode: apply a push and answer with the parameters after it.
     async fn push_pull(&self, request: PsRequest, payload: &Bytes) -> Reply<Frame> {
-        let PsRequest::PushPull { shard, fingerprint, blocks, trainer, seq, weight, rows, origin } = request
+        let PsRequest::PushPull { shard, fingerprint, blocks, trainer, seq, step, weight, rows, origin } =
+            request
         else {
             return Err(RemoteError::internal("not a push-pull"));
         };
-        if self.shared.options.mode != Mode::Async {
-            return Err(RemoteError::bad_request(format!(
-                "push-pull from {trainer}: only async pservers take it (a sync push waits for its step)"
-            )));
-        }
-        let push =
-            PsRequest::Push { shard, fingerprint, blocks, trainer, seq, step: 0, weight, rows, origin };
+        // Sync, the push answers once its step is complete: the parameters
+        // read next are the new step's.
+        let push = PsRequest::Push { shard, fingerprint, blocks, trainer, seq, step, weight, rows, origin };
         let outcome = match self.push(push, payload).await? {
             PsReply::Pushed(outcome) => outcome,
-            reply @ PsReply::NotPrimary { .. } => {
+            reply @ (PsReply::NotPrimary { .. } | PsReply::Stale { .. }) => {
                 return Frame::new(PSERVER_METHOD, &reply, Bytes::new()).map_err(RemoteError::internal)
             }
-            other => return Err(RemoteError::internal(format!("an async push answered {other:?}"))),
+            other => return Err(RemoteError::internal(format!("a push answered {other:?}"))),
         };
         let Some(slot) = self.slot(shard)? else {
             return Frame::new(PSERVER_METHOD, &self.not_primary(shard), Bytes::new())
