@@ -160,18 +160,21 @@ fn the_ctr_example_trains_a1a_with_no_feature_count() {
     // over 20 runs (2026-11-26), so it is held to 82%.
     for (least, args) in [
         (0.83, &[][..]),
-        (0.82, &[
-            "--data",
-            "testdata/a1a",
-            "--test-data",
-            "testdata/a1a.t",
-            "--format",
-            "libsvm",
-            "--model",
-            "fm",
-            "--mode",
-            "async",
-        ][..]),
+        (
+            0.82,
+            &[
+                "--data",
+                "testdata/a1a",
+                "--test-data",
+                "testdata/a1a.t",
+                "--format",
+                "libsvm",
+                "--model",
+                "fm",
+                "--mode",
+                "async",
+            ][..],
+        ),
     ] {
         let out = Command::new(&ctr).args(args).output().unwrap();
         let stdout = String::from_utf8_lossy(&out.stdout);
