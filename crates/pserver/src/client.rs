@@ -22,7 +22,9 @@
 //! pserver holds a few parts in flight, not a message as large as its
 //! shard, and it applies or copies out one part while the next one
 //! travels. A push's parts share its sequence number; each is
-//! deduplicated on its own.
+//! deduplicated on its own. In the sync barrier a push's parts all go at
+//! once (at most [`MAX_SYNC_PARTS`] per shard): each is answered when the
+//! step completes, which needs every one of them.
 //!
 //! A shard whose primary changed (a new *epoch* in the map) may be at an
 //! earlier sync step than the old primary was (the gradients buffered for
@@ -63,6 +65,11 @@ pub const DEFAULT_MAX_PART_BYTES: usize = 8 << 20;
 /// one travels.
 pub const PARTS_IN_FLIGHT: usize = 2;
 
+/// In the sync barrier, a shard's push is cut into at most this many parts
+/// (all sent at once: see `PserverClient::push_parts`), well within the
+/// streams a QUIC connection lets be open at once (256 by default).
+pub const MAX_SYNC_PARTS: usize = 64;
+
 /// A trainer's connection to every pserver of a job.
 pub struct PserverClient {
     inner: Arc<Inner>,
@@ -70,6 +77,9 @@ pub struct PserverClient {
     max_part_bytes: usize,
     /// The origin the next pushes carry ([`set_origin`](Self::set_origin)).
     origin: Option<Origin>,
+    /// Joined the sync barrier (and not left): a push's parts all go at
+    /// once (see [`push_parts`](Self::push_parts)).
+    in_barrier: bool,
 }
 
 /// How a [`PserverClient`] finds and calls the pservers.
@@ -182,6 +192,7 @@ impl PserverClient {
             shards: vec![ShardState::default(); servers],
             max_part_bytes: options.max_part_bytes.max(1),
             origin: None,
+            in_barrier: false,
         }
     }
 
@@ -193,6 +204,28 @@ impl PserverClient {
 
     fn parts(&self, shards: &[u32]) -> Vec<Part> {
         cut_parts(&self.inner.placement, shards, self.max_part_bytes)
+    }
+
+    /// A push's parts over `shards`, and how many of a shard's parts may be
+    /// in flight at once. In the sync barrier every part of a push is
+    /// answered only when its step completes, which needs every part: so
+    /// they all go at once (two lanes per shard deadlocked a push of more
+    /// than two parts until the step's wait ran out), and a shard's push is
+    /// cut into at most [`MAX_SYNC_PARTS`] parts (larger ones for a larger
+    /// shard), within what a connection lets be open at once. Async parts
+    /// are applied as they come: [`PARTS_IN_FLIGHT`] per shard.
+    fn push_parts(&self, shards: &[u32]) -> (Vec<Part>, usize) {
+        if !self.in_barrier {
+            return (self.parts(shards), PARTS_IN_FLIGHT);
+        }
+        let placement = &self.inner.placement;
+        let largest = shards
+            .iter()
+            .map(|&s| placement.blocks_on(s).map(|b| b.len * 4).sum::<usize>())
+            .max()
+            .unwrap_or(0);
+        let max_bytes = self.max_part_bytes.max(largest.div_ceil(MAX_SYNC_PARTS));
+        (cut_parts(placement, shards, max_bytes), usize::MAX)
     }
 
     /// The placement the client splits gradients by.
@@ -244,6 +277,7 @@ impl PserverClient {
             shard.next_step = Some(step);
             shard.epoch = self.inner.epochs[index as usize].load(Ordering::SeqCst);
         }
+        self.in_barrier = true;
         Ok(())
     }
 
@@ -251,6 +285,7 @@ impl PserverClient {
     pub async fn leave(&mut self) -> Result<()> {
         let trainer = self.inner.trainer.clone();
         self.on_all(|shard| PsRequest::Leave { shard, trainer: trainer.clone() }).await?;
+        self.in_barrier = false;
         Ok(())
     }
 
@@ -285,7 +320,8 @@ impl PserverClient {
                     max_wait_ms: PULL_WAIT.as_millis() as u64,
                 })
                 .collect();
-            let replies = self.exchange(&parts, calls, None, &[], Some(&mut *params)).await?;
+            let replies =
+                self.exchange(&parts, calls, None, &[], Some(&mut *params), PARTS_IN_FLIGHT).await?;
             // Per shard: every part ready, at the lowest step any part was at
             // (so a sync push is never for a step some block has not reached).
             let mut pulled: Vec<(u32, Option<u64>)> = Vec::new();
@@ -342,7 +378,7 @@ impl PserverClient {
     ) -> Result<PushResult> {
         let fingerprint = self.inner.placement.fingerprint();
         let all: Vec<u32> = self.inner.shards_in_use().collect();
-        let parts = self.parts(&all);
+        let (parts, in_flight) = self.push_parts(&all);
         let (metas, extra) = self.route_rows(&parts, rows)?;
         let calls = parts
             .iter()
@@ -362,7 +398,7 @@ impl PserverClient {
                 }
             })
             .collect();
-        let replies = self.exchange(&parts, calls, Some(grads), &extra, None).await?;
+        let replies = self.exchange(&parts, calls, Some(grads), &extra, None, in_flight).await?;
         // Per shard: stale if any part was; else taken if any part was (the
         // rest were retries of parts already taken); applied before if
         // every part was.
@@ -435,7 +471,7 @@ impl PserverClient {
     ) -> Result<PushResult> {
         let fingerprint = self.inner.placement.fingerprint();
         let all: Vec<u32> = self.inner.shards_in_use().collect();
-        let parts = self.parts(&all);
+        let (parts, in_flight) = self.push_parts(&all);
         let (metas, extra) = self.route_rows(&parts, rows)?;
         let calls = parts
             .iter()
@@ -452,7 +488,7 @@ impl PserverClient {
                 origin: self.origin,
             })
             .collect();
-        let replies = self.exchange(&parts, calls, Some(grads), &extra, Some(params)).await?;
+        let replies = self.exchange(&parts, calls, Some(grads), &extra, Some(params), in_flight).await?;
         // Per shard: the least step of its parts' parameters (None: stale),
         // and whether every part was applied before.
         let mut steps: Vec<(u32, Option<u64>, bool)> = Vec::new();
@@ -701,12 +737,12 @@ impl PserverClient {
         let all: Vec<Part> =
             self.inner.shards_in_use().map(|index| Part { index, blocks: BlockSpan::new(0, 0) }).collect();
         let calls = all.iter().map(|part| part.index).map(make).collect();
-        let replies = self.exchange(&all, calls, None, &[], None).await?;
+        let replies = self.exchange(&all, calls, None, &[], None, PARTS_IN_FLIGHT).await?;
         Ok(replies.into_iter().map(|(part, reply)| (part.index, reply)).collect())
     }
 
     /// Make each of `parts`' calls with its request (`requests`, same
-    /// order), all shards at once and up to [`PARTS_IN_FLIGHT`] per shard,
+    /// order), all shards at once and up to `in_flight` per shard,
     /// each call retried on its own. With `grads`, a request's payload is
     /// the part's blocks of it, sent from where they are; with `params`, a
     /// reply's payload is written into the part's blocks of it as it
@@ -718,6 +754,7 @@ impl PserverClient {
         grads: Option<&ParamBuf>,
         extra: &[Vec<u8>],
         params: Option<&mut ParamBuf>,
+        in_flight: usize,
     ) -> Result<Vec<(Part, PsReply)>> {
         let placement = &self.inner.placement;
         let mut sinks = match params {
@@ -749,7 +786,7 @@ impl PserverClient {
             self.exchange_small(parts, requests, &payloads, &mut sinks).await
         } else {
             // Lanes: each runs its calls one after another; a shard's parts
-            // are dealt to `PARTS_IN_FLIGHT` lanes of their own.
+            // are dealt to `in_flight` lanes of their own.
             let mut lanes: Vec<Vec<_>> = Vec::new();
             let mut lane_of: std::collections::HashMap<(u32, usize), usize> = Default::default();
             let mut nth_of_shard: std::collections::HashMap<u32, usize> = Default::default();
@@ -757,7 +794,7 @@ impl PserverClient {
                 parts.iter().zip(requests).zip(payloads.iter()).zip(sinks.iter_mut()).enumerate()
             {
                 let nth = nth_of_shard.entry(part.index).or_default();
-                let key = (part.index, *nth % PARTS_IN_FLIGHT);
+                let key = (part.index, *nth % in_flight);
                 *nth += 1;
                 let lane = *lane_of.entry(key).or_insert_with(|| {
                     lanes.push(Vec::new());

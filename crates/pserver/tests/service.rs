@@ -469,22 +469,38 @@ async fn quic_round_trips(max_part_bytes: usize) {
 /// combines both gradients once, weighted, whatever order the parts come in.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn sync_pushes_in_parts_combine_every_block_once() {
-    let specs = vec![ParamSpec { name: "w".into(), shape: vec![64_000], init: Init::Zeros }];
+    // 16 blocks of 16 KB: parts of 3 blocks (and a last one of 1); a
+    // message small enough for a call per part in a task of its own.
+    sync_push_in_parts(64_000, 4_000, 50_000).await;
+}
+
+/// Above the small-message size, a shard's parts go in lanes: a sync
+/// push of many more parts than `PARTS_IN_FLIGHT` must still complete (each
+/// part is answered when the step completes, which needs all of them).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_sync_push_of_many_parts_per_shard_completes() {
+    // 25 blocks of 40 KB, a part each: 1 MB a trainer.
+    sync_push_in_parts(250_000, 10_000, 50_000).await;
+}
+
+/// Two sync trainers push `len` floats in blocks of `block`, parts of at
+/// most `part_bytes`: one step, every block combined once.
+async fn sync_push_in_parts(len: usize, block: usize, part_bytes: usize) {
+    let specs = vec![ParamSpec { name: "w".into(), shape: vec![len], init: Init::Zeros }];
     let ca = oar_transport::DevCa::new().unwrap();
     let transport: Arc<dyn Transport> =
         Arc::new(oar_transport::QuicTransport::new(ca.tls_config("ps-test").unwrap()).unwrap());
     let discovery: Arc<dyn Discovery> = Arc::new(MemDiscovery::new());
     let cluster = Cluster::start(discovery.clone(), transport.clone(), 1, 1, 1).await;
     let mut o = options(specs.clone(), 1, Mode::Sync, 1.0);
-    o.block_size = 4_000;
+    o.block_size = block;
     let server = Pserver::start(discovery.clone(), transport.clone(), "127.0.0.1:0", o).await.unwrap();
     cluster.wait_serving(&[&server]).await;
-    let placement = Arc::new(Placement::new(&specs, 1, 4_000).unwrap());
+    let placement = Arc::new(Placement::new(&specs, 1, block).unwrap());
     let client = |name: &str| {
         let options = client_options(name, Duration::from_secs(10));
         let mut c = PserverClient::new(discovery.clone(), transport.clone(), placement.clone(), options);
-        // 16 blocks of 16 KB: parts of 3 blocks (and a last one of 1).
-        c.set_max_part_bytes(50_000);
+        c.set_max_part_bytes(part_bytes);
         c
     };
     let (mut a, mut b) = (client("a"), client("b"));
