@@ -126,8 +126,11 @@ impl PsHandler {
     }
 
     /// Apply a push (or a part of one) to `shard`. Its gradients are views
-    /// into the received `payload`, not copies.
-    async fn push(&self, request: PsRequest, payload: &Bytes) -> Reply<PsReply> {
+    /// into the received `payload`, not copies; the payload is let go
+    /// before the wait for a sync step, so a push's parts waiting for their
+    /// step hold only what the barrier keeps of them (with one trainer,
+    /// nothing: each block is applied as it comes).
+    async fn push(&self, request: PsRequest, payload: Bytes) -> Reply<PsReply> {
         let PsRequest::Push { shard, fingerprint, blocks, trainer, seq, step, weight, rows, origin } =
             request
         else {
@@ -154,7 +157,7 @@ impl PsHandler {
             grads.push((block.id, Grad::Wire(payload.slice(at..at + block.len * 4))));
             at += block.len * 4;
         }
-        let rows = wire_rows(&self.shared.placement, rows, payload, at);
+        let rows = wire_rows(&self.shared.placement, rows, &payload, at);
         let pusher = trainer.clone();
         let push = Push { trainer, seq, step, weight, grads, rows, origin };
         let (reply, wait, waits_in_step) = {
@@ -210,6 +213,7 @@ impl PsHandler {
             (reply, wait, waits_in_step)
         };
         slot.stepped.notify_waiters();
+        drop(payload);
         let wait = match waits_in_step {
             Some(step) => self.step_completed(&slot, step).await?,
             None => wait,
@@ -269,7 +273,7 @@ impl PsHandler {
     }
 
     /// Async mode: apply a push and answer with the parameters after it.
-    async fn push_pull(&self, request: PsRequest, payload: &Bytes) -> Reply<Frame> {
+    async fn push_pull(&self, request: PsRequest, payload: Bytes) -> Reply<Frame> {
         let PsRequest::PushPull { shard, fingerprint, blocks, trainer, seq, step, weight, rows, origin } =
             request
         else {
@@ -696,9 +700,9 @@ impl Handler for PsHandler {
             },
             PsRequest::Join { shard, trainer } => self.membership(shard, trainer, true).await?,
             PsRequest::Leave { shard, trainer } => self.membership(shard, trainer, false).await?,
-            push @ PsRequest::Push { .. } => self.push(push, &request.payload).await?,
+            push @ PsRequest::Push { .. } => self.push(push, request.payload).await?,
             push_pull @ PsRequest::PushPull { .. } => {
-                return self.push_pull(push_pull, &request.payload).await
+                return self.push_pull(push_pull, request.payload).await
             }
             PsRequest::Pull { shard, fingerprint, blocks, min_step, max_wait_ms } => {
                 let wait = Duration::from_millis(max_wait_ms).min(MAX_PULL_WAIT);
