@@ -13,7 +13,7 @@ use oar_pserver::{PserverClient, PserverClientOptions};
 use oar_task_queue::{MasterClient, MasterClientOptions};
 use oar_trainer::worker::{run_trainer, TrainerOptions, TrainerReport};
 use std::{sync::Arc, time::Duration};
-use tokio_util::sync::CancellationToken;
+use tokio_util::{sync::CancellationToken, task::AbortOnDropHandle};
 use tracing::Instrument;
 
 /// Run a trainer of the job: read the job's options, register
@@ -101,9 +101,18 @@ async fn run_trainer_role(
                 reported: options.on_report.clone(),
                 ..TrainerOptions::new(id.clone(), config.reader())
             };
-            run_trainer(Arc::new(master), pservers, model, session.guard(), trainer_options, shutdown)
-                .await
-                .map_err(Error::from)
+            // The loop runs as a task of its own: called from a binary's
+            // `main` (`block_on`'s thread), each call's answer would come
+            // from another thread and wake it there; a task's calls stay on
+            // one worker (BENCHMARKS.md, Transport: a small call 12 µs
+            // against 38). Aborted if this future is dropped.
+            let training =
+                run_trainer(Arc::new(master), pservers, model, session.guard(), trainer_options, shutdown);
+            let training = AbortOnDropHandle::new(tokio::spawn(training.in_current_span()));
+            match training.await {
+                Ok(trained) => trained.map_err(Error::from),
+                Err(e) => Err(Error::Panicked(format!("trainer {id}: {e}"))),
+            }
         }
     };
     // Deregister: the master and the pservers see this trainer leave now,
