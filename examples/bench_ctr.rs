@@ -66,11 +66,11 @@
 //!   which times each sparse batch from its first call to its acknowledged
 //!   push. Async, that is `pull_rows` (one call per pserver), the model, and
 //!   `push_pull_rows` (the row and dense gradients out, the dense bias back),
-//!   2 rounds of calls; sync, the dense pull (which waits for the step),
-//!   `pull_rows`, the model and `push_rows`, 3 rounds. The reference's µs per
-//!   batch beside it is the same work without the calls.
-//! - "pserver calls/batch": calls the pservers answered (`oar_ps_pulls`, plus
-//!   `oar_ps_pushes` in sync; an async push-pull counts in both) per batch.
+//!   2 rounds of calls; sync the same, the push-pull answered when the step
+//!   completes (a dense pull only after joining or a stale push). The
+//!   reference's µs per batch beside it is the same work without the calls.
+//! - "pserver calls/batch": calls the pservers answered (`oar_ps_pulls`,
+//!   where a push-pull counts too) per batch.
 //!   The master's scoring adds about 0.2 a batch (its row pulls of a1a.t).
 //!   A row pull groups each pserver's shards into one call, but a push, a
 //!   push-pull and a dense pull make one call per shard, to every shard of a
@@ -82,6 +82,12 @@
 
 #[path = "common/mod.rs"]
 mod common;
+use common::ModeArg;
+
+/// Call rounds per batch of a sparse model, one after another, in both
+/// modes: the row pull, then the push-pull (see the worker's docs, "Sparse
+/// models").
+const CALL_ROUNDS: u32 = 2;
 
 use clap::{Parser, ValueEnum};
 use oar::{
@@ -92,7 +98,7 @@ use oar::{
         report::{JobReport, Progress},
         JobContext,
     },
-    pserver::{init_row, sparse::IdHash, Mode, Optimizer, OptimizerConfig, ParamBuf, TableSpec},
+    pserver::{init_row, sparse::IdHash, Optimizer, OptimizerConfig, ParamBuf, TableSpec},
     trainer::{
         eval::evaluate_sparse,
         id_reader::{read_glob_ids, IdReaderOptions},
@@ -163,35 +169,6 @@ struct Args {
 enum ModelArg {
     Lr,
     Fm,
-}
-
-#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
-enum ModeArg {
-    Sync,
-    Async,
-}
-
-impl ModeArg {
-    fn mode(self) -> Mode {
-        match self {
-            ModeArg::Sync => Mode::Sync,
-            ModeArg::Async => Mode::Async,
-        }
-    }
-    fn name(self) -> &'static str {
-        match self {
-            ModeArg::Sync => "sync",
-            ModeArg::Async => "async",
-        }
-    }
-    /// Call rounds per batch of a sparse model, one after another (see the
-    /// worker's docs, "Sparse models").
-    fn rounds(self) -> u32 {
-        match self {
-            ModeArg::Sync => 3,
-            ModeArg::Async => 2,
-        }
-    }
 }
 
 fn parse_shape(s: &str) -> Result<(u32, u32), String> {
@@ -273,9 +250,9 @@ struct OarRun {
     /// Sparse steps timed by the trainers, and their seconds.
     steps: f64,
     step_seconds: f64,
-    /// Calls the pservers served (from their `oar_ps_pushes` and
-    /// `oar_ps_pulls`): pushes and push-pulls, one per shard; dense pulls,
-    /// one per shard; row pulls, one per pserver. The master's scoring adds
+    /// Calls the pservers served (from their `oar_ps_pulls`, where a
+    /// push-pull counts too): push-pulls, one per shard; dense pulls, one
+    /// per shard; row pulls, one per pserver. The master's scoring adds
     /// about 0.2 a batch (its row pulls of a1a.t, 1024 examples each).
     calls: f64,
 }
@@ -332,7 +309,7 @@ fn run(args: Args) -> Result<ExitCode, BoxError> {
         test_set.len(),
         args.lr
     );
-    println!("machine: {} cores; {}", cores(), common::load());
+    println!("machine: {} cores; {}", common::cores(), common::load());
 
     let mut keys = Vec::new();
     for &model in &args.models {
@@ -362,12 +339,12 @@ fn run(args: Args) -> Result<ExitCode, BoxError> {
                  oar {:>7} ex/s, steady {:>7} (loss {:.4}, test acc {:.4}, run_local {:.2} s, {:.0} µs/batch, \
                  {:.1} calls/batch) | ratio {ratio:.3}",
                 key.label(args.factors),
-                fmt_eps(ref_eps),
+                common::fmt_eps(ref_eps),
                 reference.read,
                 reference.last_loss,
                 reference.test_accuracy,
-                fmt_eps(r.examples_per_second),
-                fmt_eps(steady_eps(&oar, examples)),
+                common::fmt_eps(r.examples_per_second),
+                common::fmt_eps(steady_eps(&oar, examples)),
                 r.final_loss,
                 r.test_accuracy,
                 oar.wall,
@@ -393,10 +370,10 @@ fn run(args: Args) -> Result<ExitCode, BoxError> {
     );
     println!("| --- | --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |");
     for (key, s) in keys.iter().zip(&samples) {
-        let reference = median(s.reference.iter().map(|r| n / r.wall).collect());
-        let oar = median(s.oar.iter().map(|o| o.report.examples_per_second).collect());
-        let steady = median(s.oar.iter().map(|o| steady_eps(o, examples)).collect());
-        let acc_ref = median(s.reference.iter().map(|r| f64::from(r.test_accuracy)).collect());
+        let reference = common::median(s.reference.iter().map(|r| n / r.wall).collect());
+        let oar = common::median(s.oar.iter().map(|o| o.report.examples_per_second).collect());
+        let steady = common::median(s.oar.iter().map(|o| steady_eps(o, examples)).collect());
+        let acc_ref = common::median(s.reference.iter().map(|r| f64::from(r.test_accuracy)).collect());
         let (acc_lo, acc_hi) = min_max(s.oar.iter().map(|o| f64::from(o.report.test_accuracy)));
         let acc_oar = if acc_hi - acc_lo < 5e-5 {
             format!("{:.2}%", acc_lo * 100.0)
@@ -406,10 +383,10 @@ fn run(args: Args) -> Result<ExitCode, BoxError> {
         println!(
             "| {} | {} | {} | **{:.3}** | {} | {:.2}% | {acc_oar} |",
             key.row(args.factors),
-            fmt_eps(reference),
-            fmt_eps(oar),
-            median(s.ratio.clone()),
-            fmt_eps(steady),
+            common::fmt_eps(reference),
+            common::fmt_eps(oar),
+            common::median(s.ratio.clone()),
+            common::fmt_eps(steady),
             acc_ref * 100.0,
         );
     }
@@ -421,11 +398,11 @@ fn run(args: Args) -> Result<ExitCode, BoxError> {
     );
     println!("| --- | --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |");
     for (key, s) in keys.iter().zip(&samples) {
-        let step_us = median(s.oar.iter().map(|o| o.step_seconds / o.steps * 1e6).collect());
-        let calls = median(s.oar.iter().map(|o| o.calls / o.steps).collect());
-        let ref_us = median(s.reference.iter().map(|r| r.wall / r.batches as f64 * 1e6).collect());
-        let batches = median(s.oar.iter().map(|o| o.steps).collect());
-        let busy = median(
+        let step_us = common::median(s.oar.iter().map(|o| o.step_seconds / o.steps * 1e6).collect());
+        let calls = common::median(s.oar.iter().map(|o| o.calls / o.steps).collect());
+        let ref_us = common::median(s.reference.iter().map(|r| r.wall / r.batches as f64 * 1e6).collect());
+        let batches = common::median(s.oar.iter().map(|o| o.steps).collect());
+        let busy = common::median(
             s.oar
                 .iter()
                 .map(|o| {
@@ -437,7 +414,7 @@ fn run(args: Args) -> Result<ExitCode, BoxError> {
         println!(
             "| {} | {} | {calls:.1} | {step_us:.0} | {ref_us:.1} | {batches:.0} | {:.0}% |",
             key.row(args.factors),
-            key.mode.rounds(),
+            CALL_ROUNDS,
             busy * 100.0,
         );
     }
@@ -620,9 +597,9 @@ fn oar_run(config: &JobConfig, trainers: u32, timeout: Duration) -> Result<OarRu
         let diff = |name: &str| metric(&after, name) - metric(&before, name);
         let (steps, step_seconds) =
             (diff("oar_trainer_exchange_seconds_count"), diff("oar_trainer_exchange_seconds_sum"));
-        // A push-pull counts as a push and a pull; async pushes only so.
-        let pushes = if config.mode == Mode::Sync { diff("oar_ps_pushes_total") } else { 0.0 };
-        let calls = pushes + diff("oar_ps_pulls_total");
+        // A push-pull counts as a push and a pull, and a sparse batch's
+        // pushes are all push-pulls (sync too): the pulls count every call.
+        let calls = diff("oar_ps_pulls_total");
         Ok::<_, BoxError>(OarRun { report, pass_ends, wall, steps, step_seconds, calls })
     });
     runtime.shutdown_timeout(Duration::from_secs(5));
@@ -650,32 +627,6 @@ fn steady_eps(o: &OarRun, examples: usize) -> f64 {
     }
 }
 
-fn median(mut v: Vec<f64>) -> f64 {
-    v.retain(|x| !x.is_nan());
-    if v.is_empty() {
-        return f64::NAN;
-    }
-    v.sort_by(f64::total_cmp);
-    let n = v.len();
-    if n % 2 == 1 {
-        v[n / 2]
-    } else {
-        (v[n / 2 - 1] + v[n / 2]) / 2.0
-    }
-}
-
 fn min_max(v: impl Iterator<Item = f64>) -> (f64, f64) {
     v.fold((f64::INFINITY, f64::NEG_INFINITY), |(lo, hi), x| (lo.min(x), hi.max(x)))
-}
-
-fn fmt_eps(x: f64) -> String {
-    if x >= 1e6 {
-        format!("{:.2}M", x / 1e6)
-    } else {
-        format!("{:.1}k", x / 1e3)
-    }
-}
-
-fn cores() -> usize {
-    std::thread::available_parallelism().map(|n| n.get()).unwrap_or(1)
 }

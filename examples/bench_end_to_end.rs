@@ -69,6 +69,7 @@
 
 #[path = "common/mod.rs"]
 mod common;
+use common::ModeArg;
 
 use clap::{Parser, ValueEnum};
 use oar::{
@@ -81,7 +82,7 @@ use oar::{
     },
     pserver::{
         protocol::{PsRequest, PSERVER_METHOD},
-        Mode, OptimizerConfig, ParamBuf,
+        OptimizerConfig, ParamBuf,
     },
     task_queue::{auto_chunk_bytes, chunks_from_glob, protocol::MASTER_METHOD},
     trainer::{
@@ -158,30 +159,9 @@ struct Args {
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
-enum ModeArg {
-    Async,
-    Sync,
-}
-
-#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
 enum TransportArg {
     Quic,
     Mem,
-}
-
-impl ModeArg {
-    fn mode(self) -> Mode {
-        match self {
-            ModeArg::Async => Mode::Async,
-            ModeArg::Sync => Mode::Sync,
-        }
-    }
-    fn name(self) -> &'static str {
-        match self {
-            ModeArg::Async => "async",
-            ModeArg::Sync => "sync",
-        }
-    }
 }
 
 impl TransportArg {
@@ -288,7 +268,7 @@ fn run(args: Args) -> Result<ExitCode, BoxError> {
         "reading and parsing the file: whole {whole_read_s:.3} s, in {tasks} chunks {chunked_s:.3} s (x{:.2})",
         chunked_s / whole_read_s
     );
-    println!("machine: {} cores; {}", cores(), common::load());
+    println!("machine: {} cores; {}", common::cores(), common::load());
 
     let mut keys = Vec::new();
     for &batch in &args.batch_sizes {
@@ -323,12 +303,12 @@ fn run(args: Args) -> Result<ExitCode, BoxError> {
                 key.mode.name(),
                 key.transport.name(),
                 key.trainers,
-                fmt_eps(plain_eps),
+                common::fmt_eps(plain_eps),
                 plain.parse,
                 plain.train,
                 plain.last_loss,
-                fmt_eps(whole),
-                fmt_eps(steady),
+                common::fmt_eps(whole),
+                common::fmt_eps(steady),
                 oar.report.final_loss,
                 whole / plain_eps,
                 steady / plain_eps
@@ -347,10 +327,10 @@ fn run(args: Args) -> Result<ExitCode, BoxError> {
     println!("| ---: | --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | --- |");
     let (mut met, mut missed) = (Vec::new(), Vec::new());
     for (key, s) in keys.iter().zip(&samples) {
-        let plain = median(s.plain.iter().map(|p| n / p.wall).collect());
-        let whole = median(s.oar.iter().map(|o| n / o.wall).collect());
-        let steady = median(s.oar.iter().map(|o| steady_eps(o, examples)).collect());
-        let ratio = median(s.ratio_whole.clone());
+        let plain = common::median(s.plain.iter().map(|p| n / p.wall).collect());
+        let whole = common::median(s.oar.iter().map(|o| n / o.wall).collect());
+        let steady = common::median(s.oar.iter().map(|o| steady_eps(o, examples)).collect());
+        let ratio = common::median(s.ratio_whole.clone());
         let target = if key.trainers == 1 {
             let pass = ratio >= args.target;
             let case = format!("{} {} batch {}", key.mode.name(), key.transport.name(), key.batch);
@@ -373,11 +353,11 @@ fn run(args: Args) -> Result<ExitCode, BoxError> {
             key.mode.name(),
             key.transport.name(),
             key.trainers,
-            fmt_eps(plain),
-            fmt_eps(whole),
-            fmt_eps(steady),
+            common::fmt_eps(plain),
+            common::fmt_eps(whole),
+            common::fmt_eps(steady),
             ratio,
-            median(s.ratio_steady.clone())
+            common::median(s.ratio_steady.clone())
         );
     }
 
@@ -399,18 +379,19 @@ fn run(args: Args) -> Result<ExitCode, BoxError> {
         let oar_batches: usize = task_sizes.iter().map(|n| n.div_ceil(key.batch)).sum();
         // Every pull and push calls each pserver once.
         let exchanges = |kind: usize| {
-            median(s.oar.iter().map(|o| steady_calls(o, kind)).collect()) / f64::from(args.pservers)
+            common::median(s.oar.iter().map(|o| steady_calls(o, kind)).collect()) / f64::from(args.pservers)
         };
         let (pulls, pushes) = (exchanges(PULL), exchanges(PUSH));
-        let steady = median(s.oar.iter().map(steady_pass_seconds).collect());
-        let busy = |kind: usize| median(s.oar.iter().map(|o| steady_busy(o, kind)).collect());
+        let steady = common::median(s.oar.iter().map(steady_pass_seconds).collect());
+        let busy = |kind: usize| common::median(s.oar.iter().map(|o| steady_busy(o, kind)).collect());
         let (pull, push, master, other) = (busy(PULL), busy(PUSH), busy(MASTER), busy(OTHER));
         let local = steady - pull - push - master - other;
-        let parse = median(s.plain.iter().map(|p| p.parse / passes).collect());
-        let compute = median(s.plain.iter().map(|p| p.train / passes).collect());
-        let startup = median(s.oar.iter().map(|o| o.pass_ends[0] - steady_pass_seconds(o)).collect());
-        let shutdown =
-            median(s.oar.iter().map(|o| o.wall - o.pass_ends.last().copied().unwrap_or(o.wall)).collect());
+        let parse = common::median(s.plain.iter().map(|p| p.parse / passes).collect());
+        let compute = common::median(s.plain.iter().map(|p| p.train / passes).collect());
+        let startup = common::median(s.oar.iter().map(|o| o.pass_ends[0] - steady_pass_seconds(o)).collect());
+        let shutdown = common::median(
+            s.oar.iter().map(|o| o.wall - o.pass_ends.last().copied().unwrap_or(o.wall)).collect(),
+        );
         let ms = |x: f64| format!("{:.0}", x * 1e3);
         println!(
             "| {} | {} | {} | {oar_batches} | {} | {pulls:.0} | {} ({:.0}) | {pushes:.0} | {} ({:.0}) | {} ({:.0}) | \
@@ -555,7 +536,7 @@ fn oar_run(config: &JobConfig, trainers: u32, kind: TransportArg) -> Result<OarR
 
 /// Median seconds of one pass after the first.
 fn steady_pass_seconds(o: &OarRun) -> f64 {
-    median(o.pass_ends.windows(2).map(|w| w[1] - w[0]).collect())
+    common::median(o.pass_ends.windows(2).map(|w| w[1] - w[0]).collect())
 }
 
 fn steady_eps(o: &OarRun, examples: usize) -> f64 {
@@ -709,30 +690,4 @@ impl Connection for TimedConnection {
     fn peer(&self) -> &str {
         self.inner.peer()
     }
-}
-
-fn median(mut v: Vec<f64>) -> f64 {
-    v.retain(|x| !x.is_nan());
-    if v.is_empty() {
-        return f64::NAN;
-    }
-    v.sort_by(f64::total_cmp);
-    let n = v.len();
-    if n % 2 == 1 {
-        v[n / 2]
-    } else {
-        (v[n / 2 - 1] + v[n / 2]) / 2.0
-    }
-}
-
-fn fmt_eps(x: f64) -> String {
-    if x >= 1e6 {
-        format!("{:.2}M", x / 1e6)
-    } else {
-        format!("{:.1}k", x / 1e3)
-    }
-}
-
-fn cores() -> usize {
-    std::thread::available_parallelism().map(|n| n.get()).unwrap_or(1)
 }

@@ -44,14 +44,15 @@
 
 #[path = "common/mod.rs"]
 mod common;
+use common::ModeArg;
 
 use clap::{Parser, ValueEnum};
 use oar::{
     discovery::{Discovery, MemDiscovery},
     job::keys::JobKeys,
     pserver::{
-        Coordinator, CoordinatorOptions, Init, Mode, OptimizerConfig, ParamBuf, ParamSpec, Placement,
-        Pserver, PserverClient, PserverClientOptions, PserverOptions, ShardMap,
+        Coordinator, CoordinatorOptions, Init, OptimizerConfig, ParamBuf, ParamSpec, Placement, Pserver,
+        PserverClient, PserverClientOptions, PserverOptions, ShardMap,
     },
     transport::{DevCa, QuicTransport, RetryPolicy, TlsConfig},
 };
@@ -103,27 +104,6 @@ struct Args {
     /// Internal: the trainer's number.
     #[arg(long, hide = true, default_value_t = 0)]
     index: u32,
-}
-
-#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
-enum ModeArg {
-    Sync,
-    Async,
-}
-
-impl ModeArg {
-    fn mode(self) -> Mode {
-        match self {
-            ModeArg::Sync => Mode::Sync,
-            ModeArg::Async => Mode::Async,
-        }
-    }
-    fn name(self) -> &'static str {
-        match self {
-            ModeArg::Sync => "sync",
-            ModeArg::Async => "async",
-        }
-    }
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]

@@ -234,7 +234,7 @@ fn main() -> Result<(), BoxError> {
     }
     let lines = source_lines(&args.source)?;
     let dir = tempfile::tempdir()?;
-    println!("machine: {} cores; {}", cores(), common::load());
+    println!("machine: {} cores; {}", common::cores(), common::load());
     if args.only.contains(&Part::Latency) {
         latency(&args, &lines, dir.path())?;
     }
@@ -908,10 +908,10 @@ fn throughput(args: &Args, root: &Path) -> Result<(), BoxError> {
                  {} batches, {} exchanges ({:.0} us each), {} stale pulls",
                 job.name(),
                 run.report.tasks_done,
-                fmt_eps(run.report.examples_per_second),
-                fmt_eps(examples / run.wall),
+                common::fmt_eps(run.report.examples_per_second),
+                common::fmt_eps(examples / run.wall),
                 run.wall,
-                fmt_eps(run.second_half),
+                common::fmt_eps(run.second_half),
                 run.first_task * 1e3,
                 run.cpu,
                 run.writes,
@@ -933,7 +933,7 @@ fn throughput(args: &Args, root: &Path) -> Result<(), BoxError> {
     let wall = |r: &Run| examples / r.wall;
     let half = |r: &Run| r.second_half;
     let paired = |a: &[Run], b: &[Run], f: &dyn Fn(&Run) -> f64| {
-        median(a.iter().zip(b).map(|(a, b)| f(b) / f(a)).collect())
+        common::median(a.iter().zip(b).map(|(a, b)| f(b) / f(a)).collect())
     };
     println!();
     println!(
@@ -955,11 +955,11 @@ fn throughput(args: &Args, root: &Path) -> Result<(), BoxError> {
             "| {} | {} | {} | {} | {} | {:.2} | {:.0} | {ratios} |",
             job.name(),
             r.first().map_or(0, |r| r.report.tasks_done),
-            fmt_eps(median(r.iter().map(report).collect())),
-            fmt_eps(median(r.iter().map(wall).collect())),
-            fmt_eps(median(r.iter().map(half).collect())),
-            median(r.iter().map(|r| r.wall).collect()),
-            median(r.iter().map(|r| r.first_task * 1e3).collect()),
+            common::fmt_eps(common::median(r.iter().map(report).collect())),
+            common::fmt_eps(common::median(r.iter().map(wall).collect())),
+            common::fmt_eps(common::median(r.iter().map(half).collect())),
+            common::median(r.iter().map(|r| r.wall).collect()),
+            common::median(r.iter().map(|r| r.first_task * 1e3).collect()),
         );
     }
     let verdict = |x: f64| if x >= args.target_ratio { "met" } else { "MISSED" };
@@ -1076,30 +1076,4 @@ fn pct(sorted: &[f64], p: f64) -> f64 {
     }
     let rank = (p * sorted.len() as f64).ceil().max(1.0) as usize;
     sorted[rank.min(sorted.len()) - 1]
-}
-
-fn median(mut v: Vec<f64>) -> f64 {
-    v.retain(|x| !x.is_nan());
-    if v.is_empty() {
-        return f64::NAN;
-    }
-    v.sort_by(f64::total_cmp);
-    let n = v.len();
-    if n % 2 == 1 {
-        v[n / 2]
-    } else {
-        (v[n / 2 - 1] + v[n / 2]) / 2.0
-    }
-}
-
-fn fmt_eps(x: f64) -> String {
-    if x >= 1e6 {
-        format!("{:.2}M", x / 1e6)
-    } else {
-        format!("{:.1}k", x / 1e3)
-    }
-}
-
-fn cores() -> usize {
-    std::thread::available_parallelism().map(|n| n.get()).unwrap_or(1)
 }

@@ -151,10 +151,26 @@ pub enum OptimizerArg {
     Adagrad,
     Adam,
 }
-#[derive(Clone, Copy, Debug, ValueEnum)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
 pub enum ModeArg {
     Sync,
     Async,
+}
+
+impl ModeArg {
+    pub fn mode(self) -> Mode {
+        match self {
+            ModeArg::Sync => Mode::Sync,
+            ModeArg::Async => Mode::Async,
+        }
+    }
+
+    pub fn name(self) -> &'static str {
+        match self {
+            ModeArg::Sync => "sync",
+            ModeArg::Async => "async",
+        }
+    }
 }
 
 impl JobArgs {
@@ -227,10 +243,7 @@ impl JobArgs {
             OptimizerArg::Adam => "adam",
         };
         config.optimizer = OptimizerConfig::parse(optimizer, self.lr)?;
-        config.mode = match self.mode {
-            ModeArg::Sync => Mode::Sync,
-            ModeArg::Async => Mode::Async,
-        };
+        config.mode = self.mode.mode();
         config.passes = self.passes;
         config.batch_size = self.batch_size;
         config.push_every = self.push_every;
@@ -449,6 +462,36 @@ pub async fn serve_metrics(addr: Option<&str>) -> Result<Option<oar::metrics::Me
         oar::metrics::serve(addr).await.map_err(|e| format!("--metrics {addr}: cannot listen: {e}"))?;
     eprintln!("metrics at http://{}/metrics", server.addr());
     Ok(Some(server))
+}
+
+/// The median of `v`, NaNs left out (NaN if nothing is left): the benches
+/// quote medians over repetitions.
+pub fn median(mut v: Vec<f64>) -> f64 {
+    v.retain(|x| !x.is_nan());
+    if v.is_empty() {
+        return f64::NAN;
+    }
+    v.sort_by(f64::total_cmp);
+    let n = v.len();
+    if n % 2 == 1 {
+        v[n / 2]
+    } else {
+        (v[n / 2 - 1] + v[n / 2]) / 2.0
+    }
+}
+
+/// Examples per second, short: "1.23M" or "456.7k".
+pub fn fmt_eps(x: f64) -> String {
+    if x >= 1e6 {
+        format!("{:.2}M", x / 1e6)
+    } else {
+        format!("{:.1}k", x / 1e3)
+    }
+}
+
+/// The cores the benches run on.
+pub fn cores() -> usize {
+    std::thread::available_parallelism().map(|n| n.get()).unwrap_or(1)
 }
 
 /// The load average and how many `rustc` run (the figures mean little while other builds run).

@@ -16,6 +16,8 @@
 //! perf script -i perf.data --time $T0,$T1 | python3 scripts/perf_classify.py
 //! ```
 
+mod common;
+
 use async_trait::async_trait;
 use bytes::Bytes;
 use oar_transport::{Cipher, DevCa, Frame, Handler, QuicOptions, QuicTransport, RemoteError, Transport};
@@ -25,7 +27,7 @@ use std::{
 };
 use tokio::{
     io::{AsyncReadExt, AsyncWriteExt},
-    net::{TcpListener, TcpStream},
+    net::TcpListener,
 };
 
 type BoxError = Box<dyn std::error::Error + Send + Sync>;
@@ -138,30 +140,7 @@ async fn run(args: Args) -> Result<(), BoxError> {
     let conn = client.connect(listener.local_addr()).await?;
     let tcp = TcpListener::bind("127.0.0.1:0").await?;
     let tcp_addr = tcp.local_addr()?;
-    tokio::spawn(async move {
-        while let Ok((mut s, _)) = tcp.accept().await {
-            let _ = s.set_nodelay(true);
-            tokio::spawn(async move {
-                let Ok(mode) = s.read_u64_le().await else { return };
-                if mode == 0 {
-                    let mut b = [0u8; 16];
-                    while s.read_exact(&mut b).await.is_ok() {
-                        if s.write_all(&b).await.is_err() {
-                            return;
-                        }
-                    }
-                    return;
-                }
-                let mut reused = Vec::new();
-                while let Ok(len) = s.read_u64_le().await {
-                    reused.resize(len as usize, 0u8);
-                    if s.read_exact(&mut reused).await.is_err() || s.write_all(&[1]).await.is_err() {
-                        return;
-                    }
-                }
-            });
-        }
-    });
+    tokio::spawn(common::tcp_server(tcp));
     let small = Frame { method: 2, meta: Bytes::from_static(&[7u8; 16]), payload: Bytes::new() };
     for _ in 0..200 {
         conn.call(small.clone(), Duration::from_secs(5)).await?;
@@ -190,9 +169,7 @@ async fn run(args: Args) -> Result<(), BoxError> {
         }
         "tcpbulk" => {
             let payload = vec![0x3fu8; bytes];
-            let mut s = TcpStream::connect(tcp_addr).await?;
-            s.set_nodelay(true)?;
-            s.write_u64_le(2).await?;
+            let mut s = common::tcp_connect(tcp_addr, 2).await?;
             let mut times = Vec::new();
             for _ in 0..=reps {
                 let started = Instant::now();
@@ -208,9 +185,7 @@ async fn run(args: Args) -> Result<(), BoxError> {
         "small" | "tcpecho" => {
             let mut tcp = None;
             if mode == "tcpecho" {
-                let mut s = TcpStream::connect(tcp_addr).await?;
-                s.set_nodelay(true)?;
-                s.write_u64_le(0).await?;
+                let s = common::tcp_connect(tcp_addr, 0).await?;
                 tcp = Some(s);
             }
             eprintln!("T0 {:.6}", monotonic());
