@@ -224,8 +224,9 @@ fn a_master_paused_past_its_lease_is_fenced_and_stops_by_itself() {
 fn a_pserver_cut_off_from_etcd_stops_serving_and_is_replaced() {
     let cluster = Cluster::start("partition");
     // Enough passes that the job still runs when the cut-off pserver notices
-    // its lost lease and exits (a pass takes a fraction of a second).
-    let passes = 40;
+    // its lost lease and exits (a pass takes a fraction of a second; 40 were
+    // once all done by then, since a sync step is one round trip).
+    let passes = 100;
     let proxy = support::Proxy::start(cluster.etcd.client_addr());
     let mut master = cluster.master("master", &job(passes));
     let mut cut_off = cluster.pserver_via("pserver-cut", 0.5, &proxy.url());
