@@ -277,16 +277,34 @@ impl JobArgs {
 }
 
 /// Log to stderr: warnings, or everything the library does with `verbose`;
-/// one JSON object per line with `json` (for a log collector).
+/// one JSON object per line with `json` (for a log collector). `OAR_LOG`,
+/// when set, says what to log instead, per target
+/// (`info,oar_pserver::client=debug`: `tracing_subscriber`'s `Targets`
+/// syntax); a value it cannot read is reported and ignored.
 pub fn init_logging(verbose: bool, json: bool) {
     use std::io::IsTerminal;
-    use tracing_subscriber::filter::LevelFilter;
+    use tracing_subscriber::{
+        filter::LevelFilter, filter::Targets, layer::SubscriberExt, util::SubscriberInitExt,
+    };
     let level = if verbose { LevelFilter::INFO } else { LevelFilter::WARN };
-    let logs = tracing_subscriber::fmt().with_writer(std::io::stderr).with_max_level(level);
+    let mut targets = Targets::new().with_default(level);
+    let mut unread = None;
+    if let Ok(spec) = std::env::var("OAR_LOG") {
+        match spec.parse::<Targets>() {
+            Ok(t) => targets = t,
+            Err(e) => {
+                unread = Some(format!("OAR_LOG={spec:?} is not a log filter ({e}); logging at {level}"))
+            }
+        }
+    }
+    let logs = tracing_subscriber::fmt().with_writer(std::io::stderr).with_max_level(LevelFilter::TRACE);
     if json {
-        logs.json().init();
+        logs.json().finish().with(targets).init();
     } else {
-        logs.with_ansi(std::io::stderr().is_terminal()).init();
+        logs.with_ansi(std::io::stderr().is_terminal()).finish().with(targets).init();
+    }
+    if let Some(message) = unread {
+        eprintln!("{message}");
     }
 }
 

@@ -31,9 +31,17 @@
 //! the step underway are not replicated: only completed steps are), or,
 //! with one replica per shard, restored from its last checkpoint. The
 //! client then stops waiting for a step of the old primary: the next pull
-//! takes the new one's parameters as they are, and a push for a step that
-//! shard is not at comes back `Stale` (the trainer rejoins, pulls and
-//! computes again). No gradient is applied twice: followers keep the
+//! takes the new one's parameters as they are, and a sync push computed at
+//! the parameters of a primary whose updates the new one does not continue
+//! comes back `Stale`, whatever its step (a shard restored at step 33 and
+//! stepped once by another trainer is at step 34 again, with other
+//! parameters than the old primary's 34): each push carries the epoch of
+//! the primary whose parameters it was computed at, and a primary takes
+//! only the epochs of its history (a promoted follower's holds its old
+//! primary's). A retry of a push taken already is still a duplicate. After a stale
+//! push the trainer leaves the barrier of every shard and joins again
+//! (pulls and computes again), so that its place in each shard's steps is
+//! set afresh. No gradient is applied twice: followers keep the
 //! deduplication table of async pushes, and a checkpoint carries it.
 
 use crate::{
@@ -148,7 +156,10 @@ struct ShardState {
     pulled_step: u64,
     /// Step a sync pull must wait for (one past the last step pushed to).
     next_step: Option<u64>,
-    /// The shard's primary's epoch when it last answered a pull.
+    /// The shard's primary's epoch when it last answered with parameters
+    /// (a pull, a push-pull) or took us in (a join): what a sync push
+    /// carries, so that a primary of another epoch does not take a
+    /// gradient computed at another primary's parameters.
     epoch: u64,
     /// Pushes the shard acknowledged as taken (not stale).
     acknowledged: u64,
@@ -281,6 +292,17 @@ impl PserverClient {
         Ok(())
     }
 
+    /// After a stale sync push: leave the barrier of every shard and join
+    /// again, so that this trainer's place in each shard's steps is set
+    /// afresh. Joining again alone would leave it where it was on the
+    /// shards that took the push and one step later on those that did not;
+    /// two such shifts apart, two trainers each wait for the other's next
+    /// push and neither comes.
+    pub async fn rejoin(&mut self) -> Result<()> {
+        self.leave().await?;
+        self.join().await
+    }
+
     /// Leave the sync barrier of every shard (when idle), so others do not wait.
     pub async fn leave(&mut self) -> Result<()> {
         let trainer = self.inner.trainer.clone();
@@ -348,6 +370,9 @@ impl PserverClient {
                     None => waiting.push(index),
                 }
             }
+            if !waiting.is_empty() {
+                tracing::debug!(?waiting, "pull: shards not at their step yet");
+            }
             if !waiting.is_empty() && tokio::time::Instant::now() >= deadline {
                 return Err(Error::BarrierTimeout {
                     shards: waiting,
@@ -395,6 +420,7 @@ impl PserverClient {
                     weight,
                     rows,
                     origin: self.origin,
+                    epoch: state.epoch,
                 }
             })
             .collect();
@@ -486,6 +512,7 @@ impl PserverClient {
                 weight,
                 rows,
                 origin: self.origin,
+                epoch: self.shards[part.index as usize].epoch,
             })
             .collect();
         let replies = self.exchange(&parts, calls, Some(grads), &extra, Some(params), in_flight).await?;

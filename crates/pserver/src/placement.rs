@@ -149,7 +149,7 @@ impl Placement {
     }
 
     /// This placement with sparse tables beside its dense blocks. A row of
-    /// table `t` lives on shard [`row_shard`]`(name, id, servers)` and
+    /// table `t` lives on shard [`row_shard`](crate::sparse::row_shard)`(name, id, servers)` and
     /// replicates and moves with that shard. The tables' names, dims,
     /// initialisers and row policies join the fingerprint (they must agree
     /// on every pserver and trainer).

@@ -96,6 +96,14 @@ pub enum PsRequest {
         /// Which examples of which task the gradient comes from, if known
         /// ([`crate::origin`]).
         origin: Option<Origin>,
+        /// Sync mode: the epoch of the primary whose parameters the
+        /// gradient was computed at (0: not known, not checked). Another
+        /// primary may be at the same step number with other parameters
+        /// (restored from an older checkpoint, then stepped again), so a
+        /// push that is not a retry of one taken already is answered
+        /// [`PsReply::Stale`] by a primary whose history (the epochs its
+        /// updates came from) does not hold that epoch.
+        epoch: u64,
     },
     /// The parameters of the blocks `blocks` of `shard`.
     Pull {
@@ -135,6 +143,8 @@ pub enum PsRequest {
         rows: Vec<TableRows>,
         /// As in [`PsRequest::Push`].
         origin: Option<Origin>,
+        /// As in [`PsRequest::Push`].
+        epoch: u64,
     },
     /// Rows of sparse tables, of every shard named that this pserver is
     /// the primary of: one call per pserver for a batch's rows. Answered

@@ -372,6 +372,13 @@ impl std::fmt::Debug for StoreSnapshot {
 /// leaves mid-step keeps the parts it pushed; the blocks it did not push
 /// combine the others'.
 ///
+/// Each shard keeps its own barrier: a trainer pushes to every shard, so
+/// every shard takes the same pushes, but a trainer that joins while
+/// another is pushing may count from step s on one shard and from s + 1 on
+/// another (it joined one before that push's step completed and the other
+/// after). Shards' step numbers can so differ by one per such join; what
+/// they agree on is the pushes ([`pushes`](Self::pushes)).
+///
 /// In [`Mode::Async`] every push (or part) is applied on arrival; membership
 /// is kept only for information.
 pub struct ParamStore {
@@ -605,6 +612,21 @@ impl ParamStore {
         !self.partial.is_empty()
     }
 
+    /// Whether `trainer`'s push `seq` is one taken already (whole): a retry,
+    /// answered [`PushOutcome::Duplicate`].
+    pub fn is_retry(&self, trainer: &str, seq: u64) -> bool {
+        let last = self.last_seq.get(trainer).copied();
+        last.is_some_and(|last| seq < last) || (last == Some(seq) && !self.partial.contains_key(trainer))
+    }
+
+    /// Whether a part of `trainer`'s push `seq` continues a push in parts
+    /// that is half taken (its last push, some of its parts taken, not
+    /// all), rather than starting a new one (or being a retry of a whole
+    /// one).
+    pub fn continues_push_in_parts(&self, trainer: &str, seq: u64) -> bool {
+        self.last_seq.get(trainer) == Some(&seq) && self.partial.contains_key(trainer)
+    }
+
     /// Sync: some blocks are updated for the current step and some are not,
     /// so the parameters mix two steps. A checkpoint waits for this to end
     /// (a restart from a mixed state would apply those blocks' step twice).
@@ -714,11 +736,11 @@ impl ParamStore {
     /// while the step is underway. Any error leaves the store unchanged.
     pub fn push(&mut self, push: Push) -> Result<PushOutcome> {
         let Push { trainer, seq, step, weight, grads, rows, origin } = push;
-        let last = self.last_seq.get(&trainer).copied();
-        let continues = last == Some(seq);
-        if last.is_some_and(|last| seq < last) || (continues && !self.partial.contains_key(&trainer)) {
+        if self.is_retry(&trainer, seq) {
             return Ok(PushOutcome::Duplicate);
         }
+        let last = self.last_seq.get(&trainer).copied();
+        let continues = last == Some(seq);
         let grads = self.check_grads(&trainer, weight, grads)?;
         let rows = self.check_rows(&trainer, &grads, rows)?;
         let rows_unit = self.held.len();

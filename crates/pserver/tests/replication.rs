@@ -686,3 +686,50 @@ async fn bad_replication_calls_are_refused_by_name_and_change_nothing() {
     trainer.push(&grads, 1.0).await.unwrap();
     assert_replicas_agree(&map, &[&a, &b], &env.placement());
 }
+
+/// Sync: a push computed at the parameters of a primary whose updates this
+/// one does not continue (an epoch its history lacks: it restored an older
+/// checkpoint, and the same step number may hold other parameters) is
+/// stale, whatever its step; a retry of a push taken already is still a
+/// duplicate, and a push of the primary's own epoch is taken. (A push of
+/// the old primary's epoch on a promoted follower is taken too:
+/// `a_sync_push_waiting_in_its_step_survives_its_primary`.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_sync_push_of_an_epoch_the_primary_does_not_continue_is_stale() {
+    let len = 8;
+    let env = Env::new(1, 1, 1, len, Mode::Sync).await;
+    let ps = env.pserver().await;
+    let map = env.cluster.wait_serving(&[&ps]).await;
+    let epoch = map.epoch(0);
+    assert!(epoch > 0);
+    let placement = env.placement();
+    let push = |seq: u64, step: u64, epoch: u64| PsRequest::Push {
+        shard: 0,
+        fingerprint: placement.fingerprint(),
+        blocks: oar_pserver::protocol::BlockSpan::new(0, placement.blocks_on(0).count() as u32),
+        trainer: "t".into(),
+        seq,
+        step,
+        weight: 1.0,
+        rows: Vec::new(),
+        origin: None,
+        epoch,
+    };
+    let ones = vec![1.0; len];
+    let other = epoch + 7;
+    let stale = replicate(&env, &ps, &push(0, 0, other), ones.clone()).await.unwrap();
+    assert!(matches!(stale, PsReply::Stale { current: 0 }), "{stale:?}");
+    assert_eq!(ps.step(0), Some(0), "a stale push changes nothing");
+    assert_eq!(ps.block(placement.blocks_on(0).next().unwrap().id).unwrap()[0], 0.0);
+
+    // Its own epoch: taken, and (the only member) completes the step.
+    let taken = replicate(&env, &ps, &push(0, 0, epoch), ones.clone()).await.unwrap();
+    assert!(matches!(taken, PsReply::Pushed(oar_pserver::PushOutcome::Applied { step: 1 })), "{taken:?}");
+    // Its retry, whatever epoch it names, is the same push: a duplicate.
+    let again = replicate(&env, &ps, &push(0, 0, other), ones.clone()).await.unwrap();
+    assert!(matches!(again, PsReply::Pushed(oar_pserver::PushOutcome::Duplicate)), "{again:?}");
+    // Epoch 0 (not known) is not checked.
+    let taken = replicate(&env, &ps, &push(1, 1, 0), ones).await.unwrap();
+    assert!(matches!(taken, PsReply::Pushed(oar_pserver::PushOutcome::Applied { step: 2 })), "{taken:?}");
+    assert_eq!(ps.block(placement.blocks_on(0).next().unwrap().id).unwrap()[0], -2.0);
+}

@@ -19,7 +19,7 @@ use oar_pserver::{
 use oar_transport::{call, f32s_to_bytes, MemNetwork, MemTransport, RemoteErrorKind, RetryPolicy, Transport};
 use std::{
     sync::{
-        atomic::{AtomicU64, Ordering},
+        atomic::{AtomicBool, AtomicU64, Ordering},
         Arc,
     },
     time::Duration,
@@ -123,6 +123,7 @@ async fn raw_push_blocks(
         weight: 1.0,
         rows: Vec::new(),
         origin: None,
+        epoch: 0,
     };
     call(conn.as_ref(), PSERVER_METHOD, &request, f32s_to_bytes(&grad), Duration::from_secs(1))
         .await
@@ -168,6 +169,7 @@ async fn bad_pushes_are_refused_by_name_and_change_nothing() {
         weight: 1.0,
         rows: Vec::new(),
         origin: None,
+        epoch: 0,
     };
     let payload = f32s_to_bytes(&vec![0.0; total()]);
     let result = call(conn.as_ref(), PSERVER_METHOD, &elsewhere, payload, Duration::from_secs(1))
@@ -337,6 +339,7 @@ async fn a_push_pull_applies_once_and_answers_the_parameters_after_it() {
         weight: 4.0,
         rows: Vec::new(),
         origin: None,
+        epoch: 0,
         step: 0,
     };
     let (reply, payload): (PsReply, Bytes) = call(
@@ -625,6 +628,7 @@ async fn a_panic_midway_through_a_push_stops_the_pserver_and_a_replacement_loads
                 weight: 1.0,
                 rows: Vec::new(),
                 origin: None,
+                epoch: 0,
             },
             vec![1.0; total()],
         ),
@@ -638,6 +642,7 @@ async fn a_panic_midway_through_a_push_stops_the_pserver_and_a_replacement_loads
                 weight: 1.0,
                 rows: Vec::new(),
                 origin: None,
+                epoch: 0,
                 step: 0,
             },
             vec![1.0; total()],
@@ -680,4 +685,203 @@ async fn a_panic_midway_through_a_push_stops_the_pserver_and_a_replacement_loads
     assert_eq!(again, PsReply::Pushed(PushOutcome::Applied { step: 2 }));
     drop(ps);
     replacement.shutdown().await.unwrap();
+}
+
+/// Async trainers pushing in parts back to back, with no pause between two
+/// pushes, to a pserver over QUIC that writes checkpoints when asked.
+struct Pushing {
+    server: Pserver,
+    transport: Arc<dyn Transport>,
+    placement: Arc<Placement>,
+    stop: Arc<AtomicBool>,
+    /// Each trainer's task: its pushes acknowledged.
+    pushers: Vec<tokio::task::JoinHandle<u64>>,
+    _cluster: Cluster,
+    _dir: tempfile::TempDir,
+}
+
+impl Pushing {
+    /// Trainers pushing in parts.
+    const TRAINERS: usize = 4;
+    const BLOCK: usize = 4_000;
+    /// A call per block (16 KB): 80 parts a push, two in flight (a push
+    /// above the client's small-message size, whose parts all go at once).
+    const BLOCKS: usize = 80;
+
+    /// Once every trainer pushes.
+    async fn start() -> Pushing {
+        let specs =
+            vec![ParamSpec { name: "w".into(), shape: vec![Self::BLOCKS * Self::BLOCK], init: Init::Zeros }];
+        let ca = oar_transport::DevCa::new().unwrap();
+        let transport: Arc<dyn Transport> =
+            Arc::new(oar_transport::QuicTransport::new(ca.tls_config("ps-test").unwrap()).unwrap());
+        let discovery: Arc<dyn Discovery> = Arc::new(MemDiscovery::new());
+        let cluster = Cluster::start(discovery.clone(), transport.clone(), 1, 1, 1).await;
+        let dir = tempfile::tempdir().unwrap();
+        let mut o = options(specs.clone(), 1, Mode::Async, 1e-3);
+        o.block_size = Self::BLOCK;
+        o.checkpoint_dir = Some(dir.path().to_path_buf());
+        o.checkpoint_interval = Duration::from_secs(3600);
+        let server = Pserver::start(discovery.clone(), transport.clone(), "127.0.0.1:0", o).await.unwrap();
+        cluster.wait_serving(&[&server]).await;
+        let placement = Arc::new(Placement::new(&specs, 1, Self::BLOCK).unwrap());
+        assert_eq!(placement.blocks_on(0).count(), Self::BLOCKS);
+        let stop = Arc::new(AtomicBool::new(false));
+        let pushers = (0..Self::TRAINERS)
+            .map(|t| {
+                let options = client_options(&format!("t{t}"), Duration::from_secs(10));
+                let mut client =
+                    PserverClient::new(discovery.clone(), transport.clone(), placement.clone(), options);
+                client.set_max_part_bytes(Self::BLOCK * 4);
+                let mut grads = ParamBuf::zeros(&specs);
+                grads.fill(0.01);
+                let stop = stop.clone();
+                tokio::spawn(async move {
+                    let mut acknowledged = 0u64;
+                    while !stop.load(Ordering::SeqCst) {
+                        assert_eq!(client.push(&grads, 1.0).await.unwrap(), PushResult::Accepted);
+                        acknowledged += 1;
+                    }
+                    acknowledged
+                })
+            })
+            .collect();
+        let pushing = Pushing { server, transport, placement, stop, pushers, _cluster: cluster, _dir: dir };
+        pushing.wait_for_pushes(4 * Self::TRAINERS as u64, Duration::from_secs(20)).await;
+        pushing
+    }
+
+    /// The pushes the shard applied.
+    fn pushes(&self) -> u64 {
+        self.server.pushes(0).unwrap()
+    }
+
+    /// Wait until the shard applied `n` more pushes, at most `timeout`.
+    async fn wait_for_pushes(&self, n: u64, timeout: Duration) {
+        let start = self.pushes();
+        let waited = tokio::time::timeout(timeout, async {
+            while self.pushes() < start + n {
+                tokio::time::sleep(Duration::from_millis(5)).await;
+            }
+        });
+        waited
+            .await
+            .unwrap_or_else(|_| panic!("{n} more pushes within {timeout:?}: {}", self.pushes() - start));
+    }
+
+    /// A checkpoint, which must be written; checks that it holds whole
+    /// pushes only (each pushing trainer's seqs 0, 1, ... all counted). Its
+    /// step.
+    async fn checkpoint(&self, what: &str) -> u64 {
+        let started = std::time::Instant::now();
+        let written = match self.server.checkpoint().await {
+            Ok(written) => written,
+            Err(e) => panic!("{what} failed after {:?}: {e}", started.elapsed()),
+        };
+        assert_eq!(written.len(), 1, "{what}: one shard written");
+        let info = &written[0];
+        let sgd = Box::new(Sgd { lr: 1.0 });
+        let mut loaded = oar_pserver::ParamStore::new(&self.placement, 0, 1, sgd, Mode::Async).unwrap();
+        oar_pserver::checkpoint::load_file(std::path::Path::new(&info.path), &mut loaded).unwrap();
+        let pushers = loaded.last_seqs().filter(|(trainer, _)| trainer.starts_with('t'));
+        let seqs: u64 = pushers.map(|(_, seq)| seq + 1).sum();
+        assert_eq!((loaded.step(), loaded.pushes()), (info.step, info.step), "{what}");
+        assert_eq!(seqs, info.step, "{what}: every push it took is whole");
+        info.step
+    }
+
+    /// Stop the trainers and the pserver: every push acknowledged was
+    /// applied once.
+    async fn finish(self) {
+        self.stop.store(true, Ordering::SeqCst);
+        let mut sent = Vec::new();
+        for pusher in self.pushers {
+            sent.push(pusher.await.unwrap());
+        }
+        let total: u64 = sent.iter().sum();
+        assert_eq!(self.server.pushes(0), Some(total), "every acknowledged push applied once ({sent:?})");
+        let at_stop = self.server.shutdown().await.unwrap();
+        let at = &at_stop[&0];
+        assert_eq!((at.step, at.pushes), (total, total));
+        for (t, n) in sent.iter().enumerate() {
+            assert_eq!(at.last_seqs.get(&format!("t{t}")).map(|seq| seq + 1), Some(*n), "trainer t{t}");
+        }
+    }
+}
+
+/// Async, several trainers pushing in parts back to back, while the
+/// pserver is asked for checkpoints. A checkpoint never holds half a push,
+/// and with the trainers' pushes overlapping some push is half taken at
+/// almost every moment: a checkpoint that only waited for a moment with
+/// none starved, and failed (`CheckpointStepUnderway`) after its 30 s
+/// wait. The pushes that would start a new push wait at its gate while the
+/// half-taken ones complete: every checkpoint gets in, holds whole pushes
+/// only, the pushes go on between checkpoints, and every push is
+/// acknowledged and applied once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn checkpoints_get_in_between_overlapping_async_pushes_in_parts() {
+    let pushing = Pushing::start().await;
+    let mut last_step = 0;
+    for round in 0..5 {
+        let step = pushing.checkpoint(&format!("checkpoint {round}")).await;
+        assert!(step > last_step, "checkpoint {round}: step {step} after {last_step}");
+        last_step = step;
+        // The pushes go on between checkpoints.
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    pushing.finish().await;
+}
+
+/// A push in parts that its trainer left half taken (it died, say, and
+/// its lease has not ended yet) holds a checkpoint back, as it must; but
+/// not the other trainers: the checkpoint's gate opens once no push
+/// progresses, and when the checkpoint is dropped. Once the trainer
+/// leaves, the checkpoint gets in.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_checkpoint_held_back_by_a_dead_trainer_s_push_does_not_hold_the_others() {
+    let pushing = Pushing::start().await;
+    let conn = pushing.transport.connect(pushing.server.addr()).await.unwrap();
+    let dead = |request: PsRequest, payload: Vec<f32>| {
+        let conn = conn.clone();
+        async move {
+            let reply = call(
+                conn.as_ref(),
+                PSERVER_METHOD,
+                &request,
+                f32s_to_bytes(&payload),
+                Duration::from_secs(5),
+            );
+            reply.await.map(|(r, _): (PsReply, Bytes)| r).unwrap()
+        }
+    };
+    let first_block = PsRequest::Push {
+        shard: 0,
+        fingerprint: pushing.placement.fingerprint(),
+        blocks: BlockSpan::new(0, 1),
+        trainer: "dead".into(),
+        seq: 0,
+        step: 0,
+        weight: 1.0,
+        rows: Vec::new(),
+        origin: None,
+        epoch: 0,
+    };
+    let half = dead(first_block, vec![0.01; Pushing::BLOCK]).await;
+    assert!(matches!(half, PsReply::Pushed(PushOutcome::Applied { .. })), "{half:?}");
+
+    // A checkpoint dropped while its gate is closed opens it: the pushes go on.
+    let dropped = tokio::time::timeout(Duration::from_millis(200), pushing.server.checkpoint()).await;
+    assert!(dropped.is_err(), "a checkpoint waits for the dead trainer's push: {dropped:?}");
+    pushing.wait_for_pushes(20, Duration::from_secs(3)).await;
+    // A checkpoint that waits opens its gate once no push progresses.
+    let before = pushing.pushes();
+    let waiting = tokio::time::timeout(Duration::from_secs(3), pushing.server.checkpoint()).await;
+    assert!(waiting.is_err(), "a checkpoint waits for the dead trainer's push: {waiting:?}");
+    let during = pushing.pushes() - before;
+    assert!(during >= 20, "{during} pushes while a checkpoint waited 3 s for the dead trainer");
+
+    let left = dead(PsRequest::Leave { shard: 0, trainer: "dead".into() }, Vec::new()).await;
+    assert_eq!(left, PsReply::Ok);
+    pushing.checkpoint("the checkpoint after the dead trainer left").await;
+    pushing.finish().await;
 }

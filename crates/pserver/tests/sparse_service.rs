@@ -229,6 +229,7 @@ async fn bad_rows_over_quic_are_refused_by_name_and_harm_nothing() {
         weight: 1.0,
         rows: vec![TableRows { table: 0, ids }],
         origin: None,
+        epoch: 0,
     };
     // The wrong dim: DIM - 1 values for the row.
     let short = vec![0.0; dense + DIM - 1];

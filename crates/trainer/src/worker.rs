@@ -819,7 +819,7 @@ impl Loop {
                 }
                 PushResult::Stale => {
                     tracing::info!(trainer = self.options.id, "sync step moved on without us; rejoining");
-                    pservers.join().await?;
+                    pservers.rejoin().await?;
                 }
             }
         }
@@ -879,7 +879,7 @@ impl Loop {
                 return Ok(loss);
             }
             tracing::info!(trainer = self.options.id, "sync step moved on without us; rejoining");
-            pservers.join().await?;
+            pservers.rejoin().await?;
         }
     }
 

@@ -30,6 +30,11 @@ const MAX_PULL_WAIT: Duration = Duration::from_secs(5);
 /// answered `unavailable` (and retried by the client).
 const MAX_STEP_WAIT: Duration = Duration::from_secs(5);
 
+/// Async: the longest a push that would start a new push waits at a
+/// checkpoint's gate (see [`PsHandler::checkpoint_gate`]) before it goes
+/// ahead anyway.
+const MAX_GATE_WAIT: Duration = Duration::from_secs(5);
+
 impl PsHandler {
     fn check_fingerprint(&self, fingerprint: u64) -> Reply<()> {
         let ours = self.shared.placement.fingerprint();
@@ -131,7 +136,7 @@ impl PsHandler {
     /// step hold only what the barrier keeps of them (with one trainer,
     /// nothing: each block is applied as it comes).
     async fn push(&self, request: PsRequest, payload: Bytes) -> Reply<PsReply> {
-        let PsRequest::Push { shard, fingerprint, blocks, trainer, seq, step, weight, rows, origin } =
+        let PsRequest::Push { shard, fingerprint, blocks, trainer, seq, step, weight, rows, origin, epoch } =
             request
         else {
             return Err(RemoteError::internal("not a push"));
@@ -151,6 +156,7 @@ impl PsHandler {
             )));
         }
         let Some(slot) = self.slot(shard)? else { return Ok(self.not_primary(shard)) };
+        self.checkpoint_gate(&slot, &trainer, seq).await?;
         let mut grads = Vec::with_capacity(span.len());
         let mut at = 0;
         for block in span {
@@ -165,6 +171,28 @@ impl PsHandler {
             let SlotState::Primary { store, links } = &mut *state else { unreachable!() };
             let started = std::time::Instant::now();
             let replicated = self.shared.replicated(shard);
+            // Sync: a gradient computed at parameters of a primary whose
+            // updates this one does not continue (it restored an older
+            // checkpoint and stepped again: the step number may be the
+            // same, the parameters not) is stale, unless it is a retry of a
+            // push taken already. A promoted follower continues its old
+            // primary's epochs (a trainer only ever saw replicated steps),
+            // so a push waiting in its step survives the failover.
+            if store.mode() == Mode::Sync
+                && epoch != 0
+                && !links.history().epochs().iter().any(|&(e, _)| e == epoch)
+                && !store.is_retry(&pusher, seq)
+            {
+                tracing::debug!(
+                    shard,
+                    trainer = pusher,
+                    seq,
+                    epoch,
+                    ours = links.epoch(),
+                    "push of another epoch"
+                );
+                return Ok(PsReply::Stale { current: store.step() });
+            }
             let forwarded = (replicated && store.mode() == Mode::Async).then(|| push.clone());
             let taken = self.shared.update(store, |s| s.push(push))?;
             let m = metrics();
@@ -209,6 +237,9 @@ impl PsHandler {
             // then a primary that goes (it died, or the shard moved) takes
             // it along unacknowledged, and the trainer pushes it again.
             let waits_in_step = store.waits_in_step(&pusher, seq).then(|| store.step());
+            if store.mode() == Mode::Sync {
+                tracing::debug!(shard, trainer = pusher, seq, step, at = store.step(), ?reply, "sync push");
+            }
             self.shared.publish(&slot, &state);
             (reply, wait, waits_in_step)
         };
@@ -221,6 +252,31 @@ impl PsHandler {
         self.replicated(&slot, wait).await?;
         metrics().acknowledged.inc();
         Ok(reply)
+    }
+
+    /// Async: while a checkpoint of `slot` waits for the pushes in parts
+    /// half taken to complete, a push that would start a new one waits
+    /// (outside the lock) until the checkpoint took its snapshot or opened
+    /// its gate, at most [`MAX_GATE_WAIT`], then goes ahead: else, with
+    /// several trainers whose pushes in parts overlap, there may never be a
+    /// moment with none half taken, and checkpoints starve. A part
+    /// continuing a push half taken passes: the checkpoint waits for it.
+    /// (See `save_and_record`; sync mode has no gate.)
+    async fn checkpoint_gate(&self, slot: &Slot, trainer: &str, seq: u64) -> Reply<()> {
+        if *slot.checkpoint_gate.borrow() == 0 {
+            return Ok(());
+        }
+        {
+            let Some(state) = self.primary(slot)? else { return Ok(()) };
+            let SlotState::Primary { store, .. } = &*state else { unreachable!() };
+            if store.mode() != Mode::Async || store.continues_push_in_parts(trainer, seq) {
+                return Ok(());
+            }
+        }
+        let mut gate = slot.checkpoint_gate.subscribe();
+        // Goes ahead at the deadline: a late snapshot, not a hang.
+        let _ = tokio::time::timeout(MAX_GATE_WAIT, gate.wait_for(|&closed| closed == 0)).await;
+        Ok(())
     }
 
     /// Wait until step `step` of `slot` is complete (at most
@@ -274,14 +330,25 @@ impl PsHandler {
 
     /// Async mode: apply a push and answer with the parameters after it.
     async fn push_pull(&self, request: PsRequest, payload: Bytes) -> Reply<Frame> {
-        let PsRequest::PushPull { shard, fingerprint, blocks, trainer, seq, step, weight, rows, origin } =
-            request
+        let PsRequest::PushPull {
+            shard,
+            fingerprint,
+            blocks,
+            trainer,
+            seq,
+            step,
+            weight,
+            rows,
+            origin,
+            epoch,
+        } = request
         else {
             return Err(RemoteError::internal("not a push-pull"));
         };
         // Sync, the push answers once its step is complete: the parameters
         // read next are the new step's.
-        let push = PsRequest::Push { shard, fingerprint, blocks, trainer, seq, step, weight, rows, origin };
+        let push =
+            PsRequest::Push { shard, fingerprint, blocks, trainer, seq, step, weight, rows, origin, epoch };
         let outcome = match self.push(push, payload).await? {
             PsReply::Pushed(outcome) => outcome,
             reply @ (PsReply::NotPrimary { .. } | PsReply::Stale { .. }) => {
@@ -447,6 +514,7 @@ impl PsHandler {
             if join {
                 let SlotState::Primary { store, links } = &mut *state else { unreachable!() };
                 let step = store.join(&trainer);
+                tracing::debug!(shard, trainer, step, at = store.step(), "joined the barrier");
                 if self.shared.replicated(shard) {
                     links.record(self.shared.map_version(), Update::Join(trainer));
                 }
@@ -454,6 +522,7 @@ impl PsHandler {
                 self.shared.publish(&slot, &state);
                 (PsReply::Joined { step }, wait)
             } else {
+                tracing::debug!(shard, trainer, "left the barrier");
                 (PsReply::Ok, super::leave(&self.shared, &slot, &mut state, &trainer)?)
             }
         };

@@ -290,8 +290,13 @@ impl Default for PserverOptions {
 struct Slot {
     shard: u32,
     state: Mutex<SlotState>,
-    /// Wakes pulls waiting for the next sync step.
+    /// Wakes pulls waiting for the next sync step, and checkpoints waiting
+    /// for a step or a push in parts to complete: notified after every push.
     stepped: Notify,
+    /// Async: how many checkpoints of the slot wait for pushes in parts
+    /// half taken ([`CheckpointGate`]); while any does, pushes that would
+    /// start a new push wait for it.
+    checkpoint_gate: watch::Sender<usize>,
     /// What may be acknowledged (see [`Replication`]).
     replication: watch::Sender<Replication>,
     /// Wakes the tasks that forward to followers.
@@ -878,8 +883,36 @@ impl Drop for Pserver {
 /// or a push in parts, to complete.
 pub const DRAIN_WAIT: Duration = Duration::from_secs(5);
 
-/// How long a checkpoint waits for a sync step that is underway to complete.
+/// How long a checkpoint waits for a sync step that is underway (or a push
+/// in parts half taken) to complete.
 const CHECKPOINT_STEP_WAIT: Duration = Duration::from_secs(30);
+
+/// A waiting checkpoint looks again after this long even if no push woke it.
+const CHECKPOINT_RETRY: Duration = Duration::from_millis(10);
+
+/// A checkpoint's gate opens once no push reached the store for this long
+/// (see [`save_and_record`]).
+const CHECKPOINT_GATE_IDLE: Duration = Duration::from_millis(500);
+
+/// Async: closes `slot`'s checkpoint gate while it lives, so pushes that
+/// would start a new push wait (`handler::PsHandler::push`) and the pushes
+/// in parts half taken complete, letting a checkpoint's snapshot in (see
+/// [`save_and_record`]). Dropped (the snapshot taken, the checkpoint given
+/// up, or its future dropped), it opens the gate and wakes them.
+struct CheckpointGate<'a>(&'a Slot);
+
+impl<'a> CheckpointGate<'a> {
+    fn close(slot: &'a Slot) -> Self {
+        slot.checkpoint_gate.send_modify(|closed| *closed += 1);
+        CheckpointGate(slot)
+    }
+}
+
+impl Drop for CheckpointGate<'_> {
+    fn drop(&mut self) {
+        self.0.checkpoint_gate.send_modify(|closed| *closed -= 1);
+    }
+}
 
 /// Follow the shard map: each new version changes what this pserver holds.
 async fn reconciler(shared: Arc<Shared>) {
@@ -936,6 +969,7 @@ async fn reconcile(shared: &Arc<Shared>, map: Arc<ShardMap>) {
                         shard,
                         state: Mutex::new(SlotState::Syncing),
                         stepped: Notify::new(),
+                        checkpoint_gate: watch::channel(0).0,
                         replication: watch::channel(Replication::default()).0,
                         forward: Notify::new(),
                         tasks: Mutex::new(HashMap::new()),
@@ -1252,13 +1286,34 @@ async fn checkpointer(shared: Arc<Shared>) {
 
 /// Take a snapshot of `slot`'s store (if it is primary) under its lock and
 /// write it with no lock held, off the async threads; then record it under
-/// `<checkpoints><shard>`. A sync step underway (or a push in parts half
-/// taken) is waited for, up to [`CHECKPOINT_STEP_WAIT`]. Refused once the
-/// pserver stopped serving.
+/// `<checkpoints><shard>`. Refused once the pserver stopped serving.
+///
+/// A snapshot never holds half a sync step or half a push in parts
+/// ([`ParamStore::snapshot`]), so while one is underway the checkpoint
+/// waits, up to [`CHECKPOINT_STEP_WAIT`], woken after each push (with a
+/// short fallback), and takes its snapshot as soon as it is whole.
+///
+/// Async, it also closes the slot's [`CheckpointGate`] while it waits:
+/// pushes that would start a new push wait (up to a bound, then go ahead),
+/// while parts of the pushes half taken pass. Why: with several trainers
+/// whose pushes in parts overlap, some push is half taken at almost every
+/// moment, and a checkpoint that only waits starves. The gate opens once
+/// the snapshot is taken, or once no push reached the store for
+/// [`CHECKPOINT_GATE_IDLE`] (the trainers of the pushes half taken are
+/// dead or stuck: others do not wait for their leases to end), or when
+/// the checkpoint gives up or is dropped. Sync mode has no gate: a step
+/// underway needs the pushes that complete it, new ones included.
 async fn save_and_record(shared: &Arc<Shared>, slot: &Slot) -> ServiceResult<Option<CheckpointInfo>> {
     let Some(root) = shared.options.checkpoint_dir.clone() else { return Ok(None) };
     let started = std::time::Instant::now();
+    // Async: the gate closes at the first wait, at most once.
+    let mut may_gate = shared.options.mode == Mode::Async;
+    let mut gate: Option<CheckpointGate<'_>> = None;
+    // When a push last reached the store while the gate was closed.
+    let mut progress = started;
     let snapshot = loop {
+        // Registered before looking, so a push completing in between wakes it.
+        let stepped = slot.stepped.notified();
         let taken = {
             let state = shared.lock(slot).map_err(|e| ServiceError::Stopped(e.message))?;
             if let Some(why) = shared.stopped.borrow().as_ref() {
@@ -1272,11 +1327,28 @@ async fn save_and_record(shared: &Arc<Shared>, slot: &Slot) -> ServiceResult<Opt
         };
         match taken {
             Err(Error::CheckpointStepUnderway { .. }) if started.elapsed() < CHECKPOINT_STEP_WAIT => {
-                tokio::time::sleep(Duration::from_millis(2)).await;
+                if may_gate {
+                    may_gate = false;
+                    gate = Some(CheckpointGate::close(slot));
+                    progress = std::time::Instant::now();
+                }
+                match tokio::time::timeout(CHECKPOINT_RETRY, stepped).await {
+                    Ok(()) => progress = std::time::Instant::now(),
+                    Err(_) if gate.is_some() && progress.elapsed() >= CHECKPOINT_GATE_IDLE => {
+                        tracing::debug!(
+                            shard = slot.shard,
+                            "pushes in parts half taken do not progress: gate opened"
+                        );
+                        gate = None;
+                    }
+                    Err(_) => {}
+                }
             }
             taken => break taken?,
         }
     };
+    // Pushes go on while the snapshot is written.
+    drop(gate);
     let dir = CheckpointDir::new(root, slot.shard);
     let keep = shared.options.checkpoint_keep;
     let saver = shared.clone();
