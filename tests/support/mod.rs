@@ -232,6 +232,22 @@ impl Proc {
             self.name,
             std::io::Error::last_os_error()
         );
+        if number == libc::SIGSTOP {
+            // kill(2) returns before the signal lands: a checkpoint's rename
+            // could still happen after it. Wait until every thread is stopped.
+            let stopped = wait_until(Duration::from_secs(10), || self.all_threads_stopped());
+            assert!(stopped, "{} ({}) did not stop", self.name, self.pid());
+        }
+    }
+
+    /// Whether every thread of the process is in the stopped state (`T`).
+    fn all_threads_stopped(&self) -> bool {
+        let Ok(tasks) = std::fs::read_dir(format!("/proc/{}/task", self.pid())) else { return false };
+        tasks.flatten().all(|task| {
+            let stat = std::fs::read_to_string(task.path().join("stat")).unwrap_or_default();
+            // "pid (comm) S ...": the state follows the last ')'.
+            stat.rsplit_once(')').and_then(|(_, rest)| rest.split_whitespace().next()) == Some("T")
+        })
     }
 
     /// Wait until a stdout line satisfies `wanted`; the line, or `None` at

@@ -530,32 +530,19 @@ impl PserverClient {
                     let state = self.shards[part.index as usize];
                     let (shard, blocks, trainer) = (part.index, part.blocks, self.inner.trainer.clone());
                     let (seq, step, origin, epoch) = (state.seq, state.pulled_step, self.origin, state.epoch);
-                    match params {
-                        Some(_) => PsRequest::PushPull {
-                            shard,
-                            fingerprint,
-                            blocks,
-                            trainer,
-                            seq,
-                            step,
-                            weight,
-                            rows,
-                            origin,
-                            epoch,
-                        },
-                        None => PsRequest::Push {
-                            shard,
-                            fingerprint,
-                            blocks,
-                            trainer,
-                            seq,
-                            step,
-                            weight,
-                            rows,
-                            origin,
-                            epoch,
-                        },
-                    }
+                    let push = PsRequest::Push {
+                        shard,
+                        fingerprint,
+                        blocks,
+                        trainer,
+                        seq,
+                        step,
+                        weight,
+                        rows,
+                        origin,
+                        epoch,
+                    };
+                    push.with_pull(params.is_some())
                 })
                 .collect();
             let sent = self

@@ -225,6 +225,68 @@ pub enum PsRequest {
     Status,
 }
 
+impl PsRequest {
+    /// A push as a push-pull (`pull`) or a push-pull as a push (not
+    /// `pull`), with the same fields; any other request unchanged.
+    pub fn with_pull(self, pull: bool) -> PsRequest {
+        match self {
+            PsRequest::Push {
+                shard,
+                fingerprint,
+                blocks,
+                trainer,
+                seq,
+                step,
+                weight,
+                rows,
+                origin,
+                epoch,
+            }
+            | PsRequest::PushPull {
+                shard,
+                fingerprint,
+                blocks,
+                trainer,
+                seq,
+                step,
+                weight,
+                rows,
+                origin,
+                epoch,
+            } => {
+                if pull {
+                    PsRequest::PushPull {
+                        shard,
+                        fingerprint,
+                        blocks,
+                        trainer,
+                        seq,
+                        step,
+                        weight,
+                        rows,
+                        origin,
+                        epoch,
+                    }
+                } else {
+                    PsRequest::Push {
+                        shard,
+                        fingerprint,
+                        blocks,
+                        trainer,
+                        seq,
+                        step,
+                        weight,
+                        rows,
+                        origin,
+                        epoch,
+                    }
+                }
+            }
+            other => other,
+        }
+    }
+}
+
 /// Rows of one sparse table in a call: their ids (values, `ids.len() *
 /// dim` floats, in the payload).
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]

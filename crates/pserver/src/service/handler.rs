@@ -332,27 +332,13 @@ impl PsHandler {
         Ok(payload.freeze())
     }
 
-    /// Async mode: apply a push and answer with the parameters after it.
+    /// Apply a push and answer with its blocks' parameters after it (sync:
+    /// once they left the push's step, so they are the next step's).
     async fn push_pull(&self, request: PsRequest, payload: Bytes) -> Reply<Frame> {
-        let PsRequest::PushPull {
-            shard,
-            fingerprint,
-            blocks,
-            trainer,
-            seq,
-            step,
-            weight,
-            rows,
-            origin,
-            epoch,
-        } = request
-        else {
+        let PsRequest::PushPull { shard, blocks, step, .. } = request else {
             return Err(RemoteError::internal("not a push-pull"));
         };
-        // Sync, the push answers once its step is complete: the parameters
-        // read next are the new step's.
-        let push =
-            PsRequest::Push { shard, fingerprint, blocks, trainer, seq, step, weight, rows, origin, epoch };
+        let push = request.with_pull(false);
         let outcome = match self.push(push, payload).await? {
             PsReply::Pushed(outcome) => outcome,
             reply @ (PsReply::NotPrimary { .. } | PsReply::Stale { .. }) => {
