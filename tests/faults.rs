@@ -294,7 +294,7 @@ fn a_corrupt_newest_checkpoint_falls_back_and_all_corrupt_stops_the_pserver() {
     };
     assert!(wait_until(LONG, || files().len() >= 2), "periodic checkpoints\n{}", first.dump());
     // Frozen, it writes no more; then it dies with a corrupt newest checkpoint.
-    first.signal("STOP");
+    first.stop();
     let before = files();
     let (newest, previous) = (&before[before.len() - 1], &before[before.len() - 2]);
     flip(newest, 0x40);
@@ -312,7 +312,7 @@ fn a_corrupt_newest_checkpoint_falls_back_and_all_corrupt_stops_the_pserver() {
     assert!(restored.contains(&previous.display().to_string()), "it loads the previous one: {restored}");
 
     // With every checkpoint corrupt it stops, naming the files.
-    second.signal("STOP");
+    second.stop();
     let all = files();
     // Another bit, so the file corrupted above stays corrupt.
     all.iter().for_each(|p| flip(p, 0x01));

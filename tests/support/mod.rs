@@ -232,12 +232,15 @@ impl Proc {
             self.name,
             std::io::Error::last_os_error()
         );
-        if number == libc::SIGSTOP {
-            // kill(2) returns before the signal lands: a checkpoint's rename
-            // could still happen after it. Wait until every thread is stopped.
-            let stopped = wait_until(Duration::from_secs(10), || self.all_threads_stopped());
-            assert!(stopped, "{} ({}) did not stop", self.name, self.pid());
-        }
+    }
+
+    /// SIGSTOP, and wait until every thread of the process is stopped:
+    /// kill(2) returns before the signal lands, so without the wait a file
+    /// the process was renaming may still appear after the "stop".
+    pub fn stop(&self) {
+        self.signal("STOP");
+        let stopped = wait_until(Duration::from_secs(10), || self.all_threads_stopped());
+        assert!(stopped, "{} ({}) did not stop", self.name, self.pid());
     }
 
     /// Whether every thread of the process is in the stopped state (`T`).
