@@ -101,8 +101,8 @@ pub enum PsRequest {
         /// primary may be at the same step number with other parameters
         /// (restored from an older checkpoint, then stepped again), so a
         /// push that is not a retry of one taken already is answered
-        /// [`PsReply::Stale`] by a primary whose history (the epochs its
-        /// updates came from) does not hold that epoch.
+        /// [`PsReply::Stale`] by a primary that restored the shard (from a
+        /// checkpoint, or its initial values) at a later epoch.
         epoch: u64,
     },
     /// The parameters of the blocks `blocks` of `shard`.

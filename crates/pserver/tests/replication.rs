@@ -688,20 +688,28 @@ async fn bad_replication_calls_are_refused_by_name_and_change_nothing() {
 }
 
 /// Sync: a push computed at the parameters of a primary whose updates this
-/// one does not continue (an epoch its history lacks: it restored an older
-/// checkpoint, and the same step number may hold other parameters) is
+/// one does not continue (its history began later: with one replica, its
+/// predecessor died and it started afresh, as it would from an older
+/// checkpoint, where the same step number may hold other parameters) is
 /// stale, whatever its step; a retry of a push taken already is still a
 /// duplicate, and a push of the primary's own epoch is taken. (A push of
 /// the old primary's epoch on a promoted follower is taken too:
-/// `a_sync_push_waiting_in_its_step_survives_its_primary`.)
+/// `a_sync_push_waiting_in_its_step_survives_its_primary`; and on a moved
+/// shard: `tests/sync_equivalence.rs`.)
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_sync_push_of_an_epoch_the_primary_does_not_continue_is_stale() {
     let len = 8;
-    let env = Env::new(1, 1, 1, len, Mode::Sync).await;
-    let ps = env.pserver().await;
-    let map = env.cluster.wait_serving(&[&ps]).await;
+    let env = Env::new(1, 1, 2, len, Mode::Sync).await;
+    let mut pservers = vec![env.pserver().await, env.pserver().await];
+    let map = env.cluster.wait_serving(&pservers.iter().collect::<Vec<_>>()).await;
+    let old = map.epoch(0);
+    let victim = map.primary(0).unwrap().to_string();
+    let at = pservers.iter().position(|p| p.name() == victim).unwrap();
+    env.kill(pservers.remove(at)).await;
+    let map = env.cluster.wait_serving(&pservers.iter().collect::<Vec<_>>()).await;
     let epoch = map.epoch(0);
-    assert!(epoch > 0);
+    assert!(epoch > old && old > 0, "{old} then {epoch}");
+    let ps = &pservers[0];
     let placement = env.placement();
     let push = |seq: u64, step: u64, epoch: u64| PsRequest::Push {
         shard: 0,
@@ -716,20 +724,19 @@ async fn a_sync_push_of_an_epoch_the_primary_does_not_continue_is_stale() {
         epoch,
     };
     let ones = vec![1.0; len];
-    let other = epoch + 7;
-    let stale = replicate(&env, &ps, &push(0, 0, other), ones.clone()).await.unwrap();
+    let stale = replicate(&env, ps, &push(0, 0, old), ones.clone()).await.unwrap();
     assert!(matches!(stale, PsReply::Stale { current: 0 }), "{stale:?}");
     assert_eq!(ps.step(0), Some(0), "a stale push changes nothing");
     assert_eq!(ps.block(placement.blocks_on(0).next().unwrap().id).unwrap()[0], 0.0);
 
     // Its own epoch: taken, and (the only member) completes the step.
-    let taken = replicate(&env, &ps, &push(0, 0, epoch), ones.clone()).await.unwrap();
+    let taken = replicate(&env, ps, &push(0, 0, epoch), ones.clone()).await.unwrap();
     assert!(matches!(taken, PsReply::Pushed(oar_pserver::PushOutcome::Applied { step: 1 })), "{taken:?}");
     // Its retry, whatever epoch it names, is the same push: a duplicate.
-    let again = replicate(&env, &ps, &push(0, 0, other), ones.clone()).await.unwrap();
+    let again = replicate(&env, ps, &push(0, 0, old), ones.clone()).await.unwrap();
     assert!(matches!(again, PsReply::Pushed(oar_pserver::PushOutcome::Duplicate)), "{again:?}");
     // Epoch 0 (not known) is not checked.
-    let taken = replicate(&env, &ps, &push(1, 1, 0), ones).await.unwrap();
+    let taken = replicate(&env, ps, &push(1, 1, 0), ones).await.unwrap();
     assert!(matches!(taken, PsReply::Pushed(oar_pserver::PushOutcome::Applied { step: 2 })), "{taken:?}");
     assert_eq!(ps.block(placement.blocks_on(0).next().unwrap().id).unwrap()[0], -2.0);
 }

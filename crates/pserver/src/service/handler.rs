@@ -171,18 +171,16 @@ impl PsHandler {
             let SlotState::Primary { store, links } = &mut *state else { unreachable!() };
             let started = std::time::Instant::now();
             let replicated = self.shared.replicated(shard);
-            // Sync: a gradient computed at parameters of a primary whose
-            // updates this one does not continue (it restored an older
-            // checkpoint and stepped again: the step number may be the
-            // same, the parameters not) is stale, unless it is a retry of a
-            // push taken already. A promoted follower continues its old
-            // primary's epochs (a trainer only ever saw replicated steps),
-            // so a push waiting in its step survives the failover.
-            if store.mode() == Mode::Sync
-                && epoch != 0
-                && !links.history().epochs().iter().any(|&(e, _)| e == epoch)
-                && !store.is_retry(&pusher, seq)
-            {
+            // Sync: a gradient computed at the parameters of an epoch
+            // before this primary restored the shard from a checkpoint is
+            // stale, unless it is a retry of a push taken already: the same
+            // step number may hold other parameters here than the old
+            // primary's. A promoted follower or a moved shard goes on from
+            // its old primary's updates (a trainer only ever saw replicated
+            // steps), so no check there: a push waiting in its step
+            // survives a failover or a move.
+            let restored = slot.restored_epoch.load(std::sync::atomic::Ordering::SeqCst);
+            if store.mode() == Mode::Sync && epoch != 0 && epoch < restored && !store.is_retry(&pusher, seq) {
                 tracing::debug!(
                     shard,
                     trainer = pusher,

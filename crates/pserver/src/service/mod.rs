@@ -297,6 +297,11 @@ struct Slot {
     /// half taken ([`CheckpointGate`]); while any does, pushes that would
     /// start a new push wait for it.
     checkpoint_gate: watch::Sender<usize>,
+    /// The epoch at which this pserver began serving the shard from a
+    /// checkpoint or from the initial values (0: it took the shard over
+    /// from another replica). A sync push computed at an older epoch's
+    /// parameters is stale here (see `handler::PsHandler::push`).
+    restored_epoch: AtomicU64,
     /// What may be acknowledged (see [`Replication`]).
     replication: watch::Sender<Replication>,
     /// Wakes the tasks that forward to followers.
@@ -970,6 +975,7 @@ async fn reconcile(shared: &Arc<Shared>, map: Arc<ShardMap>) {
                         state: Mutex::new(SlotState::Syncing),
                         stepped: Notify::new(),
                         checkpoint_gate: watch::channel(0).0,
+                        restored_epoch: AtomicU64::new(0),
                         replication: watch::channel(Replication::default()).0,
                         forward: Notify::new(),
                         tasks: Mutex::new(HashMap::new()),
@@ -1109,6 +1115,7 @@ async fn restore_primary(shared: &Arc<Shared>, slot: &Arc<Slot>, epoch: u64, fol
     }
     // Recording follows the map now, not when the store was built.
     shared.set_recording(&mut store, shard);
+    slot.restored_epoch.store(epoch, Ordering::SeqCst);
     let mut links = Links::new(shard, epoch, 0, History::default());
     links.set_followers(followers.iter().map(String::as_str));
     {
