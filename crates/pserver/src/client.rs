@@ -402,29 +402,10 @@ impl PserverClient {
         rows: &[TableGrads<'_>],
         weight: f32,
     ) -> Result<PushResult> {
-        let fingerprint = self.inner.placement.fingerprint();
         let all: Vec<u32> = self.inner.shards_in_use().collect();
         let (parts, in_flight) = self.push_parts(&all);
         let (metas, extra) = self.route_rows(&parts, rows)?;
-        let calls = parts
-            .iter()
-            .zip(metas)
-            .map(|(part, rows)| {
-                let state = self.shards[part.index as usize];
-                PsRequest::Push {
-                    shard: part.index,
-                    fingerprint,
-                    blocks: part.blocks,
-                    trainer: self.inner.trainer.clone(),
-                    seq: state.seq,
-                    step: state.pulled_step,
-                    weight,
-                    rows,
-                    origin: self.origin,
-                    epoch: state.epoch,
-                }
-            })
-            .collect();
+        let calls = self.push_requests(&parts, metas, weight);
         let replies = self.exchange(&parts, calls, Some(grads), &extra, None, in_flight).await?;
         // Per shard: stale if any part was; else taken if any part was (the
         // rest were retries of parts already taken); applied before if
@@ -496,26 +477,11 @@ impl PserverClient {
         weight: f32,
         params: &mut ParamBuf,
     ) -> Result<PushResult> {
-        let fingerprint = self.inner.placement.fingerprint();
         let all: Vec<u32> = self.inner.shards_in_use().collect();
         let (parts, in_flight) = self.push_parts(&all);
         let (metas, extra) = self.route_rows(&parts, rows)?;
-        let calls = parts
-            .iter()
-            .zip(metas)
-            .map(|(part, rows)| PsRequest::PushPull {
-                shard: part.index,
-                fingerprint,
-                blocks: part.blocks,
-                trainer: self.inner.trainer.clone(),
-                seq: self.shards[part.index as usize].seq,
-                step: self.shards[part.index as usize].pulled_step,
-                weight,
-                rows,
-                origin: self.origin,
-                epoch: self.shards[part.index as usize].epoch,
-            })
-            .collect();
+        let calls =
+            self.push_requests(&parts, metas, weight).into_iter().map(|r| r.with_pull(true)).collect();
         let replies = self.exchange(&parts, calls, Some(grads), &extra, Some(params), in_flight).await?;
         // Per shard: the least step of its parts' parameters (None: stale),
         // and whether every part was applied before.
@@ -556,6 +522,30 @@ impl PserverClient {
             self.pulled(index, step);
         }
         Ok(result)
+    }
+
+    /// A push request per part of `parts`, with its rows' descriptions.
+    fn push_requests(&self, parts: &[Part], metas: Vec<Vec<TableRows>>, weight: f32) -> Vec<PsRequest> {
+        let fingerprint = self.inner.placement.fingerprint();
+        parts
+            .iter()
+            .zip(metas)
+            .map(|(part, rows)| {
+                let state = self.shards[part.index as usize];
+                PsRequest::Push {
+                    shard: part.index,
+                    fingerprint,
+                    blocks: part.blocks,
+                    trainer: self.inner.trainer.clone(),
+                    seq: state.seq,
+                    step: state.pulled_step,
+                    weight,
+                    rows,
+                    origin: self.origin,
+                    epoch: state.epoch,
+                }
+            })
+            .collect()
     }
 
     /// Row gradients sorted to their shards: per part of `parts`, its
