@@ -24,9 +24,14 @@ use support::{accepted_once, dump, exits, Cluster, Proc};
 
 const LONG: Duration = Duration::from_secs(180);
 
-/// At the kills the writer adds a1a this many times at once, so that the
-/// trainers are in the middle of tasks.
+/// At the kills the writer adds this many parts at once (a burst), so that
+/// the trainers are in the middle of tasks.
 const BURST: usize = 4;
+
+/// Bursts the writer may add while the test tries to catch a trainer in
+/// the middle of a task: trainers take a burst's tasks in milliseconds, so
+/// one burst may be trained through before the catch lands.
+const MAX_BURSTS: usize = 20;
 
 /// Records in a part of the stream (the burst has `BURST` times as many).
 const PART: usize = 1600;
@@ -81,9 +86,22 @@ fn records_trained(master: &Proc) -> u64 {
         .sum()
 }
 
-/// Run the cluster while `write` produces the data (calling `kill` once,
-/// halfway), then check every record once.
-fn stream_through_kills(name: &str, source: &[&str], write: impl FnOnce(&mut dyn FnMut()) -> usize) {
+/// The `n`th burst's records (from 0): after the parts' records and the
+/// bursts before it, so that every record's feature is its own.
+fn burst(n: usize) -> Vec<String> {
+    records(PART * (1 + BURST * n), PART * BURST)
+}
+
+/// Run the cluster while `write` produces the data, then check every
+/// record once. Halfway, the writer calls `kill` once with a closure that
+/// writes burst `n` when called with `n`; `kill` writes bursts until a
+/// trainer is caught in the middle of a task, and the writer returns the
+/// records it wrote.
+fn stream_through_kills(
+    name: &str,
+    source: &[&str],
+    write: impl FnOnce(&mut dyn FnMut(&mut dyn FnMut(usize))) -> usize,
+) {
     let cluster = Cluster::start(name);
     let mut pserver = cluster.pserver("pserver-0", 1.0);
     let mut trainers: Vec<Proc> = (0..2).map(|i| cluster.trainer(&format!("trainer-{i}"))).collect();
@@ -91,14 +109,19 @@ fn stream_through_kills(name: &str, source: &[&str], write: impl FnOnce(&mut dyn
     let first = std::cell::RefCell::new(Some(cluster.master("master-a", &job)));
     let mut second = None;
     let mut killed = false;
-    let written = write(&mut || {
+    let written = write(&mut |write_burst| {
         if killed {
             return;
         }
         killed = true;
         // A trainer, in the middle of a task some of whose gradients are
-        // applied (the writer just wrote a burst).
-        trainers[1].stop_mid_task_pushed(LONG);
+        // applied: a burst, and another if the trainers train through it
+        // before the catch.
+        let caught = (0..MAX_BURSTS).any(|n| {
+            write_burst(n);
+            trainers[1].try_stop_mid_task_pushed(Duration::from_secs(5))
+        });
+        assert!(caught, "trainer-1 was never caught mid-task in {MAX_BURSTS} bursts\n{}", trainers[1].dump());
         trainers[1].kill();
         trainers.push(cluster.trainer("trainer-2"));
         // The master: SIGKILL, and another takes over once its lease ends.
@@ -169,18 +192,20 @@ fn files_arriving_are_trained_once_through_a_master_kill_and_a_trainer_kill() {
     stream_through_kills("stream-dir-kills", &["--stream-dir", &path], |kill| {
         let lines = records(0, PART);
         let parts: Vec<&[String]> = lines.chunks(100).collect();
+        let mut bursts = 0;
         for (i, part) in parts.iter().enumerate() {
             std::thread::sleep(Duration::from_millis(120));
             arrive(dir.path(), &format!("part-{i:02}.libsvm"), &part.concat());
             if i == parts.len() / 2 {
-                // A burst, so that the trainers are busy for the kills.
-                arrive(dir.path(), "burst.libsvm", &records(PART, PART * BURST).concat());
-                kill();
+                kill(&mut |n| {
+                    arrive(dir.path(), &format!("burst-{n:02}.libsvm"), &burst(n).concat());
+                    bursts = n + 1;
+                });
             }
         }
         std::thread::sleep(Duration::from_millis(300));
         std::fs::write(dir.path().join("_CLOSED"), "").unwrap();
-        PART * (1 + BURST)
+        PART * (1 + BURST * bursts)
     });
 }
 
@@ -194,18 +219,21 @@ fn an_appended_file_is_trained_once_through_a_master_kill_and_a_trainer_kill() {
         let lines = records(0, PART);
         let mut out = std::fs::File::create(&file).unwrap();
         let parts: Vec<&[String]> = lines.chunks(50).collect();
+        let mut bursts = 0;
         for (i, part) in parts.iter().enumerate() {
             std::thread::sleep(Duration::from_millis(60));
             out.write_all(part.concat().as_bytes()).unwrap();
             out.flush().unwrap();
             if i == parts.len() / 2 {
-                out.write_all(records(PART, PART * BURST).concat().as_bytes()).unwrap();
-                out.flush().unwrap();
-                kill();
+                kill(&mut |n| {
+                    out.write_all(burst(n).concat().as_bytes()).unwrap();
+                    out.flush().unwrap();
+                    bursts = n + 1;
+                });
             }
         }
         std::thread::sleep(Duration::from_millis(300));
         std::fs::write(format!("{path}.closed"), "").unwrap();
-        PART * (1 + BURST)
+        PART * (1 + BURST * bursts)
     });
 }

@@ -309,8 +309,21 @@ impl Proc {
         self.stop_when(timeout, Self::mid_task_pushed)
     }
 
+    /// [`stop_mid_task_pushed`](Self::stop_mid_task_pushed) that answers
+    /// whether it was caught within `timeout` instead of panicking, for a
+    /// test that can give the trainer more work and try again; if not, the
+    /// trainer is left running.
+    pub fn try_stop_mid_task_pushed(&mut self, timeout: Duration) -> bool {
+        self.try_stop_when(timeout, Self::mid_task_pushed)
+    }
+
     fn stop_when(&mut self, timeout: Duration, state: fn(&Self) -> bool) {
-        let caught = wait_until(timeout, || {
+        let caught = self.try_stop_when(timeout, state);
+        assert!(caught, "{} was never caught mid-task\n{}", self.name, self.dump());
+    }
+
+    fn try_stop_when(&mut self, timeout: Duration, state: fn(&Self) -> bool) -> bool {
+        wait_until(timeout, || {
             assert!(self.wait(Duration::ZERO).is_none(), "{} ended first\n{}", self.name, self.dump());
             self.signal("STOP");
             std::thread::sleep(Duration::from_millis(100));
@@ -320,8 +333,7 @@ impl Proc {
                 std::thread::sleep(Duration::from_millis(37));
             }
             caught
-        });
-        assert!(caught, "{} was never caught mid-task\n{}", self.name, self.dump());
+        })
     }
 
     /// Wait for it to exit; `None` at the deadline (it keeps running).
