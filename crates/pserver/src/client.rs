@@ -22,9 +22,14 @@
 //! pserver holds a few parts in flight, not a message as large as its
 //! shard, and it applies or copies out one part while the next one
 //! travels. A push's parts share its sequence number; each is
-//! deduplicated on its own. In the sync barrier a push's parts all go at
-//! once (at most [`MAX_SYNC_PARTS`] per shard): each is answered when the
-//! step completes, which needs every one of them.
+//! deduplicated on its own. In the sync barrier a part is answered once its
+//! blocks are updated (every member pushed them), so it needs only the
+//! other trainers' parts of the same blocks, which are in flight too: the
+//! lowest block not yet updated is in every trainer's lowest unanswered
+//! part. The step's completion is replicated before the part that completes
+//! it is answered; a part answered earlier is not, and if the shard's
+//! primary changes while its push travels, every part of the push goes
+//! again (see [`MAX_PUSH_RESENDS`]).
 //!
 //! A shard whose primary changed (a new *epoch* in the map) may be at an
 //! earlier sync step than the old primary was (the gradients buffered for
@@ -74,10 +79,13 @@ pub const DEFAULT_MAX_PART_BYTES: usize = 8 << 20;
 /// one travels.
 pub const PARTS_IN_FLIGHT: usize = 2;
 
-/// In the sync barrier, a shard's push is cut into at most this many parts
-/// (all sent at once: see `PserverClient::push_parts`), well within the
-/// streams a QUIC connection lets be open at once (256 by default).
-pub const MAX_SYNC_PARTS: usize = 64;
+/// In the sync barrier, how many times a shard's push is sent again, whole,
+/// when its primary changed while the push travelled (the parts the old
+/// primary answered before its step was complete went with it; a part the
+/// new primary has is a duplicate there). After that the push's answer is
+/// taken as it is (a new primary's step waiting for a part times out, and
+/// the part is retried, as any call).
+pub const MAX_PUSH_RESENDS: usize = 8;
 
 /// A trainer's connection to every pserver of a job.
 pub struct PserverClient {
@@ -86,8 +94,8 @@ pub struct PserverClient {
     max_part_bytes: usize,
     /// The origin the next pushes carry ([`set_origin`](Self::set_origin)).
     origin: Option<Origin>,
-    /// Joined the sync barrier (and not left): a push's parts all go at
-    /// once (see [`push_parts`](Self::push_parts)).
+    /// Joined the sync barrier (and not left): a push goes again, whole,
+    /// to a shard whose primary changed while it travelled.
     in_barrier: bool,
 }
 
@@ -216,28 +224,6 @@ impl PserverClient {
 
     fn parts(&self, shards: &[u32]) -> Vec<Part> {
         cut_parts(&self.inner.placement, shards, self.max_part_bytes)
-    }
-
-    /// A push's parts over `shards`, and how many of a shard's parts may be
-    /// in flight at once. In the sync barrier every part of a push is
-    /// answered only when its step completes, which needs every part: so
-    /// they all go at once (two lanes per shard deadlocked a push of more
-    /// than two parts until the step's wait ran out), and a shard's push is
-    /// cut into at most [`MAX_SYNC_PARTS`] parts (larger ones for a larger
-    /// shard), within what a connection lets be open at once. Async parts
-    /// are applied as they come: [`PARTS_IN_FLIGHT`] per shard.
-    fn push_parts(&self, shards: &[u32]) -> (Vec<Part>, usize) {
-        if !self.in_barrier {
-            return (self.parts(shards), PARTS_IN_FLIGHT);
-        }
-        let placement = &self.inner.placement;
-        let largest = shards
-            .iter()
-            .map(|&s| placement.blocks_on(s).map(|b| b.len * 4).sum::<usize>())
-            .max()
-            .unwrap_or(0);
-        let max_bytes = self.max_part_bytes.max(largest.div_ceil(MAX_SYNC_PARTS));
-        (cut_parts(placement, shards, max_bytes), usize::MAX)
     }
 
     /// The placement the client splits gradients by.
@@ -402,11 +388,7 @@ impl PserverClient {
         rows: &[TableGrads<'_>],
         weight: f32,
     ) -> Result<PushResult> {
-        let all: Vec<u32> = self.inner.shards_in_use().collect();
-        let (parts, in_flight) = self.push_parts(&all);
-        let (metas, extra) = self.route_rows(&parts, rows)?;
-        let calls = self.push_requests(&parts, metas, weight);
-        let replies = self.exchange(&parts, calls, Some(grads), &extra, None, in_flight).await?;
+        let replies = self.send_push(grads, rows, weight, None).await?;
         // Per shard: stale if any part was; else taken if any part was (the
         // rest were retries of parts already taken); applied before if
         // every part was.
@@ -477,12 +459,7 @@ impl PserverClient {
         weight: f32,
         params: &mut ParamBuf,
     ) -> Result<PushResult> {
-        let all: Vec<u32> = self.inner.shards_in_use().collect();
-        let (parts, in_flight) = self.push_parts(&all);
-        let (metas, extra) = self.route_rows(&parts, rows)?;
-        let calls =
-            self.push_requests(&parts, metas, weight).into_iter().map(|r| r.with_pull(true)).collect();
-        let replies = self.exchange(&parts, calls, Some(grads), &extra, Some(params), in_flight).await?;
+        let replies = self.send_push(grads, rows, weight, Some(params)).await?;
         // Per shard: the least step of its parts' parameters (None: stale),
         // and whether every part was applied before.
         let mut steps: Vec<(u32, Option<u64>, bool)> = Vec::new();
@@ -546,6 +523,60 @@ impl PserverClient {
                 }
             })
             .collect()
+    }
+
+    /// Send a push of `grads` and `rows` to every shard in use, each part
+    /// from where it is in `grads` (with `params`, a push-pull whose
+    /// replies go into `params`); the replies, a shard's parts together. In
+    /// the sync barrier, a shard whose primary changed while its parts
+    /// travelled gets every part again, at most [`MAX_PUSH_RESENDS`] times:
+    /// a part its old primary answered before the step was complete went
+    /// with that primary (not if a part came back stale: the step is lost
+    /// anyway, and the trainer joins again).
+    async fn send_push(
+        &mut self,
+        grads: &ParamBuf,
+        rows: &[TableGrads<'_>],
+        weight: f32,
+        mut params: Option<&mut ParamBuf>,
+    ) -> Result<Vec<(Part, PsReply)>> {
+        let epoch_now = |inner: &Inner, index: u32| inner.epochs[index as usize].load(Ordering::SeqCst);
+        let mut shards: Vec<u32> = self.inner.shards_in_use().collect();
+        let mut replies: Vec<(Part, PsReply)> = Vec::new();
+        for round in 0..=MAX_PUSH_RESENDS {
+            let before: Vec<u64> = shards.iter().map(|&i| epoch_now(&self.inner, i)).collect();
+            let parts = self.parts(&shards);
+            let (metas, extra) = self.route_rows(&parts, rows)?;
+            let calls = self
+                .push_requests(&parts, metas, weight)
+                .into_iter()
+                .map(|push| push.with_pull(params.is_some()))
+                .collect();
+            let sent = self
+                .exchange(&parts, calls, Some(grads), &extra, params.as_deref_mut(), PARTS_IN_FLIGHT)
+                .await?;
+            replies.retain(|(part, _)| !shards.contains(&part.index));
+            let moved: Vec<u32> = shards
+                .iter()
+                .zip(before)
+                .filter(|&(&index, before)| epoch_now(&self.inner, index) != before)
+                .map(|(&index, _)| index)
+                .filter(|index| {
+                    !sent
+                        .iter()
+                        .any(|(part, reply)| part.index == *index && matches!(reply, PsReply::Stale { .. }))
+                })
+                .collect();
+            replies.extend(sent);
+            if !self.in_barrier || moved.is_empty() {
+                break;
+            }
+            if round < MAX_PUSH_RESENDS {
+                tracing::info!(shards = ?moved, "a shard's primary changed while a sync push travelled: sending it again");
+            }
+            shards = moved;
+        }
+        Ok(replies)
     }
 
     /// Row gradients sorted to their shards: per part of `parts`, its

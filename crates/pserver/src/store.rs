@@ -716,6 +716,23 @@ impl ParamStore {
         self.step_seqs.get(trainer) == Some(&seq)
     }
 
+    /// Sync: whether a push's part of the blocks `blocks` (with the rows,
+    /// if it is the first part: see [`Push`]) has left step `step`: the
+    /// step is complete, or each of its units is updated in it (every
+    /// member pushed it), so they hold the next step's parameters. A part
+    /// is answered then, not when the whole step is: a trainer keeps only
+    /// a few parts in flight, and each needs only the other members' parts
+    /// of the same blocks.
+    pub fn updated_in_step(&self, step: u64, blocks: &[BlockId]) -> bool {
+        if self.step != step {
+            return self.step > step;
+        }
+        let indices: Vec<usize> = blocks.iter().filter_map(|&id| self.index(id)).collect();
+        let first = self.held.is_empty() || indices.first() == Some(&0);
+        let rows_updated = self.tables.is_empty() || !first || self.updated[self.held.len()];
+        rows_updated && indices.len() == blocks.len() && indices.iter().all(|&i| self.updated[i])
+    }
+
     /// Current members, sorted (not those joining from the next step).
     pub fn members(&self) -> Vec<String> {
         self.members.iter().cloned().collect()

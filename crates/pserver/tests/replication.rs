@@ -740,3 +740,88 @@ async fn a_sync_push_of_an_epoch_the_primary_does_not_continue_is_stale() {
     assert!(matches!(taken, PsReply::Pushed(oar_pserver::PushOutcome::Applied { step: 2 })), "{taken:?}");
     assert_eq!(ps.block(placement.blocks_on(0).next().unwrap().id).unwrap()[0], -2.0);
 }
+
+/// Sync, a push in parts: a part is answered once its blocks are updated,
+/// before the step is complete, and is not replicated until the step is.
+/// When the primary dies after answering one part of `a`'s push and before
+/// the step completed, `a` sends every part again to the new primary (it
+/// sees the shard's new epoch): without that, the new primary would wait
+/// for a part it never gets, and `b`'s push with it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_sync_push_whose_primary_dies_between_its_parts_is_sent_again_whole() {
+    let len = 16; // 4 blocks of 4
+    let env = Arc::new(Env::new(1, 2, 3, len, Mode::Sync).await);
+    let mut pservers = vec![env.pserver().await, env.pserver().await, env.pserver().await];
+    env.cluster.wait_serving(&pservers.iter().collect::<Vec<_>>()).await;
+    env.wait_status("OK").await;
+    let lease = env.discovery.grant_lease(Duration::from_secs(60)).await.unwrap();
+    for t in ["a", "b"] {
+        env.discovery.put(&format!("{}{t}", keys().members), Vec::new(), Some(lease)).await.unwrap();
+    }
+    let mut grads = ParamBuf::zeros(&specs(len));
+    grads.fill(1.0);
+    let (mut a, mut b) = (env.client("a"), env.client("b"));
+    for t in [&mut a, &mut b] {
+        t.join().await.unwrap();
+        let mut params = ParamBuf::zeros(&specs(len));
+        t.pull(&mut params).await.unwrap();
+    }
+    // Two parts of two blocks each.
+    a.set_max_part_bytes(2 * 4 * 4);
+    let pushing = {
+        let grads = grads.clone();
+        tokio::spawn(async move {
+            let mut params = ParamBuf::zeros(&specs(len));
+            let result = a.push_pull(&grads, 1.0, &mut params).await;
+            (a, result, params)
+        })
+    };
+    // `b`'s first part, raw: blocks 0 and 1 are then updated (with `a`'s
+    // first part), blocks 2 and 3 wait for `b`.
+    let map = env.cluster.map().await.unwrap();
+    let victim = map.primary(0).unwrap().to_string();
+    let at = pservers.iter().position(|p| p.name() == victim).unwrap();
+    let placement = env.placement();
+    let first_part = PsRequest::Push {
+        shard: 0,
+        fingerprint: placement.fingerprint(),
+        blocks: oar_pserver::protocol::BlockSpan::new(0, 2),
+        trainer: "b".into(),
+        seq: 0,
+        step: 0,
+        weight: 1.0,
+        rows: Vec::new(),
+        origin: None,
+        epoch: map.epoch(0),
+    };
+    let answered = tokio::time::timeout(
+        Duration::from_secs(10),
+        replicate(&env, &pservers[at], &first_part, vec![1.0; 8]),
+    )
+    .await
+    .expect("a part is answered once its blocks are updated, before the step completes")
+    .unwrap();
+    assert!(matches!(answered, PsReply::Pushed(oar_pserver::PushOutcome::Buffered { .. })), "{answered:?}");
+    assert_eq!(pservers[at].step(0), Some(0), "the step waits for blocks 2 and 3");
+    assert!(!pushing.is_finished(), "a's second part waits for b's");
+
+    env.kill(pservers.remove(at)).await;
+    let map = env.cluster.wait_serving(&pservers.iter().collect::<Vec<_>>()).await;
+    assert_ne!(map.primary(0), Some(victim.as_str()));
+    // `b` pushes whole to the new primary, which never saw either first part.
+    let mut params = ParamBuf::zeros(&specs(len));
+    let pushed = tokio::time::timeout(Duration::from_secs(20), b.push_pull(&grads, 1.0, &mut params))
+        .await
+        .expect("b's push waits for a first part of a's that never comes")
+        .unwrap();
+    assert_eq!(pushed, PushResult::Accepted);
+    let (_a, result, a_params) =
+        tokio::time::timeout(Duration::from_secs(20), pushing).await.unwrap().unwrap();
+    assert_eq!(result.unwrap(), PushResult::Accepted);
+    for got in [&params, &a_params] {
+        assert!(got.as_slice().iter().all(|&x| x == -1.0), "{:?}", got.as_slice());
+    }
+    let primary = pservers.iter().find(|p| Some(p.name()) == map.primary(0)).unwrap();
+    assert_eq!(primary.step(0), Some(1));
+    assert_replicas_agree(&map, &pservers.iter().collect::<Vec<_>>(), &env.placement());
+}

@@ -7,7 +7,7 @@ use crate::{
         BlockSpan, PsReply, PsRequest, PulledShard, ReplicaState, ShardRows, TableRows, PSERVER_METHOD,
     },
     replica::{History, SyncFrom, Update},
-    Error, Grad, Mode, ParamStore, Push, PushOutcome, RowGrads,
+    BlockId, Error, Grad, Mode, ParamStore, Push, PushOutcome, RowGrads,
 };
 use async_trait::async_trait;
 use bytes::{Bytes, BytesMut};
@@ -164,6 +164,7 @@ impl PsHandler {
             at += block.len * 4;
         }
         let rows = wire_rows(&self.shared.placement, rows, &payload, at);
+        let part_blocks: Vec<BlockId> = grads.iter().map(|(id, _)| *id).collect();
         let pusher = trainer.clone();
         let push = Push { trainer, seq, step, weight, grads, rows, origin };
         let (reply, wait, waits_in_step) = {
@@ -229,11 +230,13 @@ impl PsHandler {
                 Err(Error::StepUnderway { step, .. }) => PsReply::Stale { current: step },
                 Err(e) => return Err(RemoteError::bad_request(e)),
             };
-            // Sync: a push buffered in a step is acknowledged once the step
-            // is complete (and replicated), so that whoever serves the shard
-            // next has it (a retry of it is then a duplicate there); until
-            // then a primary that goes (it died, or the shard moved) takes
-            // it along unacknowledged, and the trainer pushes it again.
+            // Sync: a part buffered in a step is answered once its blocks
+            // are updated (every member pushed them); the part that
+            // completes the step, once the step is replicated too. Until the
+            // step is complete a primary that goes (it died, or the shard
+            // moved) takes the parts along, and the trainer, seeing the
+            // shard's new epoch, pushes every part again (a part the new
+            // primary has is a duplicate there).
             let waits_in_step = store.waits_in_step(&pusher, seq).then(|| store.step());
             if store.mode() == Mode::Sync {
                 tracing::debug!(shard, trainer = pusher, seq, step, at = store.step(), ?reply, "sync push");
@@ -244,7 +247,7 @@ impl PsHandler {
         slot.stepped.notify_waiters();
         drop(payload);
         let wait = match waits_in_step {
-            Some(step) => self.step_completed(&slot, step).await?,
+            Some(step) => self.part_updated(&slot, step, &part_blocks).await?,
             None => wait,
         };
         self.replicated(&slot, wait).await?;
@@ -277,11 +280,12 @@ impl PsHandler {
         Ok(())
     }
 
-    /// Wait until step `step` of `slot` is complete (at most
-    /// [`MAX_STEP_WAIT`]; the client retries, as a duplicate that waits
-    /// again); the update seq that completed it, to wait for its
-    /// replication.
-    async fn step_completed(&self, slot: &Slot, step: u64) -> Reply<u64> {
+    /// Wait until the blocks of a part have left step `step` of `slot`
+    /// ([`ParamStore::updated_in_step`]; at most [`MAX_STEP_WAIT`]; the
+    /// client retries, as a duplicate that waits again); the update seq to
+    /// wait for the replication of (the step's completion, if it is
+    /// complete).
+    async fn part_updated(&self, slot: &Slot, step: u64, blocks: &[BlockId]) -> Reply<u64> {
         let deadline = tokio::time::Instant::now() + MAX_STEP_WAIT;
         loop {
             // Register for the wake-up before looking, so a step in between is not missed.
@@ -294,7 +298,7 @@ impl PsHandler {
                     )));
                 };
                 let SlotState::Primary { store, links } = &*state else { unreachable!() };
-                if store.step() > step {
+                if store.updated_in_step(step, blocks) {
                     return Ok(links.seq());
                 }
             }
@@ -327,9 +331,9 @@ impl PsHandler {
     }
 
     /// Apply a push and answer with its blocks' parameters after it (sync:
-    /// once its step is complete, so they are the next step's).
+    /// once they left the push's step, so they are the next step's).
     async fn push_pull(&self, request: PsRequest, payload: Bytes) -> Reply<Frame> {
-        let PsRequest::PushPull { shard, blocks, .. } = request else {
+        let PsRequest::PushPull { shard, blocks, step, .. } = request else {
             return Err(RemoteError::internal("not a push-pull"));
         };
         let push = request.with_pull(false);
@@ -350,7 +354,10 @@ impl PsHandler {
                     .map_err(RemoteError::internal);
             };
             let SlotState::Primary { store, links } = &*state else { unreachable!() };
-            (self.params(store, blocks)?, store.step(), links.seq())
+            // Sync: the part's blocks hold step + 1's parameters (the step
+            // itself may still wait for other blocks).
+            let at = if store.mode() == Mode::Sync { store.step().max(step + 1) } else { store.step() };
+            (self.params(store, blocks)?, at, links.seq())
         };
         self.replicated(&slot, wait).await?;
         let reply = PsReply::PushedPulled { outcome, step };
