@@ -43,12 +43,12 @@
 //! parameters than the old primary's 34): each push carries the epoch of
 //! the primary whose parameters it was computed at, and a primary that
 //! restored the shard takes none from an earlier epoch (a promoted
-//! follower or a moved shard goes on from its old primary's updates). A retry of a push taken already is still a duplicate.
-//! After a stale push the trainer leaves the barrier of every shard and
-//! joins again (pulls and computes again), so that its place in each
-//! shard's steps is set afresh. No gradient is applied twice: followers
-//! keep the deduplication table of async pushes, and a checkpoint carries
-//! it.
+//! follower or a moved shard goes on from its old primary's updates). A
+//! retry of a push taken already is still a duplicate. After a stale push
+//! the trainer leaves the barrier of every shard and joins again (pulls
+//! and computes again), so that its place in each shard's steps is set
+//! afresh. No gradient is applied twice: followers keep the deduplication
+//! table of async pushes, and a checkpoint carries it.
 
 use crate::{
     error::{ServiceError as Error, ServiceResult as Result},
