@@ -435,8 +435,9 @@ impl PserverClient {
     /// Push `grads` (the mean gradient over `weight` examples) and pull
     /// every parameter into `params` in one round trip per shard: each
     /// shard applies the push and answers with its parameters after it.
-    /// Sync, a shard answers when the push's step completes, with the next
-    /// step's parameters (one round trip per step, the floor); a shard that
+    /// Sync, a shard answers each part once its blocks are updated, with
+    /// their next step's parameters, so the push is answered when its step
+    /// completes (one round trip per step, the floor); a shard that
     /// moved on without the push answers stale, and its parameters in
     /// `params` are left as they were: join, pull and compute again. Async
     /// pushes are always [`PushResult::Accepted`].

@@ -120,9 +120,10 @@ pub enum PsRequest {
     },
     /// A push, answered with the shard's parameters after it, as a pull
     /// would: one round trip where a push and a pull take two. Sync, the
-    /// answer comes when the push's step completes, with the parameters of
-    /// the next step ([`PsReply::Stale`] if the step moved on without it):
-    /// one round trip per step.
+    /// answer comes when the part's blocks are updated in the push's step
+    /// (every member pushed them), with their parameters of the next step
+    /// ([`PsReply::Stale`] if the step moved on without it): one round trip
+    /// per step.
     PushPull {
         /// The logical shard.
         shard: u32,
