@@ -727,10 +727,10 @@ impl ParamStore {
         if self.step != step {
             return self.step > step;
         }
-        let indices: Vec<usize> = blocks.iter().filter_map(|&id| self.index(id)).collect();
-        let first = self.held.is_empty() || indices.first() == Some(&0);
+        // The first part (the one with the rows) starts at the first block.
+        let first = self.held.is_empty() || blocks.first().and_then(|&id| self.index(id)) == Some(0);
         let rows_updated = self.tables.is_empty() || !first || self.updated[self.held.len()];
-        rows_updated && indices.len() == blocks.len() && indices.iter().all(|&i| self.updated[i])
+        rows_updated && blocks.iter().all(|&id| self.index(id).is_some_and(|i| self.updated[i]))
     }
 
     /// Current members, sorted (not those joining from the next step).

@@ -159,12 +159,11 @@ impl PsHandler {
         self.checkpoint_gate(&slot, &trainer, seq).await?;
         let mut grads = Vec::with_capacity(span.len());
         let mut at = 0;
-        for block in span {
+        for block in &span {
             grads.push((block.id, Grad::Wire(payload.slice(at..at + block.len * 4))));
             at += block.len * 4;
         }
         let rows = wire_rows(&self.shared.placement, rows, &payload, at);
-        let part_blocks: Vec<BlockId> = grads.iter().map(|(id, _)| *id).collect();
         let pusher = trainer.clone();
         let push = Push { trainer, seq, step, weight, grads, rows, origin };
         let (reply, wait, waits_in_step) = {
@@ -247,7 +246,10 @@ impl PsHandler {
         slot.stepped.notify_waiters();
         drop(payload);
         let wait = match waits_in_step {
-            Some(step) => self.part_updated(&slot, step, &part_blocks).await?,
+            Some(step) => {
+                let blocks: Vec<BlockId> = span.iter().map(|b| b.id).collect();
+                self.part_updated(&slot, step, &blocks).await?
+            }
             None => wait,
         };
         self.replicated(&slot, wait).await?;
