@@ -10,6 +10,7 @@
 use std::fmt;
 use std::fs::File;
 use std::io::{BufRead, BufReader, Read, Seek, SeekFrom};
+use std::ops::ControlFlow;
 
 use serde::{Deserialize, Serialize};
 
@@ -172,12 +173,26 @@ pub struct Line {
 /// opened or read, the chunk's range is reversed, or a line is not UTF-8 (then
 /// with the byte offset of the first bad byte).
 pub fn read_chunk_lines(chunk: &Chunk) -> Result<Vec<Line>> {
+    let mut lines = Vec::new();
+    for_each_chunk_line(chunk, |offset, text| {
+        lines.push(Line { offset, text: text.to_string() });
+        ControlFlow::Continue(())
+    })?;
+    Ok(lines)
+}
+
+/// [`read_chunk_lines`] without keeping the lines: `each` gets every line
+/// the chunk owns in turn, with its byte offset, and may stop the reading
+/// early with [`ControlFlow::Break`]. One line buffer serves the whole
+/// chunk, so a chunk costs no allocation per line (readers that parse
+/// lines into examples as they come use this).
+pub fn for_each_chunk_line(chunk: &Chunk, mut each: impl FnMut(u64, &str) -> ControlFlow<()>) -> Result<()> {
     let path = chunk.path.as_str();
     if chunk.start > chunk.end {
         return Err(Error::BadChunk { path: path.to_string(), start: chunk.start, end: chunk.end });
     }
     if chunk.start == chunk.end {
-        return Ok(Vec::new());
+        return Ok(());
     }
     let file = File::open(path).map_err(Error::io(path, "open"))?;
     let mut reader = BufReader::with_capacity(READ_BUFFER, file);
@@ -190,29 +205,29 @@ pub fn read_chunk_lines(chunk: &Chunk) -> Result<Vec<Line>> {
         reader.seek(SeekFrom::Start(from)).map_err(Error::io(path, "seek"))?;
         from + skip_through_newline(&mut reader).map_err(Error::io(path, "read"))?
     };
-    let mut lines = Vec::new();
+    let mut buf = Vec::new();
     while pos < chunk.end {
-        let mut buf = Vec::new();
+        buf.clear();
         let n = reader.read_until(b'\n', &mut buf).map_err(Error::io(path, "read"))?;
         if n == 0 {
             break;
         }
         let offset = pos;
         pos += n as u64;
-        if buf.last() == Some(&b'\n') {
-            buf.pop();
-            if buf.last() == Some(&b'\r') {
-                buf.pop();
-            }
+        let mut line = buf.as_slice();
+        if let Some(rest) = line.strip_suffix(b"\n") {
+            line = rest.strip_suffix(b"\r").unwrap_or(rest);
         }
-        let text = String::from_utf8(buf).map_err(|e| Error::InvalidUtf8 {
+        let text = std::str::from_utf8(line).map_err(|e| Error::InvalidUtf8 {
             path: path.to_string(),
-            offset: offset + e.utf8_error().valid_up_to() as u64,
+            offset: offset + e.valid_up_to() as u64,
             line_start: offset,
         })?;
-        lines.push(Line { offset, text });
+        if each(offset, text).is_break() {
+            break;
+        }
     }
-    Ok(lines)
+    Ok(())
 }
 
 /// Consumes bytes up to and including the next `'\n'` (or to end of file)
@@ -393,6 +408,32 @@ mod tests {
         assert_eq!(read(11, 100), vec![]);
         assert_eq!(read(50, 100), vec![], "a chunk past the end owns nothing");
         assert_eq!(read(5, 5), vec![]);
+    }
+
+    #[test]
+    fn each_line_of_a_chunk_in_turn_until_told_to_stop() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = write_file(dir.path(), "f", b"aa\nbbbb\r\n\ncc\ndd");
+        let chunk = Chunk { path: path.clone(), start: 1, end: 13 };
+        let mut seen = Vec::new();
+        for_each_chunk_line(&chunk, |offset, text| {
+            seen.push(Line { offset, text: text.to_string() });
+            ControlFlow::Continue(())
+        })
+        .unwrap();
+        assert_eq!(seen, read_chunk_lines(&chunk).unwrap());
+        assert_eq!(seen.len(), 3, "{seen:?}");
+        let mut seen = Vec::new();
+        for_each_chunk_line(&chunk, |offset, text| {
+            seen.push((offset, text.to_string()));
+            if text.is_empty() {
+                ControlFlow::Break(())
+            } else {
+                ControlFlow::Continue(())
+            }
+        })
+        .unwrap();
+        assert_eq!(seen, vec![(3, "bbbb".to_string()), (9, String::new())], "stops at the break");
     }
 
     #[test]
