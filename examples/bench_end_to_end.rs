@@ -11,7 +11,7 @@
 //! # options: --copies N [100] --passes P [10] --reps R [3] --trainers 1,2,4 --modes async,sync
 //! #   --transports quic|mem,... --batch-sizes 64,... --pservers [2] --chunk-bytes [0 = auto]
 //! #   --every N [1] (async push_every = pull_every) --lr [0.1] --test-data PATH [testdata/a1a]
-//! #   --target [0.7]
+//! #   --target [0.7] --workers W [0 = one per core] (the job's runtime's worker threads)
 //! ```
 //!
 //! Data: `testdata/a1a` (1605 lines, 123 features, 2 classes) written
@@ -156,6 +156,9 @@ struct Args {
     /// One trainer's oar / plain ratio to reach.
     #[arg(long, default_value_t = 0.7)]
     target: f64,
+    /// Worker threads of the job's runtime (0: tokio's default, one per core).
+    #[arg(long, default_value_t = 0)]
+    workers: usize,
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
@@ -287,7 +290,7 @@ fn run(args: Args) -> Result<ExitCode, BoxError> {
         for (key, s) in keys.iter().zip(&mut samples) {
             let plain = plain_run(&model, &data_str, &opts, key.batch, args.passes, args.lr)?;
             let config = job_config(&args, &data_str, &test_str, key)?;
-            let oar = oar_run(&config, key.trainers, key.transport)?;
+            let oar = oar_run(&config, key.trainers, key.transport, args.workers)?;
             if !oar.report.is_done() || oar.report.tasks_done != (tasks as u64) * u64::from(args.passes) {
                 return Err(format!("oar run did not train every task: {:?}", oar.report).into());
             }
@@ -502,10 +505,16 @@ fn plain_run(
     Ok(PlainRun { wall: start.elapsed().as_secs_f64(), parse, train, last_loss })
 }
 
-/// A whole `run_local` job in a fresh runtime (dropped after, so nothing of
+/// A whole `run_local` job in a fresh runtime of `workers` threads (0: one per
+/// core; dropped after, so nothing of
 /// it runs during the next measurement), its transport wrapped in [`Timed`].
-fn oar_run(config: &JobConfig, trainers: u32, kind: TransportArg) -> Result<OarRun, BoxError> {
-    let runtime = tokio::runtime::Builder::new_multi_thread().enable_all().build()?;
+fn oar_run(
+    config: &JobConfig,
+    trainers: u32,
+    kind: TransportArg,
+    workers: usize,
+) -> Result<OarRun, BoxError> {
+    let runtime = common::runtime(workers)?;
     let result = runtime.block_on(async {
         let (inner, listen): (Arc<dyn tr::Transport>, _) = match kind {
             TransportArg::Quic => {

@@ -47,6 +47,10 @@ struct Args {
     /// Serve Prometheus metrics at this address (http://ADDR/metrics; port 0 picks one).
     #[arg(long)]
     metrics: Option<String>,
+    /// Worker threads of the runtime (0: one per core). A small model's
+    /// job is bound by round trips and runs fastest on 1.
+    #[arg(long, default_value_t = 0)]
+    workers: usize,
 }
 
 #[derive(Clone, Copy, Debug, ValueEnum)]
@@ -55,11 +59,14 @@ enum TransportArg {
     Mem,
 }
 
-#[tokio::main]
-async fn main() -> ExitCode {
+fn main() -> ExitCode {
     let args = Args::parse();
     common::init_logging(args.verbose, args.log_json);
-    common::exit_with(run(args).await)
+    let runtime = match common::runtime(args.workers) {
+        Ok(runtime) => runtime,
+        Err(e) => return common::exit_with(Err(e.into())),
+    };
+    common::exit_with(runtime.block_on(run(args)))
 }
 
 async fn run(args: Args) -> Result<ExitCode, BoxError> {

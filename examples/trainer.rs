@@ -37,13 +37,20 @@ struct Args {
     /// before it is handed back to the master unfinished.
     #[arg(long, default_value_t = 10.0)]
     stop_grace: f64,
+    /// Worker threads of the runtime (0: one per core). A trainer of a
+    /// small model is bound by round trips and runs fastest on 1.
+    #[arg(long, default_value_t = 0)]
+    workers: usize,
 }
 
-#[tokio::main]
-async fn main() -> ExitCode {
+fn main() -> ExitCode {
     let args = Args::parse();
     common::init_logging(args.conn.verbose, args.conn.log_json);
-    common::exit_with(run(args).await)
+    let runtime = match common::runtime(args.workers) {
+        Ok(runtime) => runtime,
+        Err(e) => return common::exit_with(Err(e.into())),
+    };
+    common::exit_with(runtime.block_on(run(args)))
 }
 
 async fn run(args: Args) -> Result<ExitCode, BoxError> {

@@ -507,6 +507,18 @@ pub fn fmt_eps(x: f64) -> String {
     }
 }
 
+/// The runtime a binary runs on: `workers` threads (0: tokio's default,
+/// one per core). A trainer, or a small job in one process, is bound by
+/// its round trips and runs best on one worker on a machine with few
+/// cores (see `oar::trainer::worker`, "The runtime").
+pub fn runtime(workers: usize) -> std::io::Result<tokio::runtime::Runtime> {
+    let mut builder = tokio::runtime::Builder::new_multi_thread();
+    if workers > 0 {
+        builder.worker_threads(workers);
+    }
+    builder.enable_all().build()
+}
+
 /// The cores the benches run on.
 pub fn cores() -> usize {
     std::thread::available_parallelism().map(|n| n.get()).unwrap_or(1)

@@ -32,6 +32,23 @@
 //!   loop carries out its actions. Sync mode cannot overlap (each step
 //!   waits for every trainer's push by design).
 //!
+//! # The runtime
+//!
+//! A trainer with a small model is bound by its round trips, and on a
+//! machine with few cores a round trip is cheapest when it stays on one
+//! thread: with a worker per core, each packet's arrival wakes the idle
+//! worker that waits on the I/O driver, and a wake-up that lands on an
+//! idle core pays for waking the core (on the 2-vCPU VM of `BENCHMARKS.md`,
+//! ~30 µs, more than a whole round trip on one thread). So a process whose
+//! work is mostly small calls (a trainer, or a small job in one process)
+//! runs best on a runtime with **one worker thread**
+//! (`tokio::runtime::Builder::new_multi_thread().worker_threads(1)`):
+//! tasks are read and parsed on the blocking pool, which uses the other
+//! cores. The library does not choose: the runtime is the caller's, and a
+//! pserver applying large pushes, or a large model's exchanges, want every
+//! core. (`bench_end_to_end --workers 1`: one sync trainer at batch 64
+//! 0.59–0.61 of a plain loop, against 0.36–0.41 with a worker per core.)
+//!
 //! # Sparse models
 //!
 //! A [`SparseModel`] trains batch by batch, in both modes: the batch's
