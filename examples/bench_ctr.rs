@@ -10,7 +10,7 @@
 //! cargo run --release --example bench_ctr -- --models lr --modes async --shapes 1x1 --shards 64 --reps 9
 //! # options: --copies N [8] --passes P [5] --reps R [5] --models lr,fm --factors K [8]
 //! #   --modes sync,async --shapes 1x1,2x2 (trainers x pservers) --shards 64,2
-//! #   --batch-size [64] --lr [0.1] --run-timeout SECONDS [60]
+//! #   --batch-size [64] --lr [0.1] --run-timeout SECONDS [60] --workers W [0 = one per core]
 //! ```
 //!
 //! About 100 s with the defaults on the 2-core development machine.
@@ -163,6 +163,9 @@ struct Args {
     /// fails (a run takes 0.3-4 s here).
     #[arg(long, default_value_t = 60)]
     run_timeout: u64,
+    /// Worker threads of the job's runtime (0: tokio's default, one per core).
+    #[arg(long, default_value_t = 0)]
+    workers: usize,
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
@@ -327,7 +330,7 @@ fn run(args: Args) -> Result<ExitCode, BoxError> {
         for (key, s) in keys.iter().zip(&mut samples) {
             let config = job_config(&args, &data, &test, key)?;
             let reference = reference_run(&args, key, &data, &test_set, config.seed)?;
-            let oar = oar_run(&config, key.trainers, Duration::from_secs(args.run_timeout))?;
+            let oar = oar_run(&config, key.trainers, Duration::from_secs(args.run_timeout), args.workers)?;
             let r = &oar.report;
             if !r.is_done() || r.tasks_discarded > 0 {
                 return Err(format!("the oar job did not train every task: {}", r.to_json()).into());
@@ -557,12 +560,13 @@ fn reference_run(
     Ok(RefRun { wall, read, batches, test_accuracy: eval.accuracy, last_loss })
 }
 
-/// A whole `run_local` job in a fresh runtime (dropped after, so nothing of
-/// it runs during the next measurement). A run that takes longer than
+/// A whole `run_local` job in a fresh runtime of `workers` threads (0: one
+/// per core; dropped after, so nothing of it runs during the next
+/// measurement). A run that takes longer than
 /// `timeout` is stopped (through its shutdown token) and fails the
 /// benchmark, naming the configuration, rather than stalling it.
-fn oar_run(config: &JobConfig, trainers: u32, timeout: Duration) -> Result<OarRun, BoxError> {
-    let runtime = tokio::runtime::Builder::new_multi_thread().enable_all().build()?;
+fn oar_run(config: &JobConfig, trainers: u32, timeout: Duration, workers: usize) -> Result<OarRun, BoxError> {
+    let runtime = common::runtime(workers)?;
     let result = runtime.block_on(async {
         let tls = DevCa::new()?.tls_config("bench-ctr")?;
         let transport: Arc<dyn Transport> = Arc::new(QuicTransport::new(tls)?);

@@ -505,9 +505,9 @@ fn plain_run(
     Ok(PlainRun { wall: start.elapsed().as_secs_f64(), parse, train, last_loss })
 }
 
-/// A whole `run_local` job in a fresh runtime of `workers` threads (0: one per
-/// core; dropped after, so nothing of
-/// it runs during the next measurement), its transport wrapped in [`Timed`].
+/// A whole `run_local` job in a fresh runtime of `workers` threads (0: one
+/// per core; dropped after, so nothing of it runs during the next
+/// measurement), its transport wrapped in [`Timed`].
 fn oar_run(
     config: &JobConfig,
     trainers: u32,
