@@ -323,6 +323,12 @@ impl Proc {
     }
 
     fn try_stop_when(&mut self, timeout: Duration, state: fn(&Self) -> bool) -> bool {
+        // The trainer runs between looks for a while of varied length, most
+        // shorter than a task: with one fixed while, a task shorter than it
+        // (tens of ms on a fast machine) could start and end inside every
+        // one, and never be caught.
+        const RUN_MS: [u64; 5] = [37, 7, 23, 3, 13];
+        let mut looks = 0;
         wait_until(timeout, || {
             assert!(self.wait(Duration::ZERO).is_none(), "{} ended first\n{}", self.name, self.dump());
             self.signal("STOP");
@@ -330,7 +336,8 @@ impl Proc {
             let caught = state(self);
             if !caught {
                 self.signal("CONT");
-                std::thread::sleep(Duration::from_millis(37));
+                std::thread::sleep(Duration::from_millis(RUN_MS[looks % RUN_MS.len()]));
+                looks += 1;
             }
             caught
         })
