@@ -139,8 +139,9 @@ fn a_deposed_primary_acknowledges_nothing_after_its_pause() {
     // count holds still over two readings 300 ms apart, 600 ms (on a
     // loaded machine 500 ms of sleep was once not enough, and with one
     // runtime worker per process one reading 300 ms later was not either:
-    // early in the job a push waits for a follower catching up, and was
-    // acknowledged after the reading, then taken for one after the pause).
+    // most likely a push early in the job, waiting for a follower catching
+    // up, was acknowledged after the reading and taken for one after the
+    // pause).
     let acknowledged = || metric_value(&scrape(&metrics), "oar_ps_acknowledged_pushes_total") as u64;
     let mut before = acknowledged();
     let mut still = 0;
