@@ -62,11 +62,7 @@ enum TransportArg {
 fn main() -> ExitCode {
     let args = Args::parse();
     common::init_logging(args.verbose, args.log_json);
-    let runtime = match common::runtime(args.workers) {
-        Ok(runtime) => runtime,
-        Err(e) => return common::exit_with(Err(e.into())),
-    };
-    common::exit_with(runtime.block_on(run(args)))
+    common::run_on(args.workers, run(args))
 }
 
 async fn run(args: Args) -> Result<ExitCode, BoxError> {

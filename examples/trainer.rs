@@ -46,11 +46,7 @@ struct Args {
 fn main() -> ExitCode {
     let args = Args::parse();
     common::init_logging(args.conn.verbose, args.conn.log_json);
-    let runtime = match common::runtime(args.workers) {
-        Ok(runtime) => runtime,
-        Err(e) => return common::exit_with(Err(e.into())),
-    };
-    common::exit_with(runtime.block_on(run(args)))
+    common::run_on(args.workers, run(args))
 }
 
 async fn run(args: Args) -> Result<ExitCode, BoxError> {

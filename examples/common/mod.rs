@@ -600,6 +600,15 @@ pub fn shutdown_on_signals() -> Result<CancellationToken, BoxError> {
 }
 
 /// Exit 2 with the error on stderr.
+/// Run `main` to its end on a [`runtime`] of `workers` threads, and exit
+/// as [`exit_with`] says.
+pub fn run_on<F>(workers: usize, main: F) -> ExitCode
+where
+    F: std::future::Future<Output = Result<ExitCode, BoxError>>,
+{
+    exit_with(runtime(workers).map_err(BoxError::from).and_then(|runtime| runtime.block_on(main)))
+}
+
 pub fn exit_with(result: Result<ExitCode, BoxError>) -> ExitCode {
     match result {
         Ok(code) => code,

@@ -66,8 +66,8 @@
 //! in its step is answered part by part, each part once its blocks are
 //! updated (every member pushed them) and the part that completes the step
 //! once the step is replicated, so the whole push is answered when its step
-//! is complete and replicated. A follower keeps the push deduplication table, so a push retried on a new
-//! primary is applied once. The [`Coordinator`] (the master runs it, under
+//! is complete and replicated. A follower keeps the push deduplication
+//! table, so a push retried on a new primary is applied once. The [`Coordinator`] (the master runs it, under
 //! the master's fence) writes the map: when a primary's registration (its
 //! lease) goes, the follower that has applied the most and knows the current
 //! map becomes primary in a new epoch; a dead follower is dropped, and the
