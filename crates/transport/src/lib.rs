@@ -127,6 +127,7 @@
 mod dev_ca;
 mod error;
 mod frame;
+mod gso;
 mod mem;
 mod pool;
 mod quic;

@@ -2,6 +2,7 @@
 //! call, one connection per peer address.
 
 use crate::{
+    gso,
     tls::TlsConfig,
     wire::{self, Expect, Kind},
     Connection, Error, Frame, Handler, Listener, PayloadSink, RemoteError, Result, Transport,
@@ -38,9 +39,10 @@ pub struct PathTuning {
     /// A fixed UDP payload size (no MTU discovery), or `None` to start at
     /// 1200 bytes and discover the path's MTU.
     pub mtu: Option<u16>,
-    /// Let the kernel segment batches of datagrams (UDP GSO). Keep it off
-    /// with a large fixed MTU: on loopback that combination stalled
-    /// transfers (BENCHMARKS.md).
+    /// Let the kernel segment batches of datagrams (UDP GSO). One send
+    /// holds as many datagrams as fit in 65,507 bytes (seven at 8952, one at
+    /// 65000, where GSO gains nothing); quinn alone would batch ten, which
+    /// above 6,550 bytes the kernel refused and every large transfer stalled.
     pub segmentation_offload: bool,
 }
 
@@ -92,7 +94,8 @@ pub struct QuicOptions {
     /// a fifth of the throughput).
     pub loopback: PathTuning,
     /// Tuning for every other peer: MTU discovery from 1200 bytes, GSO on
-    /// (quinn's defaults). Set a fixed MTU for a network with jumbo frames.
+    /// (quinn's defaults). Set a fixed MTU for a network with jumbo frames:
+    /// its MTU less 48 bytes (8952 for 9000), keeping GSO on.
     pub network: PathTuning,
 }
 
@@ -191,6 +194,28 @@ impl Config {
         let payload = largest.unwrap_or(1472).clamp(1472, 65_527);
         config.max_udp_payload_size(payload).map_err(|e| config_error("max UDP payload size", e))?;
         Ok(config)
+    }
+
+    /// An endpoint on `socket` whose GSO sends fit in one UDP send
+    /// ([`gso::BoundedSegments`]): the bound comes from the largest MTU of
+    /// the paths that use GSO (1472 bytes where MTU discovery is on: a
+    /// safe overestimate, as discovery stops at 1452 by default).
+    fn endpoint(
+        &self,
+        endpoint_config: quinn::EndpointConfig,
+        server_config: Option<quinn::ServerConfig>,
+        socket: std::net::UdpSocket,
+    ) -> std::io::Result<quinn::Endpoint> {
+        let runtime = Arc::new(quinn::TokioRuntime);
+        let socket = quinn::Runtime::wrap_udp_socket(&*runtime, socket)?;
+        let largest_segment = [&self.options.loopback, &self.options.network]
+            .into_iter()
+            .filter(|path| path.segmentation_offload)
+            .map(|path| path.mtu.map_or(1472, usize::from))
+            .max()
+            .unwrap_or(1472);
+        let socket = Arc::new(gso::BoundedSegments::new(socket, largest_segment));
+        quinn::Endpoint::new_with_abstract_socket(endpoint_config, server_config, socket, runtime)
     }
 }
 
@@ -458,13 +483,9 @@ impl QuicTransport {
             .map_err(|source| Error::Io { what: format!("read the address of {addr}"), source })?;
         let local_text = local.to_string();
         let endpoint_config = config.endpoint_config(Some(config.tls.restart_secret(&local_text)))?;
-        let endpoint = quinn::Endpoint::new(
-            endpoint_config,
-            Some((*config.server_network).clone()),
-            socket,
-            Arc::new(quinn::TokioRuntime),
-        )
-        .map_err(|source| Error::Io { what: format!("start a QUIC endpoint at {local}"), source })?;
+        let endpoint = config
+            .endpoint(endpoint_config, Some((*config.server_network).clone()), socket)
+            .map_err(|source| Error::Io { what: format!("start a QUIC endpoint at {local}"), source })?;
         let (shutdown_tx, shutdown_rx) = watch::channel(false);
         let (done_tx, done_rx) = watch::channel(false);
         tokio::spawn(accept_loop(endpoint, handler, config, shutdown_rx, done_tx));
@@ -508,7 +529,8 @@ impl QuicTransport {
         let config = &self.inner.config;
         cell.get_or_try_init(|| async {
             let socket = udp_socket(bind, config.options.socket_buffer)?;
-            quinn::Endpoint::new(config.endpoint_config(None)?, None, socket, Arc::new(quinn::TokioRuntime))
+            config
+                .endpoint(config.endpoint_config(None)?, None, socket)
                 .map_err(|source| Error::Io { what: "start the QUIC client endpoint".into(), source })
         })
         .await

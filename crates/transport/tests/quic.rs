@@ -5,8 +5,8 @@ mod common;
 
 use common::*;
 use oar_transport::{
-    bytes_to_f32s, call, f32s_to_bytes, DevCa, Error, Frame, Listener, RemoteErrorKind, RetryPolicy,
-    Transport,
+    bytes_to_f32s, call, f32s_to_bytes, DevCa, Error, Frame, Listener, PathTuning, QuicOptions,
+    QuicTransport, RemoteErrorKind, RetryPolicy, Transport,
 };
 use std::{sync::atomic::Ordering, sync::Arc, time::Duration};
 
@@ -48,6 +48,29 @@ async fn a_large_payload_arrives_intact() {
         .await
         .unwrap();
     assert_eq!(bytes_to_f32s(&reply.payload).unwrap(), values);
+}
+
+#[tokio::test]
+async fn a_large_fixed_mtu_with_segmentation_offload_moves_large_payloads() {
+    // quinn batches up to 10 datagrams per GSO send; at 8952 bytes a batch
+    // of 10 is over the 65,507 a UDP send may carry, the kernel refused it
+    // and quinn-udp reported success, so every batch was lost and this call
+    // stalled until its deadline.
+    let ca = DevCa::new().unwrap();
+    let path = PathTuning { mtu: Some(8952), segmentation_offload: true };
+    let options = QuicOptions { loopback: path, network: path, ..test_options() };
+    let server = QuicTransport::with_options(ca.tls_config("server").unwrap(), options.clone()).unwrap();
+    let service = Arc::new(TestService::default());
+    let listener = server.serve("127.0.0.1:0", service.clone()).await.unwrap();
+    let client = QuicTransport::with_options(ca.tls_config("c").unwrap(), options).unwrap();
+    let conn = client.connect(listener.local_addr()).await.unwrap();
+    let values: Vec<f32> = (0..2_000_000).map(|i| i as f32 - 7.5).collect();
+    for _ in 0..2 {
+        let request = Frame::new(ECHO, &(), f32s_to_bytes(&values)).unwrap();
+        let reply = conn.call(request, Duration::from_secs(20)).await.unwrap();
+        assert_eq!(bytes_to_f32s(&reply.payload).unwrap(), values);
+    }
+    assert_eq!(service.answered.load(Ordering::SeqCst), 2);
 }
 
 #[tokio::test]
