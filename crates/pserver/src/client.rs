@@ -1026,7 +1026,7 @@ impl oar_transport::PayloadSink for Collected {
 /// trainer's parameters, in the placement's order, written as the bytes
 /// arrive. Accepts exactly those blocks' bytes, or none (a pull that is not
 /// ready, or a reply that carries no parameters).
-struct ShardSink<'a> {
+pub(crate) struct ShardSink<'a> {
     blocks: Vec<&'a mut [f32]>,
     expected: u64,
     received: u64,
@@ -1039,6 +1039,12 @@ struct ShardSink<'a> {
 impl<'a> ShardSink<'a> {
     fn empty() -> ShardSink<'a> {
         ShardSink { blocks: Vec::new(), expected: 0, received: 0, at: (0, 0), carry: ([0; 4], 0) }
+    }
+
+    /// A sink that fills `blocks`, in order (a catch-up's fresh blocks).
+    pub(crate) fn over(blocks: Vec<&'a mut [f32]>) -> ShardSink<'a> {
+        let expected = blocks.iter().map(|b| b.len() as u64 * 4).sum();
+        ShardSink { blocks, expected, ..ShardSink::empty() }
     }
 
     /// One sink per part of `parts`, over disjoint pieces of `params`.
@@ -1079,7 +1085,7 @@ impl<'a> ShardSink<'a> {
     }
 
     /// Whether all the expected bytes arrived.
-    fn is_complete(&self) -> bool {
+    pub(crate) fn is_complete(&self) -> bool {
         self.received == self.expected
     }
 

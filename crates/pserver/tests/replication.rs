@@ -38,6 +38,7 @@ struct Env {
     shards: u32,
     len: usize,
     mode: Mode,
+    block_size: usize,
 }
 
 impl Env {
@@ -50,7 +51,7 @@ impl Env {
         let transport: Arc<dyn Transport> = Arc::new(MemTransport::new(MemNetwork::new()));
         let options = CoordinatorOptions { shards, replicas, pservers, rebalance, ..Default::default() };
         let cluster = Cluster::start_with(discovery.clone(), transport.clone(), options).await;
-        Env { discovery, transport, cluster, shards, len, mode }
+        Env { discovery, transport, cluster, shards, len, mode, block_size: 4 }
     }
 
     async fn pserver(&self) -> Pserver {
@@ -58,7 +59,7 @@ impl Env {
             keys: keys(),
             specs: specs(self.len),
             shards: self.shards,
-            block_size: 4,
+            block_size: self.block_size,
             mode: self.mode,
             optimizer: OptimizerConfig::Sgd { lr: 1.0 },
             lease_ttl: Duration::from_secs(30),
@@ -69,7 +70,7 @@ impl Env {
     }
 
     fn placement(&self) -> Arc<Placement> {
-        Arc::new(Placement::new(&specs(self.len), self.shards, 4).unwrap())
+        Arc::new(Placement::new(&specs(self.len), self.shards, self.block_size).unwrap())
     }
 
     fn client(&self, trainer: &str) -> PserverClient {
@@ -340,6 +341,39 @@ async fn a_dead_follower_is_dropped_the_shard_keeps_serving_and_a_new_pserver_ca
     let mut params = ParamBuf::zeros(&specs(16));
     trainer.pull(&mut params).await.unwrap();
     assert!(params.as_slice().iter().all(|&x| x == -5.0), "{:?}", params.as_slice());
+    assert_replicas_agree(&map, &[&survivor, &newcomer], &env.placement());
+}
+
+/// A shard larger than one snapshot part (3M floats, parts of at most 2M
+/// values) reaches a newcomer in several parts, each written straight into
+/// its blocks: every value arrives, once, in its place.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_catch_up_in_several_parts_restores_every_block() {
+    let len = 3 << 20;
+    let mut env = Env::new(1, 2, 2, len, Mode::Async).await;
+    env.block_size = 64 << 10;
+    let (a, b) = (env.pserver().await, env.pserver().await);
+    let map = env.cluster.wait_serving(&[&a, &b]).await;
+    env.wait_status("OK").await;
+    let mut trainer = env.client("t1");
+    // Each element's gradient is its index mod 1000, so a value out of
+    // place (a block or part shifted) shows.
+    let mut grads = ParamBuf::zeros(&specs(len));
+    grads.as_mut_slice().iter_mut().enumerate().for_each(|(i, g)| *g = (i % 1000) as f32);
+    trainer.push(&grads, 1.0).await.unwrap();
+    let (survivor, dead) = if map.primary(0) == Some(a.name()) { (a, b) } else { (b, a) };
+    env.kill(dead).await;
+    env.wait_status_because("UNHEALTHY", "fewer than 2 replicas").await;
+    trainer.push(&grads, 1.0).await.unwrap();
+
+    let newcomer = env.pserver().await;
+    let map = env.cluster.wait_serving(&[&survivor, &newcomer]).await;
+    env.wait_status("OK").await;
+    assert_eq!(newcomer.catch_up_bytes(), len as u64 * 4, "the shard's parameters, once");
+    let mut params = ParamBuf::zeros(&specs(len));
+    trainer.pull(&mut params).await.unwrap();
+    let wrong = params.as_slice().iter().enumerate().find(|&(i, &x)| x != -2.0 * (i % 1000) as f32);
+    assert_eq!(wrong, None, "(index, value) of the first value out of place");
     assert_replicas_agree(&map, &[&survivor, &newcomer], &env.placement());
 }
 

@@ -175,26 +175,35 @@ async fn call(
     request: &PsRequest,
     payload: &[&[u8]],
 ) -> ServiceResult<(PsReply, Bytes)> {
-    let conn = shared.connection(name).await?;
     let mut sink = Collected::default();
+    let reply = call_into(shared, name, request, payload, &mut sink).await?;
+    Ok((reply, Bytes::from(sink.0)))
+}
+
+/// [`call`] with the reply's payload written into `sink`.
+async fn call_into(
+    shared: &Shared,
+    name: &str,
+    request: &PsRequest,
+    payload: &[&[u8]],
+    sink: &mut dyn oar_transport::PayloadSink,
+) -> ServiceResult<PsReply> {
+    let conn = shared.connection(name).await?;
     let result = oar_transport::call_parts(
         conn.as_ref(),
         PSERVER_METHOD,
         request,
         payload,
-        &mut sink,
+        sink,
         shared.options.call_timeout,
     )
     .await;
-    match result {
-        Ok(reply) => Ok((reply, Bytes::from(sink.0))),
-        Err(e) => {
-            if !matches!(e, oar_transport::Error::Remote { .. }) {
-                shared.forget_connection(name);
-            }
-            Err(e.into())
+    result.map_err(|e| {
+        if !matches!(e, oar_transport::Error::Remote { .. }) {
+            shared.forget_connection(name);
         }
-    }
+        e.into()
+    })
 }
 
 /// A reply's payload, kept.
@@ -314,25 +323,48 @@ async fn catch_up(
     let history = super::handler::history_from(history).map_err(ServiceError::Protocol)?;
     let store = shared.new_store(shard, true)?;
     let state_slots = store.optimizer().state_slots();
+    // The primary cuts its snapshot's blocks into parts by the same rule
+    // (`part_ranges`) over the same blocks, so each block part's layout is
+    // known before it comes and its values go straight into fresh blocks.
+    let layout: Vec<(BlockId, usize)> = store.blocks().map(|(id, params, _)| (id, params.len())).collect();
+    let block_parts = cut_parts(layout.iter().map(|(_, len)| len * (1 + state_slots)));
     {
         let mut state = slot.state.lock().unwrap_or_else(PoisonError::into_inner);
         *state = SlotState::CatchingUp { catch_up: CatchUp::new(shard, version, upto, history, store) };
         shared.publish(slot, &state);
     }
-    // One part at a time: on the 2-core development machine two or four
-    // in flight made a 120 MB catch-up slower (BENCHMARKS.md, "Moving
-    // shards"), the copies competing for the same cores and memory.
+    // The next part is fetched while this one is restored. More in flight
+    // made a 120 MB catch-up slower on the 2-core development machine
+    // (BENCHMARKS.md, "Moving shards"): the copies compete for the cores.
+    let fetch = |part: u32| {
+        let fetch = PartFetch {
+            shared: shared.clone(),
+            primary: primary.to_string(),
+            shard,
+            version,
+            upto,
+            part,
+            state_slots,
+            blocks: block_parts.get(part as usize).map(|range| layout[range.clone()].to_vec()),
+        };
+        AbortOnDropHandle::new(tokio::spawn(fetch.run()))
+    };
+    let mut next = (parts > 0).then(|| fetch(0));
     for part in 0..parts {
-        let request = PsRequest::SnapshotPart { shard, follower: shared.name.clone(), upto, part };
-        let (reply, payload) = call(shared, primary, &request, &[]).await?;
-        shared.catch_up_bytes.fetch_add(payload.len() as u64, std::sync::atomic::Ordering::Relaxed);
-        super::metrics().catch_up_bytes.inc_by(payload.len() as u64);
-        let part = decode_part(&shared.placement, shard, version, upto, state_slots, reply, payload)?;
+        let Some(fetching) = next.take() else { break };
+        let (part_values, bytes) = fetching.await.map_err(|e| {
+            ServiceError::Protocol(format!("shard {shard}: fetching snapshot part {part} failed: {e}"))
+        })??;
+        if part + 1 < parts {
+            next = Some(fetch(part + 1));
+        }
+        shared.catch_up_bytes.fetch_add(bytes, std::sync::atomic::Ordering::Relaxed);
+        super::metrics().catch_up_bytes.inc_by(bytes);
         let mut state = slot.state.lock().unwrap_or_else(PoisonError::into_inner);
         let SlotState::CatchingUp { catch_up } = &mut *state else {
             return Err(ServiceError::Protocol(format!("shard {shard}: the catch-up was cancelled")));
         };
-        catch_up.part(part)?;
+        catch_up.part(part_values)?;
     }
     let deadline = tokio::time::Instant::now() + CATCH_UP_WAIT;
     let applied = loop {
@@ -373,6 +405,47 @@ async fn catch_up(
     // The primary learns it from the next forward's answer too.
     let _ = call(shared, primary, &request, &[]).await;
     Ok(())
+}
+
+/// One snapshot part to fetch from a shard's primary.
+struct PartFetch {
+    shared: Arc<Shared>,
+    primary: String,
+    shard: u32,
+    version: u64,
+    upto: u64,
+    part: u32,
+    state_slots: usize,
+    /// A block part's blocks (id, length), in order; `None` for a row part.
+    blocks: Option<Vec<(BlockId, usize)>>,
+}
+
+impl PartFetch {
+    /// The part and its payload's size. A block part's values are written
+    /// straight into fresh blocks as they arrive.
+    async fn run(self) -> ServiceResult<(SnapshotPart, u64)> {
+        let PartFetch { shared, primary, shard, version, upto, part, state_slots, blocks } = self;
+        let request = PsRequest::SnapshotPart { shard, follower: shared.name.clone(), upto, part };
+        let Some(blocks) = blocks else {
+            let (reply, payload) = call(&shared, &primary, &request, &[]).await?;
+            let bytes = payload.len() as u64;
+            let part = decode_part(&shared.placement, shard, version, upto, state_slots, reply, payload)?;
+            return Ok((part, bytes));
+        };
+        let mut blocks: Vec<(BlockId, Vec<f32>, Vec<f32>)> =
+            blocks.into_iter().map(|(id, len)| (id, vec![0.0; len], vec![0.0; len * state_slots])).collect();
+        let mut sink = crate::client::ShardSink::over(
+            blocks.iter_mut().flat_map(|(_, p, s)| [p.as_mut_slice(), s.as_mut_slice()]).collect(),
+        );
+        let reply = call_into(&shared, &primary, &request, &[], &mut sink).await?;
+        if !sink.is_complete() {
+            return Err(ServiceError::Protocol(format!(
+                "shard {shard}: snapshot part {part} came without its blocks' values"
+            )));
+        }
+        let bytes = blocks.iter().map(|(_, p, s)| (p.len() + s.len()) as u64 * 4).sum();
+        Ok((block_part(shard, version, upto, reply, blocks)?, bytes))
+    }
 }
 
 /// The gradient bytes of an update.
@@ -570,17 +643,23 @@ impl Cursor<'_> {
 /// The block positions of each part of `snapshot`: at most
 /// [`MAX_PART_FLOATS`] values (parameters and state) each, a larger block alone.
 pub(super) fn part_ranges(snapshot: &StoreSnapshot) -> Vec<Range<usize>> {
+    cut_parts(snapshot.blocks().map(|(_, params, state)| params.len() + state.slots.len()))
+}
+
+/// Parts of blocks of `sizes` values: runs of at most [`MAX_PART_FLOATS`]
+/// (a larger block alone), at least one part. A catch-up predicts the
+/// primary's parts with it, so both sides must cut by this one rule.
+fn cut_parts(sizes: impl IntoIterator<Item = usize>) -> Vec<Range<usize>> {
     let mut parts = Vec::new();
-    let (mut start, mut floats) = (0, 0);
-    for (i, (_, params, state)) in snapshot.blocks().enumerate() {
-        let size = params.len() + state.slots.len();
+    let (mut start, mut floats, mut end) = (0, 0, 0);
+    for (i, size) in sizes.into_iter().enumerate() {
         if i > start && floats + size > MAX_PART_FLOATS {
             parts.push(start..i);
             (start, floats) = (i, 0);
         }
         floats += size;
+        end = i + 1;
     }
-    let end = snapshot.blocks().len();
     if end > start || parts.is_empty() {
         parts.push(start..end);
     }
@@ -661,6 +740,48 @@ pub(super) fn encode_part(
         rows,
     };
     (reply, payload.freeze())
+}
+
+/// A block part of a snapshot: the reply's metadata and the blocks its
+/// payload was written into, which must be the blocks the reply names.
+fn block_part(
+    shard: u32,
+    map_version: u64,
+    upto: u64,
+    reply: PsReply,
+    fetched: Vec<(BlockId, Vec<f32>, Vec<f32>)>,
+) -> ServiceResult<SnapshotPart> {
+    let PsReply::SnapshotPart { step, pushes, members, blocks, last_seqs, origins, row_parts, rows } = reply
+    else {
+        return Err(ServiceError::Protocol(format!("a snapshot part answered with {reply:?}")));
+    };
+    let named: Vec<BlockId> = blocks.iter().map(|(id, _)| *id).collect();
+    let expected: Vec<BlockId> = fetched.iter().map(|(id, ..)| *id).collect();
+    if named != expected || rows.is_some() {
+        return Err(ServiceError::Protocol(format!(
+            "shard {shard}: a snapshot part holds blocks {named:?}{}, expected blocks {expected:?} \
+             (do both pservers run the same version?)",
+            if rows.is_some() { " and rows" } else { "" }
+        )));
+    }
+    let blocks = blocks
+        .into_iter()
+        .zip(fetched)
+        .map(|((id, step), (_, params, slots))| (id, params, OptimizerState { step, slots }))
+        .collect();
+    Ok(SnapshotPart {
+        shard,
+        map_version,
+        upto,
+        step,
+        pushes,
+        members,
+        blocks,
+        last_seqs,
+        origins: *origins,
+        row_parts,
+        rows: None,
+    })
 }
 
 /// A snapshot part from a [`PsReply::SnapshotPart`] and its payload.
