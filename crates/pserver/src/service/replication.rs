@@ -742,33 +742,24 @@ pub(super) fn encode_part(
     (reply, payload.freeze())
 }
 
-/// A block part of a snapshot: the reply's metadata and the blocks its
-/// payload was written into, which must be the blocks the reply names.
-fn block_part(
+/// The blocks and rows of a snapshot part, from the blocks (id, state
+/// step) and the rows its reply names.
+type PartValues = (Vec<(BlockId, Vec<f32>, OptimizerState)>, Option<RowChunk>);
+
+/// A [`SnapshotPart`] from a [`PsReply::SnapshotPart`]'s metadata, with its
+/// values from `values`.
+fn snapshot_part(
     shard: u32,
     map_version: u64,
     upto: u64,
     reply: PsReply,
-    fetched: Vec<(BlockId, Vec<f32>, Vec<f32>)>,
+    values: impl FnOnce(Vec<(BlockId, u64)>, Option<RowsPart>) -> ServiceResult<PartValues>,
 ) -> ServiceResult<SnapshotPart> {
     let PsReply::SnapshotPart { step, pushes, members, blocks, last_seqs, origins, row_parts, rows } = reply
     else {
         return Err(ServiceError::Protocol(format!("a snapshot part answered with {reply:?}")));
     };
-    let named: Vec<BlockId> = blocks.iter().map(|(id, _)| *id).collect();
-    let expected: Vec<BlockId> = fetched.iter().map(|(id, ..)| *id).collect();
-    if named != expected || rows.is_some() {
-        return Err(ServiceError::Protocol(format!(
-            "shard {shard}: a snapshot part holds blocks {named:?}{}, expected blocks {expected:?} \
-             (do both pservers run the same version?)",
-            if rows.is_some() { " and rows" } else { "" }
-        )));
-    }
-    let blocks = blocks
-        .into_iter()
-        .zip(fetched)
-        .map(|((id, step), (_, params, slots))| (id, params, OptimizerState { step, slots }))
-        .collect();
+    let (blocks, rows) = values(blocks, rows)?;
     Ok(SnapshotPart {
         shard,
         map_version,
@@ -780,7 +771,35 @@ fn block_part(
         last_seqs,
         origins: *origins,
         row_parts,
-        rows: None,
+        rows,
+    })
+}
+
+/// A block part of a snapshot: the reply's metadata and the blocks its
+/// payload was written into, which must be the blocks the reply names.
+fn block_part(
+    shard: u32,
+    map_version: u64,
+    upto: u64,
+    reply: PsReply,
+    fetched: Vec<(BlockId, Vec<f32>, Vec<f32>)>,
+) -> ServiceResult<SnapshotPart> {
+    snapshot_part(shard, map_version, upto, reply, |blocks, rows| {
+        let named: Vec<BlockId> = blocks.iter().map(|(id, _)| *id).collect();
+        let expected: Vec<BlockId> = fetched.iter().map(|(id, ..)| *id).collect();
+        if named != expected || rows.is_some() {
+            return Err(ServiceError::Protocol(format!(
+                "shard {shard}: a snapshot part holds blocks {named:?}{}, expected blocks {expected:?} \
+                 (do both pservers run the same version?)",
+                if rows.is_some() { " and rows" } else { "" }
+            )));
+        }
+        let blocks = blocks
+            .into_iter()
+            .zip(fetched)
+            .map(|((id, step), (_, params, slots))| (id, params, OptimizerState { step, slots }))
+            .collect();
+        Ok((blocks, None))
     })
 }
 
@@ -794,69 +813,57 @@ fn decode_part(
     reply: PsReply,
     payload: Bytes,
 ) -> ServiceResult<SnapshotPart> {
-    let PsReply::SnapshotPart { step, pushes, members, blocks, last_seqs, origins, row_parts, rows } = reply
-    else {
-        return Err(ServiceError::Protocol(format!("a snapshot part answered with {reply:?}")));
-    };
-    let mut at = 0usize;
-    let mut floats = |n: usize| -> ServiceResult<Vec<f32>> {
-        let end = at + n * 4;
-        let bytes = payload.get(at..end).ok_or_else(|| {
-            ServiceError::Protocol(format!(
-                "a snapshot part's payload ends at {} bytes, before {end}",
-                payload.len()
-            ))
-        })?;
-        at = end;
-        Ok(oar_transport::bytes_to_f32s(bytes)?)
-    };
-    let mut out = Vec::with_capacity(blocks.len());
-    for (id, state_step) in blocks {
-        let len = placement.block(id).filter(|b| b.server == shard).map(|b| b.len).ok_or_else(|| {
-            ServiceError::Protocol(format!("a snapshot part names block {id}, which is not of shard {shard}"))
-        })?;
-        let params = floats(len)?;
-        let slots = floats(len * state_slots)?;
-        out.push((id, params, OptimizerState { step: state_step, slots }));
-    }
-    let rows = match rows {
-        None => None,
-        Some(RowsPart { table, index, rows, candidates, stats }) => {
-            let dim = placement.tables().get(table as usize).map(|t| t.dim).ok_or_else(|| {
+    snapshot_part(shard, map_version, upto, reply, |blocks, rows| {
+        let mut at = 0usize;
+        let mut floats = |n: usize| -> ServiceResult<Vec<f32>> {
+            let end = at + n * 4;
+            let bytes = payload.get(at..end).ok_or_else(|| {
                 ServiceError::Protocol(format!(
-                    "a snapshot part names sparse table #{table}, which does not exist"
+                    "a snapshot part's payload ends at {} bytes, before {end}",
+                    payload.len()
                 ))
             })?;
-            let mut out = Vec::with_capacity(rows.len());
-            for (id, step, count, last_seen) in rows {
-                let params = floats(dim)?;
-                let slots = floats(dim * state_slots)?;
-                out.push((id, params, step, slots, count, last_seen));
-            }
-            let candidates = candidates
-                .into_iter()
-                .map(|(id, count, last_seen)| crate::sparse::Candidate { id, count, last_seen })
-                .collect();
-            Some(RowChunk { table, index, rows: out, candidates, stats })
+            at = end;
+            Ok(oar_transport::bytes_to_f32s(bytes)?)
+        };
+        let mut out = Vec::with_capacity(blocks.len());
+        for (id, state_step) in blocks {
+            let len = placement.block(id).filter(|b| b.server == shard).map(|b| b.len).ok_or_else(|| {
+                ServiceError::Protocol(format!(
+                    "a snapshot part names block {id}, which is not of shard {shard}"
+                ))
+            })?;
+            let params = floats(len)?;
+            let slots = floats(len * state_slots)?;
+            out.push((id, params, OptimizerState { step: state_step, slots }));
         }
-    };
-    if at != payload.len() {
-        return Err(ServiceError::Protocol(format!(
-            "{} bytes after a snapshot part's last block",
-            payload.len() - at
-        )));
-    }
-    Ok(SnapshotPart {
-        shard,
-        map_version,
-        upto,
-        step,
-        pushes,
-        members,
-        blocks: out,
-        last_seqs,
-        origins: *origins,
-        row_parts,
-        rows,
+        let rows = match rows {
+            None => None,
+            Some(RowsPart { table, index, rows, candidates, stats }) => {
+                let dim = placement.tables().get(table as usize).map(|t| t.dim).ok_or_else(|| {
+                    ServiceError::Protocol(format!(
+                        "a snapshot part names sparse table #{table}, which does not exist"
+                    ))
+                })?;
+                let mut out = Vec::with_capacity(rows.len());
+                for (id, step, count, last_seen) in rows {
+                    let params = floats(dim)?;
+                    let slots = floats(dim * state_slots)?;
+                    out.push((id, params, step, slots, count, last_seen));
+                }
+                let candidates = candidates
+                    .into_iter()
+                    .map(|(id, count, last_seen)| crate::sparse::Candidate { id, count, last_seen })
+                    .collect();
+                Some(RowChunk { table, index, rows: out, candidates, stats })
+            }
+        };
+        if at != payload.len() {
+            return Err(ServiceError::Protocol(format!(
+                "{} bytes after a snapshot part's last block",
+                payload.len() - at
+            )));
+        }
+        Ok((out, rows))
     })
 }
