@@ -43,8 +43,7 @@ pub(crate) struct BoundedSegments {
 impl BoundedSegments {
     /// Wrap `inner` for datagrams of at most `largest_segment` bytes.
     pub(crate) fn new(inner: Arc<dyn AsyncUdpSocket>, largest_segment: usize) -> BoundedSegments {
-        let max_segments = inner.max_transmit_segments().min(segments_per_send(largest_segment));
-        BoundedSegments { inner, max_segments }
+        BoundedSegments { inner, max_segments: segments_per_send(largest_segment) }
     }
 }
 
@@ -71,7 +70,9 @@ impl AsyncUdpSocket for BoundedSegments {
     }
 
     fn max_transmit_segments(&self) -> usize {
-        self.max_segments
+        // Asked before every send: the socket's own count drops to 1 if
+        // the kernel turns out not to support GSO after all.
+        self.inner.max_transmit_segments().min(self.max_segments)
     }
 
     fn max_receive_segments(&self) -> usize {
