@@ -26,7 +26,12 @@ const LONG: Duration = Duration::from_secs(120);
 fn a_job_of_separate_processes_trains_a1a() {
     let cluster = Cluster::start("a1a");
     // Pservers and trainers first: they wait for the master's options.
-    let mut pservers: Vec<_> = (0..2).map(|i| cluster.pserver(&format!("pserver-{i}"), 1.0)).collect();
+    // One pserver with a fixed MTU for peers off this host (on loopback the
+    // loopback tuning applies): the flag reaches the transport and harms nothing.
+    let mut pservers = vec![
+        cluster.pserver("pserver-0", 1.0),
+        cluster.pserver_with("pserver-1", 1.0, &cluster.etcd.endpoint(), &["--mtu", "8952"]),
+    ];
     let mut trainers: Vec<_> = (0..3).map(|i| cluster.trainer(&format!("trainer-{i}"))).collect();
     let mut master = cluster.master("master", &a1a_job());
 
@@ -119,6 +124,20 @@ fn a_standby_master_takes_over_when_the_first_is_killed() {
     assert!(tasks >= 12 * 25, "a1a in 4 KiB chunks is over 25 tasks a pass: {report}");
     assert!(report["test_accuracy"].as_f64().unwrap() >= 0.8, "{report}");
     assert!(standby.stderr().contains("restored the task queue"), "{}", standby.dump());
+}
+
+#[test]
+fn an_mtu_out_of_range_is_refused_by_name() {
+    for (mtu, why) in [("100", "1200..=65527"), ("70000", "1200..=65527"), ("jumbo", "invalid digit")] {
+        let out = std::process::Command::new(support::example("pserver"))
+            .args(["--etcd", "http://127.0.0.1:1", "--job", "j", "--ca", "ca", "--cert", "c", "--key", "k"])
+            .args(["--mtu", mtu])
+            .output()
+            .unwrap();
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.code(), Some(2), "{stderr}");
+        assert!(stderr.contains("--mtu") && stderr.contains(why), "--mtu {mtu}: {stderr}");
+    }
 }
 
 #[test]

@@ -631,6 +631,7 @@ mod cluster {
         role::{default_id, RoleOptions},
         ConnectOptions, JobContext,
     };
+    use oar::transport::{PathTuning, QuicOptions};
     use std::{path::PathBuf, time::Duration};
 
     /// How every role of a job connects: etcd, the job's name, where to
@@ -676,6 +677,10 @@ mod cluster {
         /// Serve Prometheus metrics at this address (http://ADDR/metrics; port 0 picks one).
         #[arg(long)]
         pub metrics: Option<String>,
+        /// UDP payload size towards peers off this host, for a network with
+        /// jumbo frames: its MTU less 48 (8952 for 9000). Default: MTU discovery from 1200.
+        #[arg(long, value_parser = clap::value_parser!(u16).range(1200..=65527))]
+        pub mtu: Option<u16>,
     }
 
     impl ConnArgs {
@@ -688,6 +693,10 @@ mod cluster {
                 ca: self.ca.clone(),
                 cert: self.cert.clone(),
                 key: self.key.clone(),
+                quic: QuicOptions {
+                    network: PathTuning { mtu: self.mtu, ..QuicOptions::default().network },
+                    ..QuicOptions::default()
+                },
             };
             Ok(JobContext::connect(&options).await?)
         }

@@ -75,7 +75,7 @@ mod cluster {
     use super::JobContext;
     use crate::Result;
     use oar_discovery::EtcdDiscovery;
-    use oar_transport::{QuicTransport, TlsConfig};
+    use oar_transport::{QuicOptions, QuicTransport, TlsConfig};
     use std::{path::PathBuf, sync::Arc};
 
     /// How a process of a cluster job connects: etcd, the job's name, where
@@ -94,6 +94,9 @@ mod cluster {
         pub cert: PathBuf,
         /// This process's private key.
         pub key: PathBuf,
+        /// The QUIC transport's tuning and limits, e.g. a fixed MTU for a
+        /// network with jumbo frames (`network.mtu`).
+        pub quic: QuicOptions,
     }
 
     impl JobContext {
@@ -101,7 +104,7 @@ mod cluster {
         /// the PEM files (feature `etcd`).
         pub async fn connect(options: &ConnectOptions) -> Result<JobContext> {
             let tls = TlsConfig::from_pem_files(&options.ca, &options.cert, &options.key)?;
-            let transport = Arc::new(QuicTransport::new(tls)?);
+            let transport = Arc::new(QuicTransport::with_options(tls, options.quic.clone())?);
             let discovery = Arc::new(EtcdDiscovery::connect(&options.etcd).await?);
             Ok(JobContext::new(options.job.clone(), discovery, transport, options.listen.clone()))
         }
