@@ -942,8 +942,16 @@ struct MasterHandler {
 }
 
 impl MasterHandler {
-    fn get_task(&self, trainer: &str) -> TaskReply {
+    fn get_task(&self, trainer: &str) -> std::result::Result<TaskReply, RemoteError> {
         let mut core = self.shared.core();
+        // Checked again now that the queue is held: the handler may have
+        // waited for it (the writer takes it to start a snapshot) through a
+        // pause past the lease, and a task handed out then is one a standby
+        // may hand out too.
+        if !self.lease.is_valid() {
+            drop(core);
+            return Err(self.lease_lost());
+        }
         let now = Instant::now();
         let reply = match core.queue.get_task(trainer, now) {
             GetTask::Assigned(a) => TaskReply::Assigned {
@@ -960,7 +968,14 @@ impl MasterHandler {
             tracing::info!(trainer, task = task_ref.task.0, pass = task_ref.pass, "task assigned");
             self.shared.changed(&mut core, false);
         }
-        reply
+        Ok(reply)
+    }
+
+    /// Stop serving: the lease may have expired. The error for the caller.
+    fn lease_lost(&self) -> RemoteError {
+        let why = "the master's lease may have expired (no refresh within its ttl)";
+        self.shared.stop(why.into());
+        RemoteError::unavailable(format!("master is not serving: {why}"))
     }
 
     /// Apply a report, then wait until it is durable before acknowledging it.
@@ -1007,7 +1022,7 @@ impl MasterHandler {
 impl Handler for MasterHandler {
     async fn handle(&self, request: Frame) -> std::result::Result<Frame, RemoteError> {
         if !self.lease.is_valid() {
-            self.shared.stop("the master's lease may have expired (no refresh within its ttl)".into());
+            return Err(self.lease_lost());
         }
         if let Some(why) = self.shared.stopped_reason() {
             return Err(RemoteError::unavailable(format!("master is not serving: {why}")));
@@ -1017,7 +1032,7 @@ impl Handler for MasterHandler {
         }
         let reply = match request.meta::<MasterRequest>()? {
             MasterRequest::GetTask { trainer } => {
-                Frame::new(MASTER_METHOD, &self.get_task(&trainer), Bytes::new())
+                Frame::new(MASTER_METHOD, &self.get_task(&trainer)?, Bytes::new())
             }
             MasterRequest::TaskFinished { trainer, task_ref, stats } => {
                 let reply = self
