@@ -1137,6 +1137,58 @@ mod tests {
         assert_eq!(all, (0..1024).map(chunk).collect::<Vec<_>>(), "every chunk once, in order");
     }
 
+    /// A get_task that passed the handler's lease check and then waited
+    /// for the queue (held by the writer) while the lease went hands out
+    /// nothing, and the master stops serving.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_task_is_not_handed_out_once_the_lease_went_while_waiting_for_the_queue() {
+        let discovery: Arc<dyn Discovery> = Arc::new(oar_discovery::MemDiscovery::new());
+        let session = Session::start(discovery, Duration::from_secs(30)).await.unwrap();
+        let chunk = crate::Chunk { path: "/d/f".into(), start: 0, end: 10 };
+        let tasks = crate::tasks_from_chunks(vec![chunk], 1).unwrap();
+        let queue = TaskQueue::new(tasks, crate::QueueConfig::default()).unwrap();
+        let core =
+            Core { queue, passes: Vec::new(), discarded: Vec::new(), stream: None, arrivals: HashMap::new() };
+        let status = core.status();
+        let shared = Arc::new(Shared {
+            queue: Mutex::new(core),
+            dirty: Notify::new(),
+            persisted: watch::channel(0).0,
+            stopped: watch::channel(None).0,
+            status: watch::channel(status).0,
+        });
+        let handler = Arc::new(MasterHandler {
+            shared: shared.clone(),
+            lease: session.guard(),
+            ack_timeout: Duration::from_secs(1),
+            wait_hint: Duration::from_millis(10),
+        });
+        // The writer holds the queue until told to let go.
+        let (locked_tx, locked_rx) = std::sync::mpsc::channel();
+        let (release_tx, release_rx) = std::sync::mpsc::channel::<()>();
+        let writer = std::thread::spawn({
+            let shared = shared.clone();
+            move || {
+                let _held = shared.core();
+                locked_tx.send(()).unwrap();
+                release_rx.recv().unwrap();
+            }
+        });
+        locked_rx.recv().unwrap();
+        let asking = std::thread::spawn({
+            let handler = handler.clone();
+            move || handler.get_task("trainer-0")
+        });
+        std::thread::sleep(Duration::from_millis(50));
+        session.close().await.unwrap();
+        release_tx.send(()).unwrap();
+        writer.join().unwrap();
+        let reply = asking.join().unwrap();
+        assert!(reply.is_err(), "a task was handed out without a lease: {reply:?}");
+        assert!(shared.stopped_reason().is_some_and(|why| why.contains("lease")));
+        assert_eq!(shared.core().queue.status().todo, 1, "the task is still to do");
+    }
+
     #[test]
     fn the_state_is_listed_from_the_prefix_its_keys_share() {
         let keys = MasterKeys {
