@@ -933,7 +933,8 @@ async fn trainer_watcher(mut departures: Departures, shared: Arc<Shared>) {
 
 struct MasterHandler {
     shared: Arc<Shared>,
-    /// Checked before every request: a master whose lease may have expired
+    /// Checked before every request, and again under the queue's lock
+    /// before a task is handed out: a master whose lease may have expired
     /// (paused past its ttl) must not hand out tasks a standby now owns.
     lease: LeaseGuard,
     ack_timeout: Duration,
