@@ -599,7 +599,6 @@ pub fn shutdown_on_signals() -> Result<CancellationToken, BoxError> {
     Ok(token)
 }
 
-/// Exit 2 with the error on stderr.
 /// Run `main` to its end on a [`runtime`] of `workers` threads, and exit
 /// as [`exit_with`] says.
 pub fn run_on<F>(workers: usize, main: F) -> ExitCode
@@ -609,6 +608,7 @@ where
     exit_with(runtime(workers).map_err(BoxError::from).and_then(|runtime| runtime.block_on(main)))
 }
 
+/// The exit code of `result`; an error exits 2, with the error on stderr.
 pub fn exit_with(result: Result<ExitCode, BoxError>) -> ExitCode {
     match result {
         Ok(code) => code,

@@ -67,10 +67,11 @@
 //! updated (every member pushed them) and the part that completes the step
 //! once the step is replicated, so the whole push is answered when its step
 //! is complete and replicated. A follower keeps the push deduplication
-//! table, so a push retried on a new primary is applied once. The [`Coordinator`] (the master runs it, under
-//! the master's fence) writes the map: when a primary's registration (its
-//! lease) goes, the follower that has applied the most and knows the current
-//! map becomes primary in a new epoch; a dead follower is dropped, and the
+//! table, so a push retried on a new primary is applied once. The
+//! [`Coordinator`] (the master runs it, under the master's fence) writes
+//! the map: when a primary's registration (its lease) goes, the follower
+//! that has applied the most and knows the current map becomes primary in
+//! a new epoch; a dead follower is dropped, and the
 //! cluster status (`pserver_cluster_status`) says UNHEALTHY until a
 //! replacement has caught up (a snapshot streamed in parts while pushes go
 //! on, then the tail). A primary that is paused or cut off past its lease

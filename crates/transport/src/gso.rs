@@ -24,11 +24,11 @@ use std::{
 
 /// The largest UDP payload one send may carry (IPv4: 65,535 less the IP and
 /// UDP headers; IPv6 allows 20 bytes more, and this is the bound for both).
-pub(crate) const MAX_SEND: usize = 65_507;
+const MAX_SEND: usize = 65_507;
 
 /// How many datagrams of `segment` bytes fit in one send: at least one
 /// (GSO is then simply not used).
-pub(crate) fn segments_per_send(segment: usize) -> usize {
+fn segments_per_send(segment: usize) -> usize {
     (MAX_SEND / segment.max(1)).max(1)
 }
 
