@@ -11,14 +11,17 @@ use std::sync::{Arc, Mutex, PoisonError, Weak};
 
 use crate::{Error, Result};
 
-/// Payloads from this size up (32 MiB) are received into pooled buffers by
-/// default. glibc's malloc maps every buffer this large afresh, but keeps
-/// smaller ones for reuse itself once one has been freed (its mmap
-/// threshold follows freed buffers up to 32 MiB). Pooling those too made
-/// 4 MiB calls slower: the threshold then never rose, and glibc kept
-/// handing quinn's per-datagram buffers back to the kernel (up to 5x the
-/// page faults).
-pub const DEFAULT_POOLED_FROM: usize = 32 << 20;
+/// Payloads from this size up (4 MiB) are received into pooled buffers by
+/// default. glibc's malloc maps a buffer this large afresh, or takes it
+/// from a thread arena that it trims again once the buffer is freed: either
+/// way every call faults its memory in anew (a pserver's 8 MiB push parts:
+/// 3% of `bench_push_pull`'s CPU in faults). Pooling from 64 KiB made
+/// 4 MiB calls slower: glibc's mmap threshold, which follows freed
+/// buffers, then never rose, and glibc kept handing quinn's per-datagram
+/// buffers back to the kernel (up to 5x the page faults). From 4 MiB
+/// calls of 4 MiB were no slower (six alternated runs of `bench_transport
+/// --sizes 1`: median 0.90 of raw TCP against 0.77 pooling from 32 MiB).
+pub const DEFAULT_POOLED_FROM: usize = 4 << 20;
 
 /// At most this many buffers are kept idle, whatever their sizes: it bounds
 /// the search for a fitting one.
@@ -96,6 +99,16 @@ impl BufferPool {
         self.inner.lock().buffers.len()
     }
 
+    /// A buffer to assemble an outgoing payload in, with room for
+    /// `capacity` bytes: an idle one that fits, or a fresh one (as for a
+    /// received frame). [`PooledBuf::freeze`] makes it the payload's
+    /// [`Bytes`], and the buffer comes back when the last clone is dropped
+    /// (for a reply, once the peer has acknowledged it). An error instead
+    /// of an abort when memory is short.
+    pub fn writer(&self, capacity: usize) -> Result<PooledBuf> {
+        self.take(capacity as u64).map(PooledBuf)
+    }
+
     /// An empty buffer with room for `len` bytes: an idle one that fits
     /// (the smallest of at most twice `len`), or a fresh one. An error
     /// instead of an abort when memory is short.
@@ -169,6 +182,33 @@ fn alloc_exact(len: u64) -> Result<Vec<u8>> {
     let mut v: Vec<u8> = Vec::new();
     v.try_reserve_exact(n).map_err(|_| Error::OutOfMemory { bytes: len })?;
     Ok(v)
+}
+
+/// An outgoing payload being assembled in a buffer from a [`BufferPool`]
+/// ([`BufferPool::writer`]).
+#[derive(Debug)]
+pub struct PooledBuf(Lent);
+
+impl PooledBuf {
+    /// Append `bytes` (growing the buffer past its capacity if need be).
+    pub fn extend_from_slice(&mut self, bytes: &[u8]) {
+        self.0.buffer.extend_from_slice(bytes);
+    }
+
+    /// Bytes written so far.
+    pub fn len(&self) -> usize {
+        self.0.len()
+    }
+
+    /// Whether nothing was written.
+    pub fn is_empty(&self) -> bool {
+        self.0.len() == 0
+    }
+
+    /// What was written, as one [`Bytes`] that owns the buffer.
+    pub fn freeze(self) -> Bytes {
+        self.0.into_bytes()
+    }
 }
 
 /// A payload buffer being filled by a decoder: lent by a pool (and given
@@ -299,6 +339,32 @@ mod tests {
         let off = BufferPool::new(0).pooling_from(0);
         drop(filled(&off, 1000));
         assert_eq!(off.idle_buffers(), 0);
+    }
+
+    #[test]
+    fn a_written_payload_gives_its_buffer_back_once_dropped() {
+        let pool = BufferPool::new(1 << 20).pooling_from(0);
+        let mut out = pool.writer(1000).unwrap();
+        assert!(out.is_empty());
+        out.extend_from_slice(&[1; 600]);
+        out.extend_from_slice(&[2; 400]);
+        assert_eq!(out.len(), 1000);
+        let first = out.freeze();
+        let at = first.as_ptr();
+        assert_eq!((first[599], first[600], first.len()), (1, 2, 1000));
+        assert_eq!(pool.idle_buffers(), 0, "lent out while the payload lives");
+        drop(first);
+        assert_eq!(pool.idle_buffers(), 1);
+        // The next payload that fits is written into the same memory.
+        let mut again = pool.writer(800).unwrap();
+        again.extend_from_slice(&[3; 800]);
+        let again = again.freeze();
+        assert_eq!(again.as_ptr(), at);
+        assert!(again.iter().all(|b| *b == 3));
+        // Written past its capacity, a buffer grows rather than failing.
+        let mut grown = BufferPool::new(0).writer(4).unwrap();
+        grown.extend_from_slice(&[9; 10]);
+        assert_eq!(grown.freeze().len(), 10);
     }
 
     #[test]

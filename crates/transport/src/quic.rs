@@ -81,13 +81,14 @@ pub struct QuicOptions {
     pub socket_buffer: usize,
     /// Idle receive buffers kept for reuse, at most this many bytes per
     /// transport (its server and client sides share them; see
-    /// [`wire::BufferPool`]). A payload of 32 MiB or more is received into
-    /// a kept buffer of up to twice its size when there is one, so a large
-    /// call does not fault a fresh buffer in and unmap it again (38% of a
-    /// 256 MiB call's CPU); malloc already reuses smaller ones. The
-    /// default, 512 MiB, keeps the buffers of a 256 MiB call and of the
-    /// same call split over 4 streams; a process that receives no payload
-    /// of 32 MiB keeps nothing. 0 turns reuse off.
+    /// [`wire::BufferPool`]). A payload of 4 MiB or more
+    /// ([`wire::DEFAULT_POOLED_FROM`]) is received into a kept buffer of
+    /// up to twice its size when there is one, so a large call does not
+    /// fault a fresh buffer in and unmap it again (38% of a 256 MiB call's
+    /// CPU). The default, 512 MiB, keeps the buffers of a 256 MiB call and
+    /// of the same call split over 4 streams (at most 16 buffers are kept
+    /// whatever their sizes); a process that receives no payload of 4 MiB
+    /// keeps nothing. 0 turns reuse off.
     pub receive_pool: usize,
     /// Tuning when the peer is a loopback address: fixed 65000-byte
     /// datagrams without GSO (MTU discovery never left 1200 bytes there,

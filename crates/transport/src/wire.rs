@@ -25,7 +25,7 @@
 //! [`BufferPool`] instead (the same checks come first), and the frame's
 //! payload gives it back when dropped.
 
-pub use crate::pool::{BufferPool, DEFAULT_POOLED_FROM};
+pub use crate::pool::{BufferPool, PooledBuf, DEFAULT_POOLED_FROM};
 use crate::{pool::Lent, Error, Frame, Result};
 use bytes::{Bytes, BytesMut};
 

@@ -105,7 +105,7 @@ async fn large_payloads_are_received_into_reused_buffers() {
     let conn = client.connect(&server.addr()).await.unwrap();
     // Server side: the handler drops each request before it answers, so
     // the next one lands in the same memory (down to half its size). Only
-    // payloads from DEFAULT_POOLED_FROM (32 MiB) up are pooled.
+    // payloads from DEFAULT_POOLED_FROM (4 MiB) up are pooled.
     let address = |len: usize| {
         let conn = conn.clone();
         async move {

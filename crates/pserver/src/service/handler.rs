@@ -321,10 +321,10 @@ impl PsHandler {
     fn params(&self, store: &ParamStore, span: BlockSpan) -> Reply<Bytes> {
         let blocks = self.span(store.server(), span)?;
         let total: usize = blocks.iter().map(|b| b.len).sum();
-        let mut payload = BytesMut::with_capacity(total * 4);
+        let mut payload = self.shared.reply_pool.writer(total * 4).map_err(RemoteError::internal)?;
         for block in blocks {
             let values = store.block(block.id).map_err(RemoteError::internal)?;
-            oar_transport::put_f32s(&mut payload, values);
+            payload.extend_from_slice(&oar_transport::f32s_as_le_bytes(values));
         }
         let m = metrics();
         m.pulls.inc();

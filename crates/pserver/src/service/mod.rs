@@ -400,7 +400,16 @@ struct Shared {
     released: AtomicBool,
     /// Held while a checkpoint file is written.
     saving: Mutex<()>,
+    /// Buffers for pull replies, kept once the trainer has acknowledged
+    /// them, so that a reply part of several MiB is written into memory
+    /// already faulted in (see [`REPLY_POOL_BYTES`]).
+    reply_pool: oar_transport::wire::BufferPool,
 }
+
+/// The most idle memory a pserver keeps for pull replies: eight of the
+/// client's largest parts (8 MiB). Replies under the pool's threshold
+/// ([`oar_transport::wire::DEFAULT_POOLED_FROM`]) are not kept.
+const REPLY_POOL_BYTES: usize = 64 << 20;
 
 impl Shared {
     /// Stop serving for good (the first reason is kept and logged).
@@ -658,6 +667,7 @@ impl Pserver {
             catch_up_bytes: AtomicU64::new(0),
             role_changed: Notify::new(),
             saving: Mutex::new(()),
+            reply_pool: oar_transport::wire::BufferPool::new(REPLY_POOL_BYTES),
             options,
         });
         let listener =
