@@ -686,7 +686,13 @@ impl PsHandler {
         })?;
         let row_parts = snapshot.row_parts.len() as u32;
         let (reply, payload) = match snapshot.parts.get(part as usize) {
-            Some(range) => replication::encode_part(&snapshot.snapshot, range.clone(), row_parts, None),
+            Some(range) => replication::encode_part(
+                &snapshot.snapshot,
+                range.clone(),
+                row_parts,
+                None,
+                &self.shared.reply_pool,
+            ),
             None => {
                 let index = (part as usize).saturating_sub(snapshot.parts.len());
                 let rows = snapshot.row_parts.get(index).cloned().ok_or_else(|| {
@@ -697,7 +703,8 @@ impl PsHandler {
                 })?;
                 replication::encode_row_part(&snapshot.snapshot, row_parts, index as u32, rows)
             }
-        };
+        }
+        .map_err(RemoteError::internal)?;
         Frame::new(PSERVER_METHOD, &reply, payload).map_err(RemoteError::internal)
     }
 

@@ -11,6 +11,7 @@ use crate::{
     BlockId, CompletedStep, Grad, OptimizerState, Placement, Push, RowGrads, StoreSnapshot,
 };
 use bytes::{Bytes, BytesMut};
+use oar_transport::wire::BufferPool;
 use std::{
     borrow::Cow,
     ops::Range,
@@ -696,7 +697,7 @@ pub(super) fn encode_row_part(
     row_parts: u32,
     index: u32,
     (table, range): (u32, Range<usize>),
-) -> (PsReply, Bytes) {
+) -> Result<(PsReply, Bytes), oar_transport::Error> {
     let t = &snapshot.tables()[table as usize];
     let first = range.start == 0;
     let mut payload = BytesMut::new();
@@ -711,23 +712,25 @@ pub(super) fn encode_row_part(
         false => Vec::new(),
     };
     let part = RowsPart { table, index, rows, candidates, stats: first.then(|| t.stats()) };
-    let (reply, _) = encode_part(snapshot, 0..0, row_parts, Some(part));
-    (reply, payload.freeze())
+    let (reply, _) = encode_part(snapshot, 0..0, row_parts, Some(part), &BufferPool::new(0))?;
+    Ok((reply, payload.freeze()))
 }
 
-/// Part `range` of `snapshot`: per block its parameters then its state's slots.
+/// Part `range` of `snapshot`: per block its parameters then its state's
+/// slots, written into a buffer of `pool` when there is one.
 pub(super) fn encode_part(
     snapshot: &StoreSnapshot,
     range: Range<usize>,
     row_parts: u32,
     rows: Option<RowsPart>,
-) -> (PsReply, Bytes) {
+    pool: &BufferPool,
+) -> Result<(PsReply, Bytes), oar_transport::Error> {
     let blocks: Vec<_> = snapshot.blocks().skip(range.start).take(range.len()).collect();
     let floats: usize = blocks.iter().map(|(_, p, s)| p.len() + s.slots.len()).sum();
-    let mut payload = BytesMut::with_capacity(floats * 4);
+    let mut payload = pool.writer(floats * 4)?;
     for (_, params, state) in &blocks {
-        oar_transport::put_f32s(&mut payload, params);
-        oar_transport::put_f32s(&mut payload, &state.slots);
+        payload.extend_from_slice(&oar_transport::f32s_as_le_bytes(params));
+        payload.extend_from_slice(&oar_transport::f32s_as_le_bytes(&state.slots));
     }
     let reply = PsReply::SnapshotPart {
         step: snapshot.step(),
@@ -739,7 +742,7 @@ pub(super) fn encode_part(
         row_parts,
         rows,
     };
-    (reply, payload.freeze())
+    Ok((reply, payload.freeze()))
 }
 
 /// The blocks and rows of a snapshot part, from the blocks (id, state
