@@ -18,9 +18,9 @@ use crate::{Error, Result};
 /// 3% of `bench_push_pull`'s CPU in faults). Pooling from 64 KiB made
 /// 4 MiB calls slower: glibc's mmap threshold, which follows freed
 /// buffers, then never rose, and glibc kept handing quinn's per-datagram
-/// buffers back to the kernel (up to 5x the page faults). From 4 MiB
-/// calls of 4 MiB were no slower (six alternated runs of `bench_transport
-/// --sizes 1`: median 0.90 of raw TCP against 0.77 pooling from 32 MiB).
+/// buffers back to the kernel (up to 5x the page faults). Pooling from
+/// 4 MiB left calls of 4 MiB as fast as before, with as many faults
+/// (BENCHMARKS.md, "Pooled buffers for 8 MiB parts").
 pub const DEFAULT_POOLED_FROM: usize = 4 << 20;
 
 /// At most this many buffers are kept idle, whatever their sizes: it bounds
