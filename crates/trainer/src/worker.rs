@@ -47,7 +47,9 @@
 //! cores. The library does not choose: the runtime is the caller's, and a
 //! pserver applying large pushes, or a large model's exchanges, want every
 //! core. (`bench_end_to_end --workers 1`: one sync trainer at batch 64
-//! 0.59–0.61 of a plain loop, against 0.36–0.41 with a worker per core.)
+//! 0.59–0.61 of a plain loop, against 0.36–0.41 with a worker per core on
+//! a VM whose idle vCPUs halt at once, and 0.46–0.47 where they poll for a
+//! while first, as KVM guests do by default.)
 //!
 //! # Sparse models
 //!
