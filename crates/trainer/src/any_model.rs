@@ -121,7 +121,7 @@ impl AnyModel {
     }
 
     /// Reads every file matching `pattern` whole (see
-    /// [`read_glob`](crate::reader::read_glob)).
+    /// [`read_glob`]).
     pub fn read_glob(&self, pattern: &str, opts: &ReaderOptions) -> Result<Examples> {
         Ok(match self {
             AnyModel::Dense(_) => Examples::Dense(read_glob(pattern, opts)?),
@@ -130,7 +130,7 @@ impl AnyModel {
     }
 
     /// Reads the files matching `pattern`, or an evenly spread sample of
-    /// `max_bytes` of them (see [`read_sample`](crate::reader::read_sample)).
+    /// `max_bytes` of them (see [`read_sample`]).
     pub fn read_sample(&self, pattern: &str, opts: &ReaderOptions, max_bytes: u64) -> Result<Examples> {
         Ok(match self {
             AnyModel::Dense(_) => Examples::Dense(read_sample(pattern, opts, max_bytes)?),
