@@ -52,7 +52,7 @@
 
 use crate::{
     error::{ServiceError as Error, ServiceResult as Result},
-    protocol::{BlockSpan, PsReply, PsRequest, PulledShard, ShardRows, TableRows, PSERVER_METHOD},
+    protocol::{BatchCall, BlockSpan, PsReply, PsRequest, PulledShard, ShardRows, TableRows, PSERVER_METHOD},
     topology::TopologyWatch,
     Origin, ParamBuf, Placement, PserverKeys, PushOutcome,
 };
@@ -88,6 +88,14 @@ pub const PARTS_IN_FLIGHT: usize = 2;
 pub const MAX_PUSH_RESENDS: usize = 8;
 
 /// A trainer's connection to every pserver of a job.
+///
+/// Each call goes to a shard's primary. A small exchange (a push, pull or
+/// push-pull of at most 256 KiB in all, as a small or sparse model's are)
+/// goes to each pserver in one call for all the shards it is primary of
+/// ([`PsRequest::Batch`]):
+/// a job of many shards on few pservers pays a round trip per pserver, not
+/// per shard. A shard the batch did not settle (its primary moved, or it
+/// answered an error) is called again on its own, with the usual retries.
 pub struct PserverClient {
     inner: Arc<Inner>,
     shards: Vec<ShardState>,
@@ -433,8 +441,8 @@ impl PserverClient {
     }
 
     /// Push `grads` (the mean gradient over `weight` examples) and pull
-    /// every parameter into `params` in one round trip per shard: each
-    /// shard applies the push and answers with its parameters after it.
+    /// every parameter into `params` in one round trip: each shard applies
+    /// the push and answers with its parameters after it.
     /// Sync, a shard answers each part once its blocks are updated, with
     /// their next step's parameters, so the push is answered when its step
     /// completes (one round trip per step, the floor); a shard that
@@ -888,11 +896,14 @@ impl PserverClient {
         Ok(replies)
     }
 
-    /// [`exchange`](Self::exchange) for small messages: each call runs in a
-    /// task of its own (in parallel on the runtime's threads, which beats
-    /// borrowing when a message is a few KiB), with copies of the payload
-    /// and of the reply, which is then written into the sinks. Outcomes are
-    /// tagged with the call's position in `parts`.
+    /// [`exchange`](Self::exchange) for small messages: the calls to
+    /// shards whose primary is the same pserver go together in one
+    /// [`PsRequest::Batch`] (one round trip instead of one per shard), and
+    /// each batch, or call alone, runs in a task of its own (in parallel
+    /// on the runtime's threads, which beats borrowing when a message is a
+    /// few KiB), with copies of the payload and of the reply, which is
+    /// then written into the sinks. Outcomes are tagged with the call's
+    /// position in `parts`.
     async fn exchange_small(
         &self,
         parts: &[Part],
@@ -900,37 +911,55 @@ impl PserverClient {
         payloads: &[Vec<std::borrow::Cow<'_, [u8]>>],
         sinks: &mut [ShardSink<'_>],
     ) -> Vec<(usize, Result<PsReply>, bool)> {
-        let mut calls = JoinSet::new();
+        // Calls grouped by the pserver their shard's primary is now; a
+        // shard that cannot be looked up goes alone (its call says why).
+        let mut groups: Vec<(Option<String>, Vec<SmallCall>)> = Vec::new();
         for (at, ((part, request), payload)) in parts.iter().zip(requests).zip(payloads).enumerate() {
-            let payload: Vec<u8> = payload.concat();
+            let call = SmallCall { at, shard: part.index, request, payload: payload.concat() };
+            let primary = self.inner.connection(part.index).await.ok().map(|(name, ..)| name);
+            match groups.iter_mut().find(|(name, calls)| {
+                name.is_some() && *name == primary && calls.len() < crate::protocol::MAX_BATCH_CALLS
+            }) {
+                Some((_, calls)) => calls.push(call),
+                None => groups.push((primary, vec![call])),
+            }
+        }
+        let mut tasks = JoinSet::new();
+        for (_, calls) in groups {
             let inner = self.inner.clone();
-            let index = part.index;
-            calls.spawn(async move {
-                let mut reply_payload = Collected::default();
-                let reply = inner.call(index, &request, &[&payload], &mut reply_payload).await;
-                (at, reply, reply_payload.0)
-            });
+            tasks.spawn(async move { inner.call_small(calls).await });
         }
         let mut outcomes = Vec::with_capacity(parts.len());
-        while let Some(joined) = calls.join_next().await {
-            let (at, reply, bytes) = match joined {
-                Ok(done) => done,
+        while let Some(joined) = tasks.join_next().await {
+            let answered = match joined {
+                Ok(answered) => answered,
                 Err(e) => {
                     let failed = Err(Error::Protocol(format!("a shard call panicked: {e}")));
                     outcomes.push((0, failed, false));
                     continue;
                 }
             };
-            let Some(sink) = sinks.get_mut(at) else { continue };
-            let reply = reply.and_then(|reply| {
-                oar_transport::PayloadSink::start(sink, bytes.len() as u64)?;
-                oar_transport::PayloadSink::write(sink, &bytes);
-                Ok(reply)
-            });
-            outcomes.push((at, reply, sink.is_complete()));
+            for (at, reply, bytes) in answered {
+                let Some(sink) = sinks.get_mut(at) else { continue };
+                let reply = reply.and_then(|reply| {
+                    oar_transport::PayloadSink::start(sink, bytes.len() as u64)?;
+                    oar_transport::PayloadSink::write(sink, &bytes);
+                    Ok(reply)
+                });
+                outcomes.push((at, reply, sink.is_complete()));
+            }
         }
         outcomes
     }
+}
+
+/// One small call of [`PserverClient::exchange_small`]: its position, its
+/// shard, its request and its payload.
+struct SmallCall {
+    at: usize,
+    shard: u32,
+    request: PsRequest,
+    payload: Vec<u8>,
 }
 
 /// Per part of a push: its request's row descriptions, and their values' bytes.
@@ -1000,8 +1029,9 @@ fn part_blocks<'p>(placement: &'p Placement, part: &Part) -> impl Iterator<Item 
 }
 
 /// Messages (both ways, all shards) up to this many bytes go through
-/// spawned tasks with copies ([`PserverClient::exchange_small`]); larger
-/// ones are sent from and received into the trainer's buffers.
+/// spawned tasks with copies, a batch per pserver
+/// ([`PserverClient::exchange_small`]); larger ones are sent from and
+/// received into the trainer's buffers.
 const SPAWN_CALLS_UP_TO: usize = 256 << 10;
 
 /// A reply's payload kept in a buffer of its own.
@@ -1188,6 +1218,124 @@ impl Inner {
         Ok((name.to_string(), conn, version, epoch))
     }
 
+    /// `calls` (to shards with the same primary, as far as the map said)
+    /// answered, each with its reply's payload: together in one batch
+    /// when there are several, and any call the batch did not answer
+    /// (the batch failed, or that shard's answer was an error or "not its
+    /// primary") made again alone, with [`call`](Self::call)'s retries,
+    /// all at once. A call made twice is safe: a push carries its seq, and
+    /// the shard drops one it applied.
+    async fn call_small(&self, calls: Vec<SmallCall>) -> Vec<(usize, Result<PsReply>, Vec<u8>)> {
+        let mut answered = Vec::with_capacity(calls.len());
+        let mut alone = calls;
+        if alone.len() > 1 {
+            let batch = std::mem::take(&mut alone);
+            let mut replies = self.call_batch(&batch).await.map(Vec::into_iter);
+            if let Err(e) = &replies {
+                tracing::debug!(calls = batch.len(), error = %e, "a batch failed: its calls go again alone");
+            }
+            for call in batch {
+                match replies.as_mut().ok().and_then(Iterator::next).flatten() {
+                    Some((reply, bytes)) => answered.push((call.at, Ok(reply), bytes)),
+                    None => alone.push(call),
+                }
+            }
+        }
+        // All at once, as they would have gone without the batch: a sync
+        // part may be answered only once another part of the same step is
+        // in.
+        let alone = alone.iter().map(|call| async move {
+            let mut reply_payload = Collected::default();
+            let reply = self.call(call.shard, &call.request, &[&call.payload], &mut reply_payload).await;
+            (call.at, reply, reply_payload.0)
+        });
+        answered.extend(oar_transport::join_all(alone).await);
+        answered
+    }
+
+    /// One attempt at `calls` in a [`PsRequest::Batch`] to the primary of
+    /// the first one's shard: per call, its reply and payload, or `None`
+    /// where the batch's answer does not settle it (an error, or a shard
+    /// this pserver is not primary of, or not the one the map named).
+    async fn call_batch(&self, calls: &[SmallCall]) -> Result<Vec<Option<(PsReply, Vec<u8>)>>> {
+        let first = calls.first().map_or(0, |c| c.shard);
+        let (name, conn, _, _) = self.connection(first).await?;
+        // Each call's shard, as the map names it now: its epoch, and
+        // whether its primary is still that pserver.
+        let mut epochs = Vec::with_capacity(calls.len());
+        for call in calls {
+            let looked_up = self.connection(call.shard).await.ok();
+            epochs.push(looked_up.filter(|(n, ..)| *n == name).map(|(.., epoch)| epoch));
+        }
+        let request = PsRequest::Batch {
+            calls: calls
+                .iter()
+                .map(|c| BatchCall { request: c.request.clone(), payload_len: c.payload.len() as u64 })
+                .collect(),
+        };
+        let payloads: Vec<&[u8]> = calls.iter().map(|c| c.payload.as_slice()).collect();
+        let mut collected = Collected::default();
+        let call = oar_transport::call_parts(
+            conn.as_ref(),
+            PSERVER_METHOD,
+            &request,
+            &payloads,
+            &mut collected,
+            self.call_timeout,
+        );
+        let topology = self.topology().await?;
+        let reply = tokio::select! {
+            reply = call => reply.map_err(Error::from),
+            () = topology.until_moved(first, &name) => Err(Error::ShardAway {
+                shard: first,
+                why: format!("{name} no longer serves it (gone, or the map moved it)"),
+            }),
+        };
+        let answers = match reply {
+            Ok(PsReply::Batch { answers }) if answers.len() == calls.len() => answers,
+            Ok(other) => {
+                return Err(Error::Protocol(format!(
+                    "{name} answered a batch of {} calls with {other:?}",
+                    calls.len()
+                )))
+            }
+            Err(e) => {
+                self.conns.lock().unwrap_or_else(PoisonError::into_inner).remove(&name);
+                return Err(e);
+            }
+        };
+        let declared = answers.iter().try_fold(0u64, |sum, a| sum.checked_add(a.payload_len));
+        if declared != Some(collected.0.len() as u64) {
+            return Err(Error::Protocol(format!(
+                "{name}'s batch answer declares {declared:?} payload bytes and carries {}",
+                collected.0.len()
+            )));
+        }
+        let mut at = 0;
+        let mut settled = Vec::with_capacity(calls.len());
+        for ((answer, call), epoch) in answers.into_iter().zip(calls).zip(epochs) {
+            let len = answer.payload_len as usize;
+            let bytes = collected.0[at..at + len].to_vec();
+            at += len;
+            settled.push(match (answer.reply, epoch) {
+                (Ok(PsReply::NotPrimary { .. }), _) | (Err(_), _) | (_, None) => None,
+                (Ok(reply), Some(epoch)) => {
+                    self.follow_epoch(call.shard, &name, epoch);
+                    Some((reply, bytes))
+                }
+            });
+        }
+        Ok(settled)
+    }
+
+    /// Note that shard `index`'s primary `name` answered under `epoch`.
+    fn follow_epoch(&self, index: u32, name: &str, epoch: u64) {
+        let before = self.epochs[index as usize].swap(epoch, Ordering::SeqCst);
+        if before != 0 && before != epoch {
+            tracing::info!(shard = index, primary = name, epoch, "following the shard's new primary");
+        }
+    }
+
     /// One call to shard `index`'s primary, retried while the shard is
     /// away or its primary changes: the request's payload is `parts`
     /// joined; the reply's goes into `sink`.
@@ -1221,15 +1369,7 @@ impl Inner {
                             why: format!("{name} no longer serves it (gone, or the map moved it)"),
                         }),
                     };
-                    let before = self.epochs[index as usize].swap(epoch, Ordering::SeqCst);
-                    if before != 0 && before != epoch {
-                        tracing::info!(
-                            shard = index,
-                            primary = name,
-                            epoch,
-                            "following the shard's new primary"
-                        );
-                    }
+                    self.follow_epoch(index, &name, epoch);
                     (Some(name), result, version)
                 }
                 Err(e) => (None, Err(e), 0),

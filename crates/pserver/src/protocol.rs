@@ -224,6 +224,40 @@ pub enum PsRequest {
     /// What this pserver holds of every shard (for the coordinator's
     /// elections and for `oar status`).
     Status,
+    /// Several calls to shards this pserver is primary of, in one round
+    /// trip: a trainer's small push, push-pull or pull to every shard
+    /// (each shard's call would otherwise be a round trip of its own).
+    /// The payload is the calls' payloads one after another. Each call is
+    /// handled as if it had come alone, all at once, and answered in
+    /// [`PsReply::Batch`]; a batch holds no batch, and at most
+    /// [`MAX_BATCH_CALLS`] calls.
+    Batch {
+        /// The calls, each with its payload's length in bytes.
+        calls: Vec<BatchCall>,
+    },
+}
+
+/// The most calls one [`PsRequest::Batch`] may carry: a shard's call
+/// each, and a job has at most this many shards in practice.
+pub const MAX_BATCH_CALLS: usize = 4096;
+
+/// One call of a [`PsRequest::Batch`].
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct BatchCall {
+    /// The call.
+    pub request: PsRequest,
+    /// The length of its payload in the batch's payload.
+    pub payload_len: u64,
+}
+
+/// The answer to one call of a [`PsRequest::Batch`], in call order.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct BatchAnswer {
+    /// The call's reply, or the error it would have been answered with
+    /// alone.
+    pub reply: std::result::Result<PsReply, oar_transport::RemoteError>,
+    /// The length of its payload in the batch reply's payload.
+    pub payload_len: u64,
 }
 
 impl PsRequest {
@@ -538,6 +572,12 @@ pub enum PsReply {
         row_parts: u32,
         /// In a row part: its rows (values after any blocks' in the payload).
         rows: Option<RowsPart>,
+    },
+    /// Answer to [`PsRequest::Batch`]: each call's answer, in call
+    /// order, their payloads one after another in the payload.
+    Batch {
+        /// The answers.
+        answers: Vec<BatchAnswer>,
     },
     /// Answer to [`PsRequest::Status`].
     Status {

@@ -851,8 +851,10 @@ async fn a_sync_push_whose_primary_dies_between_its_parts_is_sent_again_whole() 
     assert!(!pushing.is_finished(), "a's second part waits for b's");
 
     env.kill(pservers.remove(at)).await;
-    let map = env.cluster.wait_serving(&pservers.iter().collect::<Vec<_>>()).await;
-    assert_ne!(map.primary(0), Some(victim.as_str()));
+    // Only the new primary: a new follower catches up from a snapshot,
+    // which waits for the step underway (a's resent push is in it) to
+    // complete, and that needs b's push.
+    env.cluster.wait_primary(&pservers.iter().collect::<Vec<_>>(), 0, &victim).await;
     // `b` pushes whole to the new primary, which never saw either first part.
     let mut params = ParamBuf::zeros(&specs(len));
     let pushed = tokio::time::timeout(Duration::from_secs(20), b.push_pull(&grads, 1.0, &mut params))
@@ -866,6 +868,8 @@ async fn a_sync_push_whose_primary_dies_between_its_parts_is_sent_again_whole() 
     for got in [&params, &a_params] {
         assert!(got.as_slice().iter().all(|&x| x == -1.0), "{:?}", got.as_slice());
     }
+    let map = env.cluster.wait_serving(&pservers.iter().collect::<Vec<_>>()).await;
+    assert_ne!(map.primary(0), Some(victim.as_str()));
     let primary = pservers.iter().find(|p| Some(p.name()) == map.primary(0)).unwrap();
     assert_eq!(primary.step(0), Some(1));
     assert_replicas_agree(&map, &pservers.iter().collect::<Vec<_>>(), &env.placement());

@@ -4,7 +4,8 @@
 use super::{metrics, replication, HeldSnapshot, Shared, Slot, SlotState, SNAPSHOT_KEEP};
 use crate::{
     protocol::{
-        BlockSpan, PsReply, PsRequest, PulledShard, ReplicaState, ShardRows, TableRows, PSERVER_METHOD,
+        BatchAnswer, BatchCall, BlockSpan, PsReply, PsRequest, PulledShard, ReplicaState, ShardRows,
+        TableRows, MAX_BATCH_CALLS, PSERVER_METHOD,
     },
     replica::{History, SyncFrom, Update},
     BlockId, Error, Grad, Mode, ParamStore, Push, PushOutcome, RowGrads,
@@ -751,7 +752,64 @@ impl Handler for PsHandler {
         if request.method != PSERVER_METHOD {
             return Err(RemoteError::bad_request(format!("unknown pserver method {:#x}", request.method)));
         }
-        let reply = match request.meta::<PsRequest>()? {
+        match request.meta::<PsRequest>()? {
+            PsRequest::Batch { calls } => self.batch(calls, request.payload).await,
+            one => self.handle_one(one, request.payload).await,
+        }
+    }
+}
+
+impl PsHandler {
+    /// The calls of a [`PsRequest::Batch`], all at once, each handled as
+    /// if it had come alone; answered in call order. A batch whose
+    /// payload lengths do not add up, that holds a batch or that is too
+    /// long is refused whole, before any call is handled.
+    async fn batch(&self, calls: Vec<BatchCall>, payload: Bytes) -> Reply<Frame> {
+        if calls.len() > MAX_BATCH_CALLS {
+            return Err(RemoteError::bad_request(format!(
+                "a batch of {} calls: at most {MAX_BATCH_CALLS} are allowed",
+                calls.len()
+            )));
+        }
+        let declared = calls.iter().try_fold(0u64, |sum, c| sum.checked_add(c.payload_len));
+        if declared != Some(payload.len() as u64) {
+            return Err(RemoteError::bad_request(format!(
+                "a batch's calls declare {} payload bytes, the batch carries {}",
+                declared.map_or_else(|| "more than 2^64".to_string(), |d| d.to_string()),
+                payload.len()
+            )));
+        }
+        if let Some(at) = calls.iter().position(|c| matches!(c.request, PsRequest::Batch { .. })) {
+            return Err(RemoteError::bad_request(format!("call {at} of a batch is a batch itself")));
+        }
+        let mut at = 0;
+        let handled = calls.into_iter().map(|call| {
+            let len = call.payload_len as usize;
+            let part = payload.slice(at..at + len);
+            at += len;
+            self.handle_one(call.request, part)
+        });
+        let answered = oar_transport::join_all(handled).await;
+        let total: usize = answered.iter().map(|a| a.as_ref().map_or(0, |f| f.payload.len())).sum();
+        let mut payload = BytesMut::with_capacity(total);
+        let mut answers = Vec::with_capacity(answered.len());
+        for one in answered {
+            let (reply, len) = match one.and_then(|frame| Ok((frame.meta::<PsReply>()?, frame.payload))) {
+                Ok((reply, bytes)) => {
+                    payload.extend_from_slice(&bytes);
+                    (Ok(reply), bytes.len() as u64)
+                }
+                Err(e) => (Err(e), 0),
+            };
+            answers.push(BatchAnswer { reply, payload_len: len });
+        }
+        Frame::new(PSERVER_METHOD, &PsReply::Batch { answers }, payload.freeze())
+            .map_err(RemoteError::internal)
+    }
+
+    /// One call (of a batch, or alone).
+    async fn handle_one(&self, request: PsRequest, payload: Bytes) -> Reply<Frame> {
+        let reply = match request {
             PsRequest::Info { shard } => match self.slot(shard)? {
                 None => self.not_primary(shard),
                 Some(slot) => match self.primary(&slot)? {
@@ -769,10 +827,8 @@ impl Handler for PsHandler {
             },
             PsRequest::Join { shard, trainer } => self.membership(shard, trainer, true).await?,
             PsRequest::Leave { shard, trainer } => self.membership(shard, trainer, false).await?,
-            push @ PsRequest::Push { .. } => self.push(push, request.payload).await?,
-            push_pull @ PsRequest::PushPull { .. } => {
-                return self.push_pull(push_pull, request.payload).await
-            }
+            push @ PsRequest::Push { .. } => self.push(push, payload).await?,
+            push_pull @ PsRequest::PushPull { .. } => return self.push_pull(push_pull, payload).await,
             PsRequest::Pull { shard, fingerprint, blocks, min_step, max_wait_ms } => {
                 let wait = Duration::from_millis(max_wait_ms).min(MAX_PULL_WAIT);
                 return self.pull(shard, fingerprint, blocks, min_step, wait).await;
@@ -781,7 +837,7 @@ impl Handler for PsHandler {
                 let wait = Duration::from_millis(max_wait_ms).min(MAX_PULL_WAIT);
                 return self.pull_rows(fingerprint, shards, wait).await;
             }
-            replicate @ PsRequest::Replicate { .. } => self.replicate(replicate, request.payload)?,
+            replicate @ PsRequest::Replicate { .. } => self.replicate(replicate, payload)?,
             sync @ PsRequest::Sync { .. } => self.sync(sync)?,
             part @ PsRequest::SnapshotPart { .. } => return self.snapshot_part(part),
             caught @ PsRequest::Caught { .. } => self.caught(caught)?,
@@ -798,6 +854,9 @@ impl Handler for PsHandler {
                 PsReply::Ok
             }
             PsRequest::Status => self.status(),
+            PsRequest::Batch { .. } => {
+                return Err(RemoteError::bad_request("a batch inside a batch"));
+            }
         };
         Frame::new(PSERVER_METHOD, &reply, Bytes::new()).map_err(RemoteError::internal)
     }

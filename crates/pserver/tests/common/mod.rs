@@ -62,6 +62,32 @@ impl Cluster {
         Some(ShardMap::decode(&kv.value).unwrap())
     }
 
+    /// Wait (up to 20 s) until shard `shard`'s primary in the map is one
+    /// of `pservers` other than `not`, serving it as primary under that
+    /// map (its followers may still be catching up). The map then.
+    pub async fn wait_primary(&self, pservers: &[&Pserver], shard: u32, not: &str) -> ShardMap {
+        let deadline = tokio::time::Instant::now() + Duration::from_secs(20);
+        loop {
+            if let Some(map) = self.map().await {
+                let serving = map.primary(shard).filter(|p| *p != not).is_some_and(|p| {
+                    pservers.iter().any(|ps| {
+                        ps.name() == p
+                            && ps.map_version() == map.version()
+                            && ps
+                                .replicas()
+                                .iter()
+                                .any(|r| r.shard == shard && r.role == ReplicaRole::Primary)
+                    })
+                });
+                if serving {
+                    return map;
+                }
+            }
+            assert!(tokio::time::Instant::now() < deadline, "shard {shard} has no new primary in time");
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+    }
+
     /// Wait (up to 20 s) until there is a map, every replica it names is
     /// one of `pservers`, and each serves its role: primaries primary,
     /// followers caught up. The map then.
