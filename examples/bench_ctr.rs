@@ -72,10 +72,10 @@
 //! - "pserver calls/batch": calls the pservers answered (`oar_ps_pulls`,
 //!   where a push-pull counts too) per batch.
 //!   The master's scoring adds about 0.2 a batch (its row pulls of a1a.t).
-//!   A row pull groups each pserver's shards into one call, but a push, a
-//!   push-pull and a dense pull make one call per shard, to every shard of a
-//!   job with tables (`PserverClient::push_rows`): 64 calls each with the
-//!   default shards, however few pservers hold them.
+//!   These count shards' calls: a push, a push-pull and a dense pull go to
+//!   every shard of a job with tables (`PserverClient::push_rows`), 64 with
+//!   the default shards, but the calls to one pserver's shards travel in
+//!   one batch (one round trip), as a row pull's do.
 //! - "in steps": the share of the trainers' time (T x the job's training
 //!   seconds) spent inside those batches; the rest is start-up, task
 //!   hand-outs and reports, and waiting at pass ends.
@@ -149,8 +149,8 @@ struct Args {
     /// Trainers x pservers, e.g. 1x1,2x2.
     #[arg(long, value_delimiter = ',', value_parser = parse_shape, default_value = "1x1,2x2")]
     shapes: Vec<(u32, u32)>,
-    /// Logical shards of the job: 64 is the examples' default; 2 shows what
-    /// a push's call per shard costs.
+    /// Logical shards of the job: 64 is the job's default, 8 the CTR
+    /// example's; 2 shows what each shard's share of a batch costs.
     #[arg(long, value_delimiter = ',', default_value = "64,2")]
     shards: Vec<u32>,
     /// Examples per mini-batch, both sides.

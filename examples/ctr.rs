@@ -34,9 +34,10 @@ use oar::{
 };
 use std::{process::ExitCode, sync::Arc};
 
-/// Shards unless `--shards` says otherwise: a push of a sparse batch makes
-/// one call per shard (until pushes are grouped per pserver, as row pulls
-/// are), so 8 shards cost a batch 9–17 calls where the default 64 cost 65–129.
+/// Shards unless `--shards` says otherwise. A sparse batch's calls to the
+/// shards of one pserver travel in one round trip, but each shard still
+/// applies its part on its own: 8 shards run 2.4x the examples per second
+/// of the default 64 (BENCHMARKS.md, "CTR end to end").
 const CTR_SHARDS: u32 = 8;
 
 /// The bundled training and test data.
