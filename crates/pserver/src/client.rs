@@ -1275,22 +1275,7 @@ impl Inner {
         };
         let payloads: Vec<&[u8]> = calls.iter().map(|c| c.payload.as_slice()).collect();
         let mut collected = Collected::default();
-        let call = oar_transport::call_parts(
-            conn.as_ref(),
-            PSERVER_METHOD,
-            &request,
-            &payloads,
-            &mut collected,
-            self.call_timeout,
-        );
-        let topology = self.topology().await?;
-        let reply = tokio::select! {
-            reply = call => reply.map_err(Error::from),
-            () = topology.until_moved(first, &name) => Err(Error::ShardAway {
-                shard: first,
-                why: format!("{name} no longer serves it (gone, or the map moved it)"),
-            }),
-        };
+        let reply = self.attempt(conn.as_ref(), first, &name, &request, &payloads, &mut collected).await;
         let answers = match reply {
             Ok(PsReply::Batch { answers }) if answers.len() == calls.len() => answers,
             Ok(other) => {
@@ -1328,6 +1313,30 @@ impl Inner {
         Ok(settled)
     }
 
+    /// One attempt of a call to `name`, shard `index`'s primary. A primary
+    /// that dies does not answer: the attempt ends as soon as the map
+    /// moves the shard off `name`, rather than at the call's timeout. (A
+    /// push retried elsewhere is deduplicated by its seq.)
+    async fn attempt(
+        &self,
+        conn: &dyn Connection,
+        index: u32,
+        name: &str,
+        request: &PsRequest,
+        parts: &[&[u8]],
+        sink: &mut dyn oar_transport::PayloadSink,
+    ) -> Result<PsReply> {
+        let call = oar_transport::call_parts(conn, PSERVER_METHOD, request, parts, sink, self.call_timeout);
+        let topology = self.topology().await?;
+        tokio::select! {
+            result = call => result.map_err(Error::from),
+            () = topology.until_moved(index, name) => Err(Error::ShardAway {
+                shard: index,
+                why: format!("{name} no longer serves it (gone, or the map moved it)"),
+            }),
+        }
+    }
+
     /// Note that shard `index`'s primary `name` answered under `epoch`.
     fn follow_epoch(&self, index: u32, name: &str, epoch: u64) {
         let before = self.epochs[index as usize].swap(epoch, Ordering::SeqCst);
@@ -1350,25 +1359,7 @@ impl Inner {
         loop {
             let (name, result, version) = match self.connection(index).await {
                 Ok((name, conn, version, epoch)) => {
-                    let call = oar_transport::call_parts(
-                        conn.as_ref(),
-                        PSERVER_METHOD,
-                        request,
-                        parts,
-                        sink,
-                        self.call_timeout,
-                    );
-                    // A primary that dies does not answer: follow the map
-                    // rather than wait out the call's timeout. (A push
-                    // retried elsewhere is deduplicated by its seq.)
-                    let topology = self.topology().await?;
-                    let result = tokio::select! {
-                        result = call => result.map_err(Error::from),
-                        () = topology.until_moved(index, &name) => Err(Error::ShardAway {
-                            shard: index,
-                            why: format!("{name} no longer serves it (gone, or the map moved it)"),
-                        }),
-                    };
+                    let result = self.attempt(conn.as_ref(), index, &name, request, parts, sink).await;
                     self.follow_epoch(index, &name, epoch);
                     (Some(name), result, version)
                 }

@@ -127,18 +127,7 @@ impl Env {
     /// A push of `value` to every element of shard `shard`'s block, as
     /// trainer "raw" with `seq`.
     fn push(&self, shard: u32, seq: u64, fingerprint: u64) -> PsRequest {
-        PsRequest::Push {
-            shard,
-            fingerprint,
-            blocks: BlockSpan::new(0, 1),
-            trainer: "raw".into(),
-            seq,
-            step: 0,
-            weight: 1.0,
-            rows: Vec::new(),
-            origin: None,
-            epoch: 0,
-        }
+        common::push_request(shard, fingerprint, BlockSpan::new(0, 1), "raw", seq)
     }
 }
 

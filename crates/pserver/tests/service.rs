@@ -113,18 +113,7 @@ async fn raw_push_blocks(
     blocks: BlockSpan,
 ) -> Result<PsReply, oar_transport::Error> {
     let conn = env.transport.connect(ps.addr()).await.unwrap();
-    let request = PsRequest::Push {
-        shard: 0,
-        fingerprint,
-        blocks,
-        trainer: "t1".into(),
-        seq,
-        step: 0,
-        weight: 1.0,
-        rows: Vec::new(),
-        origin: None,
-        epoch: 0,
-    };
+    let request = common::push_request(0, fingerprint, blocks, "t1", seq);
     call(conn.as_ref(), PSERVER_METHOD, &request, f32s_to_bytes(&grad), Duration::from_secs(1))
         .await
         .map(|(r, _): (PsReply, Bytes)| r)

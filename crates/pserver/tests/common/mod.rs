@@ -4,7 +4,10 @@
 #![allow(dead_code)]
 
 use oar_discovery::Discovery;
-use oar_pserver::{protocol::ReplicaRole, Coordinator, CoordinatorOptions, Pserver, PserverKeys, ShardMap};
+use oar_pserver::{
+    protocol::{BlockSpan, PsRequest, ReplicaRole},
+    Coordinator, CoordinatorOptions, Pserver, PserverKeys, ShardMap,
+};
 use oar_transport::Transport;
 use std::{sync::Arc, time::Duration};
 
@@ -18,6 +21,23 @@ pub fn keys() -> PserverKeys {
         cluster_status: "/ps-test/pserver_cluster_status".into(),
         members: "/ps-test/trainer/".into(),
         desired: "/ps-test/ps_desired".into(),
+    }
+}
+
+/// A raw push of `trainer`'s `seq` to `blocks` of shard `shard`: step 0,
+/// weight 1, no rows, no origin, epoch 0 (what a fresh trainer sends).
+pub fn push_request(shard: u32, fingerprint: u64, blocks: BlockSpan, trainer: &str, seq: u64) -> PsRequest {
+    PsRequest::Push {
+        shard,
+        fingerprint,
+        blocks,
+        trainer: trainer.into(),
+        seq,
+        step: 0,
+        weight: 1.0,
+        rows: Vec::new(),
+        origin: None,
+        epoch: 0,
     }
 }
 
