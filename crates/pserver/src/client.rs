@@ -913,21 +913,26 @@ impl PserverClient {
     ) -> Vec<(usize, Result<PsReply>, bool)> {
         // Calls grouped by the pserver their shard's primary is now; a
         // shard that cannot be looked up goes alone (its call says why).
-        let mut groups: Vec<(Option<String>, Vec<SmallCall>)> = Vec::new();
+        let mut groups: Vec<(Option<Primary>, Vec<SmallCall>)> = Vec::new();
         for (at, ((part, request), payload)) in parts.iter().zip(requests).zip(payloads).enumerate() {
-            let call = SmallCall { at, shard: part.index, request, payload: payload.concat() };
-            let primary = self.inner.connection(part.index).await.ok().map(|(name, ..)| name);
-            match groups.iter_mut().find(|(name, calls)| {
-                name.is_some() && *name == primary && calls.len() < crate::protocol::MAX_BATCH_CALLS
-            }) {
+            let (primary, epoch) = match self.inner.connection(part.index).await {
+                Ok((name, conn, _, epoch)) => (Some((name, conn)), Some(epoch)),
+                Err(_) => (None, None),
+            };
+            let call = SmallCall { at, shard: part.index, epoch, request, payload: payload.concat() };
+            let same = |p: &Option<Primary>| matches!((p, &primary), (Some((a, _)), Some((b, _))) if a == b);
+            match groups
+                .iter_mut()
+                .find(|(p, calls)| same(p) && calls.len() < crate::protocol::MAX_BATCH_CALLS)
+            {
                 Some((_, calls)) => calls.push(call),
                 None => groups.push((primary, vec![call])),
             }
         }
         let mut tasks = JoinSet::new();
-        for (_, calls) in groups {
+        for (primary, calls) in groups {
             let inner = self.inner.clone();
-            tasks.spawn(async move { inner.call_small(calls).await });
+            tasks.spawn(async move { inner.call_small(primary, calls).await });
         }
         let mut outcomes = Vec::with_capacity(parts.len());
         while let Some(joined) = tasks.join_next().await {
@@ -954,13 +959,18 @@ impl PserverClient {
 }
 
 /// One small call of [`PserverClient::exchange_small`]: its position, its
-/// shard, its request and its payload.
+/// shard (and the shard's epoch in the map it was grouped by), its request
+/// and its payload.
 struct SmallCall {
     at: usize,
     shard: u32,
+    epoch: Option<u64>,
     request: PsRequest,
     payload: Vec<u8>,
 }
+
+/// A shard's primary: its name and a connection to it.
+type Primary = (String, Arc<dyn Connection>);
 
 /// Per part of a push: its request's row descriptions, and their values' bytes.
 type RoutedRows = (Vec<Vec<TableRows>>, Vec<Vec<u8>>);
@@ -1218,19 +1228,23 @@ impl Inner {
         Ok((name.to_string(), conn, version, epoch))
     }
 
-    /// `calls` (to shards with the same primary, as far as the map said)
-    /// answered, each with its reply's payload: together in one batch
-    /// when there are several, and any call the batch did not answer
+    /// `calls` (to shards whose primary the map named as `primary`; none
+    /// if it could not be looked up) answered, each with its reply's
+    /// payload: together in one batch when there are several, and any call the batch did not answer
     /// (the batch failed, or that shard's answer was an error or "not its
     /// primary") made again alone, with [`call`](Self::call)'s retries,
     /// all at once. A call made twice is safe: a push carries its seq, and
     /// the shard drops one it applied.
-    async fn call_small(&self, calls: Vec<SmallCall>) -> Vec<(usize, Result<PsReply>, Vec<u8>)> {
+    async fn call_small(
+        &self,
+        primary: Option<Primary>,
+        calls: Vec<SmallCall>,
+    ) -> Vec<(usize, Result<PsReply>, Vec<u8>)> {
         let mut answered = Vec::with_capacity(calls.len());
         let mut alone = calls;
-        if alone.len() > 1 {
+        if let Some((name, conn)) = primary.filter(|_| alone.len() > 1) {
             let batch = std::mem::take(&mut alone);
-            let mut replies = self.call_batch(&batch).await.map(Vec::into_iter);
+            let mut replies = self.call_batch(&name, conn.as_ref(), &batch).await.map(Vec::into_iter);
             if let Err(e) = &replies {
                 tracing::debug!(calls = batch.len(), error = %e, "a batch failed: its calls go again alone");
             }
@@ -1253,20 +1267,17 @@ impl Inner {
         answered
     }
 
-    /// One attempt at `calls` in a [`PsRequest::Batch`] to the primary of
-    /// the first one's shard: per call, its reply and payload, or `None`
-    /// where the batch's answer does not settle it (an error, or a shard
-    /// this pserver is not primary of, or not the one the map named).
-    async fn call_batch(&self, calls: &[SmallCall]) -> Result<Vec<Option<(PsReply, Vec<u8>)>>> {
+    /// One attempt at `calls` in a [`PsRequest::Batch`] to `name`, their
+    /// shards' primary when they were grouped: per call, its reply and
+    /// payload, or `None` where the batch's answer does not settle it (an
+    /// error, or a shard this pserver is not primary of).
+    async fn call_batch(
+        &self,
+        name: &str,
+        conn: &dyn Connection,
+        calls: &[SmallCall],
+    ) -> Result<Vec<Option<(PsReply, Vec<u8>)>>> {
         let first = calls.first().map_or(0, |c| c.shard);
-        let (name, conn, _, _) = self.connection(first).await?;
-        // Each call's shard, as the map names it now: its epoch, and
-        // whether its primary is still that pserver.
-        let mut epochs = Vec::with_capacity(calls.len());
-        for call in calls {
-            let looked_up = self.connection(call.shard).await.ok();
-            epochs.push(looked_up.filter(|(n, ..)| *n == name).map(|(.., epoch)| epoch));
-        }
         let request = PsRequest::Batch {
             calls: calls
                 .iter()
@@ -1275,7 +1286,7 @@ impl Inner {
         };
         let payloads: Vec<&[u8]> = calls.iter().map(|c| c.payload.as_slice()).collect();
         let mut collected = Collected::default();
-        let reply = self.attempt(conn.as_ref(), first, &name, &request, &payloads, &mut collected).await;
+        let reply = self.attempt(conn, first, name, &request, &payloads, &mut collected).await;
         let answers = match reply {
             Ok(PsReply::Batch { answers }) if answers.len() == calls.len() => answers,
             Ok(other) => {
@@ -1285,7 +1296,7 @@ impl Inner {
                 )))
             }
             Err(e) => {
-                self.conns.lock().unwrap_or_else(PoisonError::into_inner).remove(&name);
+                self.conns.lock().unwrap_or_else(PoisonError::into_inner).remove(name);
                 return Err(e);
             }
         };
@@ -1298,14 +1309,14 @@ impl Inner {
         }
         let mut at = 0;
         let mut settled = Vec::with_capacity(calls.len());
-        for ((answer, call), epoch) in answers.into_iter().zip(calls).zip(epochs) {
+        for (answer, call) in answers.into_iter().zip(calls) {
             let len = answer.payload_len as usize;
             let bytes = collected.0[at..at + len].to_vec();
             at += len;
-            settled.push(match (answer.reply, epoch) {
+            settled.push(match (answer.reply, call.epoch) {
                 (Ok(PsReply::NotPrimary { .. }), _) | (Err(_), _) | (_, None) => None,
                 (Ok(reply), Some(epoch)) => {
-                    self.follow_epoch(call.shard, &name, epoch);
+                    self.follow_epoch(call.shard, name, epoch);
                     Some((reply, bytes))
                 }
             });

@@ -24,6 +24,10 @@ pub(super) struct PsHandler {
 
 type Reply<T> = std::result::Result<T, RemoteError>;
 
+/// An answer's metadata and payload, encoded into a frame once, by
+/// [`PsHandler::handle`] (a batch gathers its calls' answers unencoded).
+type Answer = (PsReply, Bytes);
+
 /// The longest a pull may wait on the server for the next sync step.
 const MAX_PULL_WAIT: Duration = Duration::from_secs(5);
 
@@ -335,26 +339,20 @@ impl PsHandler {
 
     /// Apply a push and answer with its blocks' parameters after it (sync:
     /// once they left the push's step, so they are the next step's).
-    async fn push_pull(&self, request: PsRequest, payload: Bytes) -> Reply<Frame> {
+    async fn push_pull(&self, request: PsRequest, payload: Bytes) -> Reply<Answer> {
         let PsRequest::PushPull { shard, blocks, step, .. } = request else {
             return Err(RemoteError::internal("not a push-pull"));
         };
         let push = request.with_pull(false);
         let outcome = match self.push(push, payload).await? {
             PsReply::Pushed(outcome) => outcome,
-            reply @ (PsReply::NotPrimary { .. } | PsReply::Stale { .. }) => {
-                return Frame::new(PSERVER_METHOD, &reply, Bytes::new()).map_err(RemoteError::internal)
-            }
+            reply @ (PsReply::NotPrimary { .. } | PsReply::Stale { .. }) => return Ok((reply, Bytes::new())),
             other => return Err(RemoteError::internal(format!("a push answered {other:?}"))),
         };
-        let Some(slot) = self.slot(shard)? else {
-            return Frame::new(PSERVER_METHOD, &self.not_primary(shard), Bytes::new())
-                .map_err(RemoteError::internal);
-        };
+        let Some(slot) = self.slot(shard)? else { return Ok((self.not_primary(shard), Bytes::new())) };
         let (params, step, wait) = {
             let Some(state) = self.primary(&slot)? else {
-                return Frame::new(PSERVER_METHOD, &self.not_primary(shard), Bytes::new())
-                    .map_err(RemoteError::internal);
+                return Ok((self.not_primary(shard), Bytes::new()));
             };
             let SlotState::Primary { store, links } = &*state else { unreachable!() };
             // Sync: the part's blocks hold step + 1's parameters (the step
@@ -363,8 +361,7 @@ impl PsHandler {
             (self.params(store, blocks)?, at, links.seq())
         };
         self.replicated(&slot, wait).await?;
-        let reply = PsReply::PushedPulled { outcome, step };
-        Frame::new(PSERVER_METHOD, &reply, params).map_err(RemoteError::internal)
+        Ok((PsReply::PushedPulled { outcome, step }, params))
     }
 
     async fn pull(
@@ -374,26 +371,23 @@ impl PsHandler {
         blocks: BlockSpan,
         min_step: Option<u64>,
         max_wait: Duration,
-    ) -> Reply<Frame> {
+    ) -> Reply<Answer> {
         self.check_fingerprint(fingerprint)?;
         self.span(shard, blocks)?;
-        let not_primary = || Frame::new(PSERVER_METHOD, &self.not_primary(shard), Bytes::new());
-        let Some(slot) = self.slot(shard)? else { return not_primary().map_err(RemoteError::internal) };
+        let not_primary = || Ok((self.not_primary(shard), Bytes::new()));
+        let Some(slot) = self.slot(shard)? else { return not_primary() };
         let started = tokio::time::Instant::now();
         let deadline = started + max_wait;
         loop {
             // Register for the wake-up before looking, so a step in between is not missed.
             let stepped = slot.stepped.notified();
             let ready = {
-                let Some(state) = self.primary(&slot)? else {
-                    return not_primary().map_err(RemoteError::internal);
-                };
+                let Some(state) = self.primary(&slot)? else { return not_primary() };
                 let SlotState::Primary { store, links } = &*state else { unreachable!() };
                 if min_step.is_none_or(|m| store.step() >= m) {
                     Some((self.params(store, blocks)?, store.step(), links.seq()))
                 } else if tokio::time::Instant::now() >= deadline {
-                    let reply = PsReply::Pulled { step: store.step(), ready: false };
-                    return Frame::new(PSERVER_METHOD, &reply, Bytes::new()).map_err(RemoteError::internal);
+                    return Ok((PsReply::Pulled { step: store.step(), ready: false }, Bytes::new()));
                 } else {
                     None
                 }
@@ -403,8 +397,7 @@ impl PsHandler {
                     metrics().barrier_wait.observe(started.elapsed().as_secs_f64());
                 }
                 self.replicated(&slot, wait).await?;
-                let reply = PsReply::Pulled { step, ready: true };
-                return Frame::new(PSERVER_METHOD, &reply, payload).map_err(RemoteError::internal);
+                return Ok((PsReply::Pulled { step, ready: true }, payload));
             }
             let _ = tokio::time::timeout_at(deadline, stepped).await;
         }
@@ -439,7 +432,7 @@ impl PsHandler {
     /// Rows of every shard asked for that this pserver is primary of:
     /// shard by shard, each at its own step (after its `min_step`, waiting
     /// up to `max_wait` in all).
-    async fn pull_rows(&self, fingerprint: u64, shards: Vec<ShardRows>, max_wait: Duration) -> Reply<Frame> {
+    async fn pull_rows(&self, fingerprint: u64, shards: Vec<ShardRows>, max_wait: Duration) -> Reply<Answer> {
         self.check_fingerprint(fingerprint)?;
         let asked: usize = shards.iter().flat_map(|s| &s.tables).map(|t| t.ids.len()).sum();
         if asked > crate::sparse::MAX_ROWS_PER_CALL {
@@ -496,8 +489,7 @@ impl PsHandler {
         let m = metrics();
         m.pulls.inc();
         m.pull_bytes.inc_by(payload.len() as u64);
-        let reply = PsReply::PulledRows { shards: answers };
-        Frame::new(PSERVER_METHOD, &reply, payload.freeze()).map_err(RemoteError::internal)
+        Ok((PsReply::PulledRows { shards: answers }, payload.freeze()))
     }
 
     /// Join or leave the barrier of `shard` (forwarded like any update).
@@ -674,7 +666,7 @@ impl PsHandler {
     }
 
     /// Primary side: part of a held snapshot.
-    fn snapshot_part(&self, request: PsRequest) -> Reply<Frame> {
+    fn snapshot_part(&self, request: PsRequest) -> Reply<Answer> {
         let PsRequest::SnapshotPart { shard, follower, upto, part } = request else {
             return Err(RemoteError::internal("not a snapshot part"));
         };
@@ -686,14 +678,14 @@ impl PsHandler {
             ))
         })?;
         let row_parts = snapshot.row_parts.len() as u32;
-        let (reply, payload) = match snapshot.parts.get(part as usize) {
+        match snapshot.parts.get(part as usize) {
             Some(range) => replication::encode_part(
                 &snapshot.snapshot,
                 range.clone(),
                 row_parts,
-                None,
                 &self.shared.reply_pool,
-            ),
+            )
+            .map_err(RemoteError::internal),
             None => {
                 let index = (part as usize).saturating_sub(snapshot.parts.len());
                 let rows = snapshot.row_parts.get(index).cloned().ok_or_else(|| {
@@ -702,11 +694,9 @@ impl PsHandler {
                         snapshot.parts.len() + snapshot.row_parts.len()
                     ))
                 })?;
-                replication::encode_row_part(&snapshot.snapshot, row_parts, index as u32, rows)
+                Ok(replication::encode_row_part(&snapshot.snapshot, row_parts, index as u32, rows))
             }
         }
-        .map_err(RemoteError::internal)?;
-        Frame::new(PSERVER_METHOD, &reply, payload).map_err(RemoteError::internal)
     }
 
     /// Primary side: a follower caught up.
@@ -752,10 +742,11 @@ impl Handler for PsHandler {
         if request.method != PSERVER_METHOD {
             return Err(RemoteError::bad_request(format!("unknown pserver method {:#x}", request.method)));
         }
-        match request.meta::<PsRequest>()? {
-            PsRequest::Batch { calls } => self.batch(calls, request.payload).await,
-            one => self.handle_one(one, request.payload).await,
-        }
+        let (reply, payload) = match request.meta::<PsRequest>()? {
+            PsRequest::Batch { calls } => self.batch(calls, request.payload).await?,
+            one => self.handle_one(one, request.payload).await?,
+        };
+        Frame::new(PSERVER_METHOD, &reply, payload).map_err(RemoteError::internal)
     }
 }
 
@@ -764,7 +755,7 @@ impl PsHandler {
     /// if it had come alone; answered in call order. A batch whose
     /// payload lengths do not add up, that holds a batch or that is too
     /// long is refused whole, before any call is handled.
-    async fn batch(&self, calls: Vec<BatchCall>, payload: Bytes) -> Reply<Frame> {
+    async fn batch(&self, calls: Vec<BatchCall>, payload: Bytes) -> Reply<Answer> {
         if calls.len() > MAX_BATCH_CALLS {
             return Err(RemoteError::bad_request(format!(
                 "a batch of {} calls: at most {MAX_BATCH_CALLS} are allowed",
@@ -790,11 +781,11 @@ impl PsHandler {
             self.handle_one(call.request, part)
         });
         let answered = oar_transport::join_all(handled).await;
-        let total: usize = answered.iter().map(|a| a.as_ref().map_or(0, |f| f.payload.len())).sum();
+        let total: usize = answered.iter().map(|a| a.as_ref().map_or(0, |(_, bytes)| bytes.len())).sum();
         let mut payload = BytesMut::with_capacity(total);
         let mut answers = Vec::with_capacity(answered.len());
         for one in answered {
-            let (reply, len) = match one.and_then(|frame| Ok((frame.meta::<PsReply>()?, frame.payload))) {
+            let (reply, len) = match one {
                 Ok((reply, bytes)) => {
                     payload.extend_from_slice(&bytes);
                     (Ok(reply), bytes.len() as u64)
@@ -803,12 +794,11 @@ impl PsHandler {
             };
             answers.push(BatchAnswer { reply, payload_len: len });
         }
-        Frame::new(PSERVER_METHOD, &PsReply::Batch { answers }, payload.freeze())
-            .map_err(RemoteError::internal)
+        Ok((PsReply::Batch { answers }, payload.freeze()))
     }
 
     /// One call (of a batch, or alone).
-    async fn handle_one(&self, request: PsRequest, payload: Bytes) -> Reply<Frame> {
+    async fn handle_one(&self, request: PsRequest, payload: Bytes) -> Reply<Answer> {
         let reply = match request {
             PsRequest::Info { shard } => match self.slot(shard)? {
                 None => self.not_primary(shard),
@@ -858,7 +848,7 @@ impl PsHandler {
                 return Err(RemoteError::bad_request("a batch inside a batch"));
             }
         };
-        Frame::new(PSERVER_METHOD, &reply, Bytes::new()).map_err(RemoteError::internal)
+        Ok((reply, Bytes::new()))
     }
 }
 

@@ -697,7 +697,7 @@ pub(super) fn encode_row_part(
     row_parts: u32,
     index: u32,
     (table, range): (u32, Range<usize>),
-) -> Result<(PsReply, Bytes), oar_transport::Error> {
+) -> (PsReply, Bytes) {
     let t = &snapshot.tables()[table as usize];
     let first = range.start == 0;
     let mut payload = BytesMut::new();
@@ -712,17 +712,15 @@ pub(super) fn encode_row_part(
         false => Vec::new(),
     };
     let part = RowsPart { table, index, rows, candidates, stats: first.then(|| t.stats()) };
-    let (reply, _) = encode_part(snapshot, 0..0, row_parts, Some(part), &BufferPool::new(0))?;
-    Ok((reply, payload.freeze()))
+    (part_reply(snapshot, Vec::new(), row_parts, Some(part)), payload.freeze())
 }
 
 /// Part `range` of `snapshot`: per block its parameters then its state's
-/// slots, written into a buffer of `pool` when there is one.
+/// slots, written into a buffer of `pool`.
 pub(super) fn encode_part(
     snapshot: &StoreSnapshot,
     range: Range<usize>,
     row_parts: u32,
-    rows: Option<RowsPart>,
     pool: &BufferPool,
 ) -> Result<(PsReply, Bytes), oar_transport::Error> {
     let blocks: Vec<_> = snapshot.blocks().skip(range.start).take(range.len()).collect();
@@ -732,17 +730,28 @@ pub(super) fn encode_part(
         payload.extend_from_slice(&oar_transport::f32s_as_le_bytes(params));
         payload.extend_from_slice(&oar_transport::f32s_as_le_bytes(&state.slots));
     }
-    let reply = PsReply::SnapshotPart {
+    let named = blocks.iter().map(|(id, _, state)| (*id, state.step)).collect();
+    Ok((part_reply(snapshot, named, row_parts, None), payload.freeze()))
+}
+
+/// A snapshot part's metadata: the store's state in `snapshot`, the
+/// part's blocks (id, optimizer step) or rows.
+fn part_reply(
+    snapshot: &StoreSnapshot,
+    blocks: Vec<(BlockId, u64)>,
+    row_parts: u32,
+    rows: Option<RowsPart>,
+) -> PsReply {
+    PsReply::SnapshotPart {
         step: snapshot.step(),
         pushes: snapshot.pushes(),
         members: snapshot.members().to_vec(),
-        blocks: blocks.iter().map(|(id, _, state)| (*id, state.step)).collect(),
+        blocks,
         last_seqs: snapshot.last_seqs().map(|(t, s)| (t.to_string(), s)).collect(),
         origins: Box::new(snapshot.origins().clone()),
         row_parts,
         rows,
-    };
-    Ok((reply, payload.freeze()))
+    }
 }
 
 /// The blocks and rows of a snapshot part, from the blocks (id, state
