@@ -140,7 +140,7 @@ impl RowPolicy {
     }
 
     /// The rows (and candidates) a table holds at most.
-    fn cap(&self) -> usize {
+    pub(crate) fn cap(&self) -> usize {
         self.max_rows.unwrap_or(MAX_TABLE_ROWS).min(MAX_TABLE_ROWS)
     }
 }

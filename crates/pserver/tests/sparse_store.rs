@@ -167,6 +167,69 @@ fn checkpoints_carry_rows_and_their_statistics_bit_for_bit() {
     assert_eq!(pull(&restored, &ids), pull(&store, &ids));
 }
 
+/// Rewrites a checkpoint's trailing CRC so that only an edit is wrong.
+fn with_crc(mut b: Vec<u8>) -> Vec<u8> {
+    let n = b.len() - 4;
+    let crc = crc32fast::hash(&b[..n]);
+    b[n..].copy_from_slice(&crc.to_le_bytes());
+    b
+}
+
+#[test]
+fn a_checkpoint_refused_for_a_row_changes_nothing_and_the_older_one_loads_exactly() {
+    let pl = placement(RowPolicy { admit_after: 2, ..RowPolicy::default() });
+    let mut store = ParamStore::new(&pl, 0, SEED, sgd(), Mode::Async).unwrap();
+    let [a, b, c, d, e, f]: [u64; 6] = ids_on(0, 6).try_into().unwrap();
+    let mut seq = 0;
+    let mut push_ids = |store: &mut ParamStore, ids: &[u64]| {
+        seq += 1;
+        let grads = (0..ids.len() * DIM).map(|i| i as f32 * 0.1).collect();
+        store.push(push(store, "t", seq, 1.0, ids, grads)).unwrap();
+    };
+    let dir = tempfile::tempdir().unwrap();
+    let ckpt = CheckpointDir::new(dir.path(), 0);
+    // Older: rows a, b, c; candidate d.
+    push_ids(&mut store, &[a, b, c, d]);
+    push_ids(&mut store, &[a, b, c]);
+    ckpt.save(&store.snapshot().unwrap(), 5).unwrap();
+    let older = rows_of(&store);
+    // Newer: rows a, b, c, e; candidates d, f (a row is 40 bytes with SGD,
+    // a candidate 20; then the 4-byte CRC).
+    push_ids(&mut store, &[e, f]);
+    push_ids(&mut store, &[e]);
+    let newer = ckpt.save(&store.snapshot().unwrap(), 5).unwrap();
+    assert_eq!(rows_of(&store).len(), 4);
+    let good = std::fs::read(&newer.path).unwrap();
+    let n = good.len() - 4;
+    assert_eq!(good[n - 48..n - 40], 2u64.to_le_bytes(), "two candidates end the table");
+    let last_row = n - 48 - 40;
+    assert_eq!(good[last_row..last_row + 8], e.to_le_bytes(), "row e is the last row");
+    let put = |at: usize, bytes: &[u8]| {
+        let mut b = good.clone();
+        b[at..at + bytes.len()].copy_from_slice(bytes);
+        with_crc(b)
+    };
+    for (bad, words) in [
+        (put(last_row + 16, &0u32.to_le_bytes()), format!("row {e} of table \"emb\" has count 0")),
+        (put(last_row, &c.to_le_bytes()), format!("row {c} of table \"emb\" follows row {c}")),
+        (put(n - 40, &a.to_le_bytes()), format!("candidate {a} of table \"emb\" is also a held row")),
+    ] {
+        std::fs::write(&newer.path, bad).unwrap();
+        let mut restored = ParamStore::new(&pl, 0, SEED, sgd(), Mode::Async).unwrap();
+        let loaded = ckpt.load_latest(&mut restored).unwrap().unwrap();
+        assert_eq!(loaded.skipped.len(), 1, "{words}");
+        assert!(loaded.skipped[0].1.contains(&words), "{:?} should say {words:?}", loaded.skipped[0].1);
+        assert_eq!(
+            rows_of(&restored),
+            older,
+            "the older checkpoint, and nothing of the refused one ({words})"
+        );
+        let candidates: Vec<u64> =
+            restored.snapshot().unwrap().tables()[0].candidates().map(|c| c.id).collect();
+        assert_eq!(candidates, vec![d]);
+    }
+}
+
 #[test]
 fn bad_rows_are_refused_by_name_and_change_nothing() {
     let pl = placement(RowPolicy::default());

@@ -193,6 +193,9 @@ pub(super) enum Reject {
     Io(&'static str, io::Error),
     Corrupt(String),
     Mismatch(String),
+    /// Refused during the restoring pass: the store is partly restored, so
+    /// no older file may be loaded into it.
+    Touched(String),
 }
 
 impl Reject {
@@ -201,6 +204,7 @@ impl Reject {
             Reject::Io(action, e) => format!("I/O error {action}: {e}"),
             Reject::Corrupt(r) => format!("corrupt: {r}"),
             Reject::Mismatch(r) => format!("does not fit this pserver: {r}"),
+            Reject::Touched(r) => format!("corrupt: {r}"),
         }
     }
 
@@ -208,7 +212,7 @@ impl Reject {
         let path = path.to_path_buf();
         match self {
             Reject::Io(action, source) => Error::CheckpointIo { action, path, source },
-            Reject::Corrupt(reason) => Error::CorruptCheckpoint { path, reason },
+            Reject::Corrupt(reason) | Reject::Touched(reason) => Error::CorruptCheckpoint { path, reason },
             Reject::Mismatch(reason) => Error::CheckpointMismatch { path, reason },
         }
     }
@@ -225,6 +229,8 @@ struct Expect {
     blocks: Vec<(BlockId, usize)>,
     /// The sparse tables' names and dims.
     tables: Vec<(String, u64)>,
+    /// The most rows (and the most candidates) each table holds.
+    table_caps: Vec<u64>,
 }
 
 impl Expect {
@@ -236,6 +242,7 @@ impl Expect {
             slots: store.optimizer().state_slots() as u64,
             blocks: store.blocks().map(|(id, p, _)| (id, p.len())).collect(),
             tables: store.tables().iter().map(|t| (t.spec().name.clone(), t.spec().dim as u64)).collect(),
+            table_caps: store.tables().iter().map(|t| t.spec().policy.cap() as u64).collect(),
         }
     }
 }
@@ -602,9 +609,23 @@ fn scan_tables<R: Read>(
             dropped_candidates: r.u64("table counter")?,
             ..TableStats::default()
         };
+        // Every rule a fresh table's `restore_row` and `restore_candidate`
+        // enforce is checked here, in both passes: a file refused for a row
+        // is refused by the verifying pass, before the store changes. The
+        // writer puts rows and candidates in ascending id order.
+        let cap = expect.table_caps.get(t).copied().unwrap_or(0);
         let rows = r.u64("row count")?;
+        if rows > cap {
+            return Ok(Err(Reject::Mismatch(format!(
+                "table {name:?} holds {rows} rows in the file, at most {cap} in this store"
+            ))));
+        }
         let floats = dim.saturating_mul(1 + h.slots);
         r.need(rows.saturating_mul(28 + floats * 4), &format!("{rows} rows of table {name:?}"))?;
+        let corrupt = |what: &str, id: u64, why: String| {
+            Reject::Corrupt(format!("{what} {id} of table {name:?} {why}"))
+        };
+        let mut row_ids: Vec<u64> = Vec::new();
         for _ in 0..rows {
             let id = r.u64("row id")?;
             let step = r.u64("row optimizer step")?;
@@ -613,21 +634,50 @@ fn scan_tables<R: Read>(
             let params = r.f32s(*dim, &format!("row {id} of table {name:?}"))?;
             let slots = r.f32s(dim.saturating_mul(h.slots), &format!("row {id} optimizer slots"))?;
             if let Some(i) = params.iter().chain(&slots).position(|x| !x.is_finite()) {
-                return Err(Reject::Corrupt(format!(
-                    "row {id} of table {name:?} holds a non-finite value at index {i}"
-                )));
+                return Err(corrupt("row", id, format!("holds a non-finite value at index {i}")));
             }
+            if count == 0 {
+                return Err(corrupt("row", id, "has count 0 (a held row was pushed at least once)".into()));
+            }
+            if let Some(&prev) = row_ids.last().filter(|&&prev| prev >= id) {
+                return Err(corrupt("row", id, format!("follows row {prev}: ids must ascend, once each")));
+            }
+            row_ids.push(id);
             let row = RowRecord { id, params: &params, step, slots: &slots, count, last_seen };
             on_row(t, TableEntry::Row(row))?;
         }
         let candidates = r.u64("candidate count")?;
+        if candidates > cap {
+            return Ok(Err(Reject::Mismatch(format!(
+                "table {name:?} holds {candidates} candidates in the file, at most {cap} in this store"
+            ))));
+        }
         r.need(candidates.saturating_mul(20), &format!("{candidates} candidates of table {name:?}"))?;
+        let mut prev_candidate = None;
         for _ in 0..candidates {
             let c = Candidate {
                 id: r.u64("candidate id")?,
                 count: r.u32("candidate count")?,
                 last_seen: r.u64("candidate last seen")?,
             };
+            if c.count == 0 {
+                return Err(corrupt(
+                    "candidate",
+                    c.id,
+                    "has count 0 (a candidate was pushed at least once)".into(),
+                ));
+            }
+            if let Some(prev) = prev_candidate.filter(|&prev| prev >= c.id) {
+                return Err(corrupt(
+                    "candidate",
+                    c.id,
+                    format!("follows candidate {prev}: ids must ascend, once each"),
+                ));
+            }
+            if row_ids.binary_search(&c.id).is_ok() {
+                return Err(corrupt("candidate", c.id, "is also a held row".into()));
+            }
+            prev_candidate = Some(c.id);
             on_row(t, TableEntry::Candidate(c))?;
         }
         stats.rows = to_usize(rows, "row count")?;
@@ -671,13 +721,13 @@ pub(super) fn load<R: Read + Seek>(r: &mut R, store: &mut ParamStore) -> Check<L
         },
     )
     .map_err(|r| {
-        Reject::Corrupt(format!(
+        Reject::Touched(format!(
             "the file changed on disk between its verification and its restore ({}); the store may be partly restored",
             r.reason()
         ))
     })?;
     if second.checksum != first.checksum {
-        return Err(Reject::Corrupt(format!(
+        return Err(Reject::Touched(format!(
             "the file changed on disk between its verification (crc32 {:08x}) and its restore ({:08x}); the store may be partly restored",
             first.checksum, second.checksum
         )));

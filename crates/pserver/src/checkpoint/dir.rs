@@ -108,9 +108,12 @@ impl CheckpointDir {
     ///
     /// `Ok(None)` when there is no checkpoint at all;
     /// [`Error::NoValidCheckpoint`] naming every file and why when there are
-    /// some but none loads. A refused file never changes the store (unless it
-    /// is rewritten in place between its verification and its restore, which
-    /// the error then says; a successful fallback still restores everything).
+    /// some but none loads. A refused file never changes the store: every
+    /// rule the restore applies is checked by the verifying pass first. The
+    /// one exception is a file rewritten in place between its verification
+    /// and its restore: that ends the load with
+    /// [`Error::CorruptCheckpoint`] saying the store is partly restored, and
+    /// no older file is loaded over the mix.
     pub fn load_latest(&self, store: &mut ParamStore) -> Result<Option<LoadedCheckpoint>> {
         self.check_server(store.server())?;
         let files = self.list()?;
@@ -125,6 +128,7 @@ impl CheckpointDir {
                     tracing::info!("loaded checkpoint: {info}");
                     return Ok(Some(LoadedCheckpoint { info, skipped }));
                 }
+                Err(reject @ Reject::Touched(_)) => return Err(reject.into_error(&path)),
                 Err(reject) => {
                     let why = reject.reason();
                     tracing::warn!("skipping checkpoint {}: {why}", path.display());
