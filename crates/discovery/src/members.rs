@@ -5,7 +5,8 @@
 //! A service is told which prefix its members register under; this crate
 //! knows nothing of what the members are (trainers of a job, say).
 
-use crate::{Discovery, Result, WatchEvent, WatchStream};
+use crate::{Discovery, Error, Result, Revision, WatchEvent, WatchStream};
+use std::{collections::BTreeSet, sync::Arc, time::Duration};
 
 /// The member name in `key`, if `key` is a member's key under `prefix`: the
 /// rest of the key, non-empty and without `/`.
@@ -13,24 +14,51 @@ pub fn member_name<'a>(prefix: &str, key: &'a str) -> Option<&'a str> {
     key.strip_prefix(prefix).filter(|name| !name.is_empty() && !name.contains('/'))
 }
 
+/// The first pause before watching again after a watch failed; it doubles
+/// up to [`MAX_REWATCH_PAUSE`] while the backend stays unreachable.
+const REWATCH_PAUSE: Duration = Duration::from_millis(100);
+const MAX_REWATCH_PAUSE: Duration = Duration::from_secs(2);
+
 /// Members leaving: yields the name of each member whose key under the
 /// prefix is deleted (its lease expired or was revoked, or it was deleted),
 /// from the moment the watch is created on.
+///
+/// A watch that fails (the backend restarted, a connection dropped, the
+/// reader fell behind the kept history) is started again where it left
+/// off, so no departure is missed. If that history is gone, the members are
+/// listed again, and each one known before that the listing lacks is named
+/// as gone; one that both joined and left during the gap is not seen at
+/// all (it was never known to be present). While the backend stays
+/// unreachable, [`Departures::next`] keeps trying, with pauses up to 2 s.
 pub struct Departures {
+    discovery: Arc<dyn Discovery>,
     prefix: String,
     watch: WatchStream,
     present: Vec<String>,
+    /// The members now, as far as the events seen say.
+    members: BTreeSet<String>,
+    /// The revision the watch has delivered up to.
+    seen: Revision,
+    /// Members a new listing found gone, still to be named.
+    gone: Vec<String>,
 }
 
 impl Departures {
     /// Start following the members under `prefix`.
-    pub async fn watch(discovery: &dyn Discovery, prefix: &str) -> Result<Self> {
+    pub async fn watch(discovery: Arc<dyn Discovery>, prefix: &str) -> Result<Self> {
         let now = discovery.get_prefix(prefix).await?;
-        let mut present: Vec<String> =
+        let members: BTreeSet<String> =
             now.kvs.iter().filter_map(|kv| member_name(prefix, &kv.key)).map(str::to_string).collect();
-        present.sort();
         let watch = discovery.watch_prefix(prefix, now.revision + 1).await?;
-        Ok(Self { prefix: prefix.to_string(), watch, present })
+        Ok(Self {
+            discovery,
+            prefix: prefix.to_string(),
+            watch,
+            present: members.iter().cloned().collect(),
+            members,
+            seen: now.revision,
+            gone: Vec::new(),
+        })
     }
 
     /// The members registered when the watch started, sorted. Anyone
@@ -41,20 +69,77 @@ impl Departures {
         &self.present
     }
 
-    /// The next member that left; `None` when the watch ended, an error
-    /// when it failed (the caller then relies on timeouts).
+    /// The next member that left; `None` when the watch ended (the backend
+    /// was shut down), an error when following the members failed for a
+    /// reason that trying again cannot mend (the caller then relies on
+    /// timeouts).
     pub async fn next(&mut self) -> Option<Result<String>> {
         loop {
+            if let Some(name) = self.gone.pop() {
+                return Some(Ok(name));
+            }
             match self.watch.next().await? {
-                Ok(WatchEvent::Delete { key, .. }) => {
-                    if let Some(name) = member_name(&self.prefix, &key) {
-                        return Some(Ok(name.to_string()));
+                Ok(event) => {
+                    self.seen = self.seen.max(event.revision());
+                    let Some(name) = member_name(&self.prefix, event.key()) else { continue };
+                    let name = name.to_string();
+                    match event {
+                        WatchEvent::Delete { .. } => {
+                            self.members.remove(&name);
+                            return Some(Ok(name));
+                        }
+                        WatchEvent::Put(_) => {
+                            self.members.insert(name);
+                        }
                     }
                 }
-                Ok(WatchEvent::Put(_)) => {}
-                Err(e) => return Some(Err(e)),
+                Err(e) => {
+                    tracing::warn!(error = %e, prefix = %self.prefix, "member watch failed; watching again");
+                    if let Err(e) = self.rewatch().await {
+                        return Some(Err(e));
+                    }
+                }
             }
         }
+    }
+
+    /// Watch again from where the failed watch stopped, or from a new
+    /// listing if that history is gone; pausing between tries while the
+    /// backend is unreachable. Errs only on a failure that will repeat.
+    async fn rewatch(&mut self) -> Result<()> {
+        let mut pause = REWATCH_PAUSE;
+        loop {
+            let tried = match self.discovery.watch_prefix(&self.prefix, self.seen + 1).await {
+                Err(Error::Compacted { .. }) => self.relist().await,
+                other => other.map(|watch| self.watch = watch),
+            };
+            match tried {
+                Ok(()) => return Ok(()),
+                Err(e) if e.is_transient() || matches!(e, Error::Compacted { .. }) => {
+                    tracing::debug!(error = %e, ?pause, "watching members again failed; trying again");
+                    tokio::time::sleep(pause).await;
+                    pause = (pause * 2).min(MAX_REWATCH_PAUSE);
+                }
+                Err(e) => return Err(e),
+            }
+        }
+    }
+
+    /// List the members afresh: each known one the listing lacks left
+    /// meanwhile. Then watch from the listing on.
+    async fn relist(&mut self) -> Result<()> {
+        let now = self.discovery.get_prefix(&self.prefix).await?;
+        let watch = self.discovery.watch_prefix(&self.prefix, now.revision + 1).await?;
+        let listed: BTreeSet<String> =
+            now.kvs.iter().filter_map(|kv| member_name(&self.prefix, &kv.key)).map(str::to_string).collect();
+        // Named in order: `gone` is popped from the end.
+        let mut gone: Vec<String> = self.members.difference(&listed).cloned().collect();
+        gone.reverse();
+        self.gone.extend(gone);
+        self.members = listed;
+        self.seen = now.revision;
+        self.watch = watch;
+        Ok(())
     }
 }
 
@@ -72,13 +157,48 @@ mod tests {
         assert_eq!(member_name("/j/trainer/", "/j/ps/1"), None);
     }
 
+    /// The next departure, within 5 s.
+    async fn next(departures: &mut Departures) -> String {
+        let next = tokio::time::timeout(Duration::from_secs(5), departures.next()).await;
+        next.expect("a departure in time").expect("not ended").expect("no error")
+    }
+
+    #[tokio::test]
+    async fn departures_outlive_a_failed_watch_and_name_who_left_meanwhile() {
+        // Four events of history: a reader that falls further behind fails.
+        let d = MemDiscovery::with_history_limit(4, 1 << 20);
+        let (l1, l2) = (
+            d.grant_lease(Duration::from_secs(30)).await.unwrap(),
+            d.grant_lease(Duration::from_secs(30)).await.unwrap(),
+        );
+        d.put("/j/trainer/t1", vec![], Some(l1)).await.unwrap();
+        d.put("/j/trainer/t2", vec![], Some(l2)).await.unwrap();
+        let mut departures = Departures::watch(Arc::new(d.clone()), "/j/trainer/").await.unwrap();
+        // Nobody reads while t3 joins, t1 leaves and many other writes
+        // push those events out of the history.
+        d.put("/j/trainer/t3", vec![], None).await.unwrap();
+        for i in 0..10 {
+            d.put("/j/other", vec![i], None).await.unwrap();
+        }
+        d.revoke_lease(l1).await.unwrap();
+        for i in 0..10 {
+            d.put("/j/other", vec![i], None).await.unwrap();
+        }
+        assert_eq!(next(&mut departures).await, "t1", "found gone by the new listing");
+        // Followed again from the listing on: t2 and t3 are known.
+        d.revoke_lease(l2).await.unwrap();
+        assert_eq!(next(&mut departures).await, "t2");
+        d.delete("/j/trainer/t3").await.unwrap();
+        assert_eq!(next(&mut departures).await, "t3");
+    }
+
     #[tokio::test]
     async fn departures_name_members_whose_lease_ended_and_ignore_other_keys() {
         let d = MemDiscovery::new();
         let lease = d.grant_lease(Duration::from_secs(30)).await.unwrap();
         d.put("/j/trainer/t1", vec![], Some(lease)).await.unwrap();
         d.put("/j/trainer/t0", vec![], None).await.unwrap();
-        let mut departures = Departures::watch(&d, "/j/trainer/").await.unwrap();
+        let mut departures = Departures::watch(Arc::new(d.clone()), "/j/trainer/").await.unwrap();
         assert_eq!(departures.present(), ["t0", "t1"]);
         d.put("/j/trainer/t2", vec![], None).await.unwrap();
         d.put("/j/ps/0", vec![], None).await.unwrap();

@@ -180,6 +180,10 @@ pub async fn set_pservers(
     Ok(Scaled { from, to: count, map_version: map.version() })
 }
 
+/// The pause after a coordinator round failed on a transient error, times
+/// the failures in a row (at most 5).
+const RETRY_PAUSE: Duration = Duration::from_millis(200);
+
 /// A running coordinator. Dropping it stops it.
 pub struct Coordinator {
     task: AbortOnDropHandle<ServiceResult<()>>,
@@ -222,8 +226,10 @@ impl Coordinator {
         Ok(Coordinator { task: AbortOnDropHandle::new(task) })
     }
 
-    /// Wait until the coordinator stops: it lost its fence, or could not
-    /// write the map. (It never stops on its own otherwise.)
+    /// Wait until the coordinator stops: it lost its fence, or met an error
+    /// that trying again cannot mend. A transient one (etcd slow or
+    /// unreachable for a while, a pserver that does not answer) does not
+    /// stop it: the round is tried again, 200 ms to 1 s later.
     pub async fn stopped(&mut self) -> ServiceError {
         match (&mut self.task).await {
             Ok(Ok(())) => ServiceError::Stopped("the coordinator stopped".into()),
@@ -263,26 +269,55 @@ impl Run {
         mut desired_signal: ChangeSignal,
     ) -> ServiceResult<()> {
         let mut changes = self.topology.subscribe();
+        let mut failing = 0u32;
         loop {
             let topology = changes.borrow_and_update().clone();
-            self.read_desired().await;
-            let written = match &topology.map {
-                None => self.first_map(&topology).await?,
-                Some(map) => self.maintain(&topology, map).await?,
-            };
-            match written {
+            match self.round(&topology).await {
                 // Look again at once, from the map just written.
-                Some(map) => {
-                    let seen = self.topology.newer_than(map.version() - 1, Duration::from_secs(1)).await;
-                    self.write_status(&seen).await?;
+                Ok(true) => {
+                    failing = 0;
                     continue;
                 }
-                None => self.write_status(&topology).await?,
+                Ok(false) => failing = 0,
+                // etcd slow or unreachable for a moment (a request timed
+                // out, its leader changed): the next round starts over from
+                // what is stored. Only a lost fence or a refusal that will
+                // repeat stops the coordinator, and [`Coordinator::stopped`]
+                // says which.
+                Err(e) if oar_transport::Transient::is_transient(&e) => {
+                    failing = failing.saturating_add(1);
+                    let pause = RETRY_PAUSE * failing.min(5);
+                    tracing::warn!(error = %e, retry_in = ?pause, "coordinator round failed; trying again");
+                    tokio::time::sleep(pause).await;
+                    continue;
+                }
+                Err(e) => return Err(e),
             }
             tokio::select! {
                 _ = changes.changed() => {}
                 _ = replicas_signal.wait(Duration::from_secs(1)) => {}
                 _ = desired_signal.wait(Duration::from_secs(1)) => {}
+            }
+        }
+    }
+
+    /// One look at `topology`: write the map it needs, if any, then the
+    /// cluster status. `true` when a map was written.
+    async fn round(&mut self, topology: &Topology) -> ServiceResult<bool> {
+        self.read_desired().await;
+        let written = match &topology.map {
+            None => self.first_map(topology).await?,
+            Some(map) => self.maintain(topology, map).await?,
+        };
+        match written {
+            Some(map) => {
+                let seen = self.topology.newer_than(map.version() - 1, Duration::from_secs(1)).await;
+                self.write_status(&seen).await?;
+                Ok(true)
+            }
+            None => {
+                self.write_status(topology).await?;
+                Ok(false)
             }
         }
     }

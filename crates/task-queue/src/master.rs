@@ -462,7 +462,7 @@ impl Master {
         });
         // Trainers that left while no master watched (between the last
         // master's end and now) hold restored pending tasks: take them back.
-        let departures = Departures::watch(&*discovery, &keys.members).await?;
+        let departures = Departures::watch(discovery.clone(), &keys.members).await?;
         {
             let mut core = shared.core();
             for trainer in core.queue.pending_trainers() {
@@ -924,7 +924,9 @@ async fn trainer_watcher(mut departures: Departures, shared: Arc<Shared>) {
                 }
             }
             Err(e) => {
-                tracing::warn!(error = %e, "trainer watch failed; relying on task timeouts");
+                // Only a failure that will repeat ends up here: a watch that
+                // merely broke is followed again by `Departures`.
+                tracing::error!(error = %e, "cannot follow the trainers; relying on task timeouts");
                 return;
             }
         }

@@ -164,7 +164,7 @@ async fn run_master(
         query_timeout: options.call_timeout.min(Duration::from_secs(1)),
         ..CoordinatorOptions::default()
     };
-    let coordinator =
+    let mut coordinator =
         Coordinator::start(ctx.discovery.clone(), ctx.transport.clone(), master.fence(), coordinator_options)
             .await?;
     if let Some(report) = read_result(&*ctx.discovery, &ctx.job).await? {
@@ -207,7 +207,7 @@ async fn run_master(
                 &mut aborted,
                 &mut on_progress,
             );
-            unless_shut_down(&shutdown, followed).await
+            while_coordinating(&mut coordinator, unless_shut_down(&shutdown, followed)).await
         }
         None => {
             // Report each pass as it ends, until the job ends, the master stops or
@@ -248,7 +248,18 @@ async fn run_master(
                     }
                 }
             };
-            unless_shut_down(&shutdown, followed).await
+            while_coordinating(&mut coordinator, unless_shut_down(&shutdown, followed)).await
+        }
+    };
+    let state = match state {
+        Ok(state) => state,
+        Err(stopped) => {
+            // Without its coordinator no shard would fail over or move: step
+            // down, so that a standby master (with a coordinator of its own)
+            // takes over, and say why.
+            tracing::error!(error = %stopped, "the shard coordinator stopped; this master steps down");
+            master.shutdown().await?;
+            return Err(stopped.into());
         }
     };
     let Some(state) = state else {
@@ -604,5 +615,17 @@ fn pass_report(pass: u32, status: &MasterStatus, eval: &Evaluation) -> PassRepor
         test_accuracy: eval.accuracy,
         tasks_done: stats.tasks_finished,
         tasks_discarded: status.queue.discarded,
+    }
+}
+
+/// `run`, unless the shard coordinator stops first (it lost its fence, or
+/// met an error that trying again cannot mend): that error then.
+async fn while_coordinating<T>(
+    coordinator: &mut Coordinator,
+    run: impl std::future::Future<Output = T>,
+) -> std::result::Result<T, oar_pserver::ServiceError> {
+    tokio::select! {
+        out = run => Ok(out),
+        stopped = coordinator.stopped() => Err(stopped),
     }
 }

@@ -673,7 +673,7 @@ impl Pserver {
         });
         let listener =
             transport.listen(listen_addr, Arc::new(handler::PsHandler { shared: shared.clone() })).await?;
-        let departures = Departures::watch(&*discovery, &keys.members).await?;
+        let departures = Departures::watch(discovery.clone(), &keys.members).await?;
         discovery
             .put(&keys.pserver(&name), listener.local_addr().as_bytes().to_vec(), Some(session.lease()))
             .await?;
@@ -1207,7 +1207,9 @@ async fn trainer_watcher(mut departures: Departures, shared: Arc<Shared>) {
                 tracing::info!(trainer, "trainer gone; it leaves the barrier");
             }
             Err(e) => {
-                tracing::warn!(error = %e, "trainer watch failed; dead trainers leave only by Leave calls");
+                // Only a failure that will repeat ends up here: a watch that
+                // merely broke is followed again by `Departures`.
+                tracing::error!(error = %e, "cannot follow the trainers; dead trainers leave only by Leave calls");
                 return;
             }
         }
