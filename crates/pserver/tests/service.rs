@@ -189,6 +189,41 @@ async fn bad_pushes_are_refused_by_name_and_change_nothing() {
     }
 }
 
+/// A retried sync push-pull is answered from the step it names; a step
+/// of `u64::MAX` (no trainer sends one) once overflowed while the shard's
+/// lock was held, poisoning it, and the pserver stopped serving.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_duplicate_push_pull_naming_the_last_step_harms_nothing() {
+    let env = Env::new().await;
+    let ps = env.pserver(Mode::Sync).await;
+    let fp = env.placement.fingerprint();
+    let conn = env.transport.connect(ps.addr()).await.unwrap();
+    let push_pull = |step: u64| PsRequest::PushPull {
+        shard: 0,
+        fingerprint: fp,
+        blocks: all_blocks(&env),
+        trainer: "t1".into(),
+        seq: 1,
+        step,
+        weight: 1.0,
+        rows: Vec::new(),
+        origin: None,
+        epoch: 0,
+    };
+    let grads = f32s_to_bytes(&vec![1.0; total()]);
+    for step in [0, u64::MAX] {
+        let reply =
+            call(conn.as_ref(), PSERVER_METHOD, &push_pull(step), grads.clone(), Duration::from_secs(5))
+                .await;
+        assert!(matches!(reply, Ok((PsReply::PushedPulled { .. }, _))), "step {step}: {reply:?}");
+    }
+    assert!(ps.stopped().is_none(), "the pserver serves on: {:?}", ps.stopped());
+    let mut reader = env.client("reader", Duration::from_secs(2));
+    let mut params = ParamBuf::zeros(&specs());
+    reader.pull(&mut params).await.unwrap();
+    assert_eq!(ps.step(0), Some(1), "the one trainer's push completed step 0, once");
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_trainer_that_dies_inside_a_sync_step_does_not_hang_the_others() {
     let env = Env::new().await;
@@ -873,4 +908,15 @@ async fn a_checkpoint_held_back_by_a_dead_trainer_s_push_does_not_hold_the_other
     assert_eq!(left, PsReply::Ok);
     pushing.checkpoint("the checkpoint after the dead trainer left").await;
     pushing.finish().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_zero_checkpoint_interval_is_refused_by_name() {
+    let env = Env::new().await;
+    let o = PserverOptions { checkpoint_interval: Duration::ZERO, ..options(specs(), 1, Mode::Async, 0.5) };
+    let err = Pserver::start(env.discovery.clone(), env.transport.clone(), "mem:0", o).await.err();
+    assert!(
+        matches!(&err, Some(ServiceError::Config(why)) if why.contains("checkpoint_interval")),
+        "{err:?}"
+    );
 }

@@ -45,7 +45,10 @@
 //! discovery; the job is then done once everything is trained.
 
 use crate::{
-    protocol::{MasterRequest, MasterStatus, PassStats, ReportReply, StreamStatus, TaskReply, MASTER_METHOD},
+    protocol::{
+        MasterRequest, MasterStatus, PassStats, ReportReply, StreamStatus, TaskReply, MASTER_METHOD,
+        MAX_TRAINER_ID_BYTES,
+    },
     source::{SourceMark, TaskSource},
     Changes, Error, GetTask, JobState, JournalRecord, QueueConfig, QueueEvent, Report, Result, StoredState,
     TaskQueue, TaskSpec, TaskState, MAX_DISCARDS_LISTED,
@@ -1033,7 +1036,9 @@ impl Handler for MasterHandler {
         if request.method != MASTER_METHOD {
             return Err(RemoteError::bad_request(format!("unknown master method {:#x}", request.method)));
         }
-        let reply = match request.meta::<MasterRequest>()? {
+        let request = request.meta::<MasterRequest>()?;
+        check_request(&request)?;
+        let reply = match request {
             MasterRequest::GetTask { trainer } => {
                 Frame::new(MASTER_METHOD, &self.get_task(&trainer)?, Bytes::new())
             }
@@ -1058,10 +1063,12 @@ impl Handler for MasterHandler {
                                 core.passes.resize(pass + 1, PassStats::default());
                             }
                             let p = &mut core.passes[pass];
-                            p.examples += stats.examples;
+                            // Counts from the wire: saturate rather than wrap (the loss
+                            // was checked finite by `check_request`).
+                            p.examples = p.examples.saturating_add(stats.examples);
                             p.loss_sum += stats.loss_sum;
                             p.tasks_finished += 1;
-                            p.skipped_lines += stats.skipped_lines;
+                            p.skipped_lines = p.skipped_lines.saturating_add(stats.skipped_lines);
                             metrics().finished.get_or_create(&label("pass", pass)).inc();
                         } else {
                             tracing::debug!(trainer, ?task_ref, "stale finished report");
@@ -1095,6 +1102,34 @@ impl Handler for MasterHandler {
         };
         reply.map_err(RemoteError::internal)
     }
+}
+
+/// Refuses, before anything is looked at, a request whose trainer id is
+/// empty or longer than [`MAX_TRAINER_ID_BYTES`], or whose finished-task
+/// statistics hold a loss that is not a finite number.
+fn check_request(request: &MasterRequest) -> std::result::Result<(), RemoteError> {
+    let trainer = match request {
+        MasterRequest::GetTask { trainer }
+        | MasterRequest::TaskFinished { trainer, .. }
+        | MasterRequest::TaskFailed { trainer, .. }
+        | MasterRequest::TaskReturned { trainer, .. } => trainer,
+        MasterRequest::Status => return Ok(()),
+    };
+    if trainer.is_empty() || trainer.len() > MAX_TRAINER_ID_BYTES {
+        return Err(RemoteError::bad_request(format!(
+            "a trainer id of {} bytes: ids must be 1 to {MAX_TRAINER_ID_BYTES} bytes",
+            trainer.len()
+        )));
+    }
+    if let MasterRequest::TaskFinished { stats, .. } = request {
+        if !stats.loss_sum.is_finite() {
+            return Err(RemoteError::bad_request(format!(
+                "finished-task statistics with a loss sum of {}: it must be a finite number",
+                stats.loss_sum
+            )));
+        }
+    }
+    Ok(())
 }
 
 /// Whether `trainer` holds assignment `task_ref`: a report from anyone else

@@ -17,6 +17,11 @@ pub struct TaskStats {
     pub skipped_lines: u64,
 }
 
+/// The longest trainer id the master takes, in bytes. Ids are stored with
+/// each task a trainer holds, in the master's state in etcd: an id of
+/// megabytes would make every save too large for etcd and stall them all.
+pub const MAX_TRAINER_ID_BYTES: usize = 256;
+
 /// A call to the master.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub enum MasterRequest {

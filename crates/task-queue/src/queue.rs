@@ -44,6 +44,11 @@ use crate::{Error, Result};
 /// The longest task timeout accepted: keeps `now + timeout` far from overflow.
 pub const MAX_TASK_TIMEOUT: Duration = Duration::from_secs(365 * 24 * 3600);
 
+/// The most passes a job may have. The master keeps statistics for each
+/// pass (32 bytes each, in its stored state); a stored state naming a pass
+/// beyond this is refused as corrupt instead of sizing a table by it.
+pub const MAX_PASSES: u32 = 1 << 20;
+
 /// Longest failure reason kept (reasons come from trainers over the network
 /// and end up in the snapshot); longer ones are cut at a char boundary.
 pub const MAX_REASON_BYTES: usize = 512;
@@ -67,11 +72,17 @@ impl Default for QueueConfig {
 }
 
 impl QueueConfig {
-    /// Checks that `passes >= 1`, `max_failures >= 1` and
+    /// Checks that `1 <= passes <= MAX_PASSES`, `max_failures >= 1` and
     /// `0 < task_timeout <= MAX_TASK_TIMEOUT`.
     pub fn validate(&self) -> Result<()> {
         if self.passes == 0 {
             return Err(Error::BadConfig("passes must be at least 1, got 0".into()));
+        }
+        if self.passes > MAX_PASSES {
+            return Err(Error::BadConfig(format!(
+                "passes must be at most {MAX_PASSES}, got {}",
+                self.passes
+            )));
         }
         if self.max_failures == 0 {
             return Err(Error::BadConfig("max_failures must be at least 1, got 0".into()));

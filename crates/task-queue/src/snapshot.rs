@@ -366,6 +366,14 @@ impl Snapshot {
 
     /// Validates and expands the snapshot.
     pub(crate) fn unpack(&self) -> Result<Unpacked> {
+        if self.pass >= crate::queue::MAX_PASSES {
+            // The master sizes its per-pass statistics by it.
+            return Err(bad(format!(
+                "pass {} (0-based): a job has at most {} passes",
+                self.pass,
+                crate::queue::MAX_PASSES
+            )));
+        }
         let n = self.tasks.len();
         if n == 0 && self.stream.is_none() {
             return Err(bad("no tasks"));
@@ -581,6 +589,16 @@ mod tests {
     }
 
     #[test]
+    fn a_pass_beyond_the_most_a_job_has_is_refused_on_decode() {
+        let mut snap = busy_queue().snapshot();
+        snap.pass = u32::MAX;
+        let err = Snapshot::decode(&snap.encode()).unwrap_err().to_string();
+        assert!(err.contains("pass 4294967295") && err.contains("at most 1048576 passes"), "{err}");
+        let stored = crate::StoredState { queue: snap, passes: Vec::new(), discarded: Vec::new() };
+        assert!(crate::StoredState::decode(&stored.encode()).is_err());
+    }
+
+    #[test]
     fn roundtrip_keeps_everything() {
         let q = busy_queue();
         let st = q.status();
@@ -766,7 +784,7 @@ mod tests {
             bytes.extend(tail);
             // Either a clean error or a snapshot that restores.
             if let Ok(snap) = Snapshot::decode(&bytes) {
-                let cfg = QueueConfig { passes: u32::MAX, ..config() };
+                let cfg = QueueConfig { passes: crate::MAX_PASSES, ..config() };
                 prop_assert!(TaskQueue::restore(snap, cfg, Instant::now()).is_ok());
             }
         }
@@ -777,7 +795,7 @@ mod tests {
             let i = (bit / 8) % bytes.len();
             bytes[i] ^= 1 << (bit % 8);
             if let Ok(snap) = Snapshot::decode(&bytes) {
-                let cfg = QueueConfig { passes: u32::MAX, ..config() };
+                let cfg = QueueConfig { passes: crate::MAX_PASSES, ..config() };
                 prop_assert!(TaskQueue::restore(snap, cfg, Instant::now()).is_ok());
             }
         }

@@ -69,6 +69,7 @@ impl StoredState {
         let StoredState { mut passes, mut discarded, .. } = self;
         for record in newer {
             if let Some(stats) = &record.pass_stats {
+                // Below MAX_PASSES: `apply` checked it is the queue's pass.
                 let pass = record.delta.pass() as usize;
                 if passes.len() <= pass {
                     passes.resize(pass + 1, PassStats::default());

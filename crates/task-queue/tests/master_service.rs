@@ -183,7 +183,7 @@ async fn a_vanished_trainer_s_tasks_return_to_todo_at_once() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn bad_requests_get_an_error_and_harm_nothing() {
     let env = Env::new();
-    let master = env.master("m1", 1).await;
+    let master = env.master("m1", 2).await;
     let conn = env.transport.connect(master.addr()).await.unwrap();
     let garbage = Frame {
         method: oar_task_queue::protocol::MASTER_METHOD,
@@ -203,10 +203,33 @@ async fn bad_requests_get_an_error_and_harm_nothing() {
     let bogus = oar_task_queue::TaskRef { task: TaskId(99), pass: 0, attempt: 0 };
     let client = env.client();
     assert_eq!(client.task_finished("t1", bogus, TaskStats::default()).await.unwrap(), ReportReply::Stale);
-    // The master still serves.
+    let refused = |e: oar_task_queue::Error, words: &str| match e {
+        oar_task_queue::Error::Transport(oar_transport::Error::Remote { error, .. }) => {
+            assert_eq!(error.kind, RemoteErrorKind::BadRequest);
+            assert!(error.message.contains(words), "{:?} should say {words:?}", error.message);
+        }
+        other => panic!("expected a bad request about {words:?}, got {other}"),
+    };
+    // A trainer id of 2 MiB would go into the stored state with its task
+    // and make every save too large for etcd.
+    let huge = "t".repeat(2 << 20);
+    refused(client.get_task(&huge).await.unwrap_err(), "trainer id of 2097152 bytes");
+    refused(client.get_task("").await.unwrap_err(), "trainer id of 0 bytes");
+    // A loss that is not a number is refused before the task counts as done.
     let (_, r) = take(&client, "t1").await;
-    assert_eq!(client.task_finished("t1", r, TaskStats::default()).await.unwrap(), ReportReply::Accepted);
+    let nan = TaskStats { examples: 3, loss_sum: f64::NAN, skipped_lines: 0 };
+    refused(client.task_finished("t1", r, nan).await.unwrap_err(), "loss sum of NaN");
+    assert_eq!(master.status().borrow().queue.done, 0);
+    // Counts that would overflow saturate (they panicked in a debug build,
+    // after the task was marked done).
+    let most = TaskStats { examples: u64::MAX, loss_sum: 1.0, skipped_lines: u64::MAX };
+    assert_eq!(client.task_finished("t1", r, most).await.unwrap(), ReportReply::Accepted);
+    let (_, r) = take(&client, "t1").await;
+    let some = TaskStats { examples: 5, loss_sum: 1.0, skipped_lines: 2 };
+    assert_eq!(client.task_finished("t1", r, some).await.unwrap(), ReportReply::Accepted);
     assert_eq!(master.wait().await.unwrap(), JobState::Done);
+    let pass = master.status().borrow().passes[0];
+    assert_eq!((pass.examples, pass.skipped_lines, pass.tasks_finished), (u64::MAX, u64::MAX, 2));
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

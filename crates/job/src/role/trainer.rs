@@ -35,9 +35,14 @@ async fn run_trainer_role(
     shutdown: CancellationToken,
 ) -> Result<TrainerReport> {
     let id = &options.id;
-    if id.is_empty() || id.contains('/') || id.chars().any(char::is_whitespace) {
+    if id.is_empty()
+        || id.len() > oar_task_queue::MAX_TRAINER_ID_BYTES
+        || id.contains('/')
+        || id.chars().any(char::is_whitespace)
+    {
         return Err(Error::BadConfig(format!(
-            "trainer id {id:?} must be non-empty, without '/' or whitespace"
+            "trainer id {id:?} must be 1 to {} bytes, without '/' or whitespace",
+            oar_task_queue::MAX_TRAINER_ID_BYTES
         )));
     }
     let stopped_early = TrainerReport { shut_down: true, ..TrainerReport::default() };

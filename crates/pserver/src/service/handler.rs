@@ -357,7 +357,12 @@ impl PsHandler {
             let SlotState::Primary { store, links } = &*state else { unreachable!() };
             // Sync: the part's blocks hold step + 1's parameters (the step
             // itself may still wait for other blocks).
-            let at = if store.mode() == Mode::Sync { store.step().max(step + 1) } else { store.step() };
+            // (A duplicate's step is the peer's word, unchecked: saturate.)
+            let at = if store.mode() == Mode::Sync {
+                store.step().max(step.saturating_add(1))
+            } else {
+                store.step()
+            };
             (self.params(store, blocks)?, at, links.seq())
         };
         self.replicated(&slot, wait).await?;

@@ -636,6 +636,12 @@ impl Pserver {
                 options.name
             )));
         }
+        if options.checkpoint_interval.is_zero() {
+            return Err(ServiceError::Config(
+                "checkpoint_interval must be more than zero (it is how often each shard is checkpointed)"
+                    .into(),
+            ));
+        }
         metrics(); // Registered from the start, at zero.
                    // Checked once here, so a store built later cannot fail on it.
         match &options.custom_optimizer {
