@@ -76,6 +76,12 @@ pub const MAX_DIM: usize = 1 << 16;
 /// of one call, whatever a trainer sends.
 pub const MAX_ROWS_PER_CALL: usize = 1 << 20;
 
+/// The most bytes of row values one pull of rows (or all the row pulls of
+/// one batch) is answered with: the transport's default message limit, so
+/// a pull refused by it could not have been sent anyway. Counted from the
+/// ids asked for, before any row is read.
+pub const MAX_PULL_REPLY_BYTES: u64 = 1 << 30;
+
 /// The most rows (and, apart, candidates) one table may hold, with or
 /// without `max_rows`: arena slots are `u32`.
 pub const MAX_TABLE_ROWS: usize = u32::MAX as usize;

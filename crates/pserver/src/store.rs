@@ -1226,7 +1226,7 @@ impl ParamStore {
         let pushed = std::mem::take(&mut self.pending[i]);
         let mut grads = pushed.values();
         let Some((first_weight, first)) = grads.next() else { return };
-        let total = pushed.values().fold(0.0, |t, (w, _)| t + w);
+        let total = total_weight(pushed.values().map(|(w, _)| *w));
         if total == 0.0 {
             // Every push of it was of examples applied already.
             self.updated[i] = true;
@@ -1237,14 +1237,12 @@ impl ParamStore {
         let acc = &mut self.scratch;
         acc.clear();
         acc.extend_from_slice(first.floats(&mut decoded));
-        if *first_weight != 1.0 {
-            scale(acc, *first_weight);
+        let first_share = share(*first_weight, total);
+        if first_share != 1.0 {
+            scale(acc, first_share);
         }
         for (w, g) in grads {
-            axpy(acc, *w, g.floats(&mut decoded));
-        }
-        if total != 1.0 {
-            div(acc, total);
+            axpy(acc, share(*w, total), g.floats(&mut decoded));
         }
         let d = Self::block_mut(&mut self.held, &self.spares, i);
         self.optimizer.apply(&mut d.params, &self.scratch, &mut d.state);
@@ -1379,7 +1377,7 @@ impl ParamStore {
     /// order, and drop them.
     fn update_rows(&mut self, unit: usize) {
         let pushed = std::mem::take(&mut self.pending_rows);
-        let total = pushed.values().fold(0.0, |t, (w, _)| t + w);
+        let total = total_weight(pushed.values().map(|(w, _)| *w));
         // Per table: each id's position in one flat accumulator.
         let mut combined: Vec<(HashMap<u64, usize>, Vec<f32>)> =
             (0..self.tables.len()).map(|_| Default::default()).collect();
@@ -1393,7 +1391,7 @@ impl ParamStore {
                         acc.resize(acc.len() + dim, 0.0);
                         acc.len() / dim - 1
                     });
-                    axpy(&mut acc[row * dim..(row + 1) * dim], *w, g);
+                    axpy(&mut acc[row * dim..(row + 1) * dim], share(*w, total), g);
                 }
             }
         }
@@ -1409,9 +1407,6 @@ impl ParamStore {
             for (_, row) in order {
                 grads.extend_from_slice(&acc[row * dim..(row + 1) * dim]);
             }
-            if total != 1.0 {
-                div(&mut grads, total);
-            }
             self.tables[t].apply(&ids, &grads, self.step, self.optimizer.as_ref());
             if let Some(r) = &mut self.recording {
                 r.current_rows.push(RowGrads { table: t as u32, ids, grads: Grad::Floats(grads) });
@@ -1422,15 +1417,23 @@ impl ParamStore {
     }
 }
 
+/// The sum of a step's push weights, in `f64`: finite whatever the
+/// (finite) weights.
+fn total_weight(weights: impl Iterator<Item = f32>) -> f64 {
+    weights.map(f64::from).sum()
+}
+
+/// A push's share of its step's total weight. A step's gradients are each
+/// scaled by their share before they are summed: a weighted mean of finite
+/// values then stays finite whatever the weights, where scaling by the
+/// weight and dividing by the total overflowed at weights near `f32::MAX`.
+fn share(weight: f32, total: f64) -> f32 {
+    (f64::from(weight) / total) as f32
+}
+
 fn scale(a: &mut [f32], w: f32) {
     for x in a {
         *x *= w;
-    }
-}
-
-fn div(a: &mut [f32], d: f32) {
-    for x in a {
-        *x /= d;
     }
 }
 
@@ -1580,6 +1583,25 @@ mod tests {
         let rel = (diff / norm).sqrt();
         assert!(rel < 1e-6, "relative error {rel}: {got:?} vs {want:?}");
         assert_ne!(got, ParamBuf::init(&specs, 1).as_slice(), "parameters moved");
+    }
+
+    /// Weights are counts of examples, but any finite positive weight is
+    /// taken: two pushes of weight 3e38 (whose sum overflows `f32`) give
+    /// the plain mean of their gradients, not infinities.
+    #[test]
+    fn sync_weights_near_the_largest_float_still_give_the_weighted_mean() {
+        let pl = Placement::new(&specs(), 1, 5).unwrap();
+        let mut store = ParamStore::new(&pl, 0, 1, Box::new(Sgd { lr: 0.5 }), Mode::Sync).unwrap();
+        let before = snapshot(&store).concat();
+        store.join("t-a");
+        store.join("t-b");
+        store.push(push_for(&store, "t-a", 0, 0, 3e38, |_, _| 2.0)).unwrap();
+        let out = store.push(push_for(&store, "t-b", 0, 0, 3e38, |_, _| 4.0)).unwrap();
+        assert_eq!(out, PushOutcome::Applied { step: 1 });
+        let after = snapshot(&store).concat();
+        for (b, a) in before.iter().zip(&after) {
+            assert!((a - (b - 1.5)).abs() < 1e-5, "lr 0.5 times the mean gradient 3: {b} -> {a}");
+        }
     }
 
     #[test]

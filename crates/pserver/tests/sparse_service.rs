@@ -11,7 +11,7 @@ use bytes::Bytes;
 use common::{keys, Cluster};
 use oar_discovery::{Discovery, MemDiscovery};
 use oar_pserver::client::TableGrads;
-use oar_pserver::protocol::{BlockSpan, PsReply, PsRequest, ShardRows, TableRows, PSERVER_METHOD};
+use oar_pserver::protocol::{BatchCall, BlockSpan, PsReply, PsRequest, ShardRows, TableRows, PSERVER_METHOD};
 use oar_pserver::sparse::{init_row, TableSpec};
 use oar_pserver::{
     CoordinatorOptions, Init, Mode, OptimizerConfig, ParamBuf, ParamSpec, Placement, Pserver, PserverClient,
@@ -264,4 +264,39 @@ async fn bad_rows_over_quic_are_refused_by_name_and_harm_nothing() {
     let mut want = before.clone();
     want.iter_mut().for_each(|v| *v -= 0.25);
     assert_eq!(pull(&mut trainer, &ids).await, want);
+}
+
+/// Row pulls are bounded by the bytes they are answered with, not only by
+/// the ids they name: 70 pulls in one batch, each naming one row a million
+/// times (16 MiB of values each), would have made the pserver build a
+/// reply of 1.1 GiB. The batch is refused whole and the pserver serves on.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn row_pulls_whose_replies_would_be_too_large_are_refused_before_any_row_is_read() {
+    let env = Env::new(1, 1).await;
+    let ps = env.pserver().await;
+    env.cluster.wait_serving(&[&ps]).await;
+    let placement = env.placement();
+    let id = 5u64;
+    let shard = placement.row_shard(0, id).unwrap();
+    let big_pull = PsRequest::PullRows {
+        fingerprint: placement.fingerprint(),
+        shards: vec![ShardRows {
+            shard,
+            tables: vec![TableRows { table: 0, ids: vec![id; 1 << 20] }],
+            min_step: None,
+        }],
+        max_wait_ms: 0,
+    };
+    let calls = (0..70).map(|_| BatchCall { request: big_pull.clone(), payload_len: 0 }).collect();
+    assert_bad_request(
+        raw(&env, &ps, &PsRequest::Batch { calls }, Vec::new()).await,
+        &["row pulls whose values take 1174405120 bytes", "at most 1073741824"],
+    );
+    // One such pull alone is answered.
+    match raw(&env, &ps, &big_pull, Vec::new()).await {
+        Ok(PsReply::PulledRows { .. }) => {}
+        other => panic!("one pull of 16 MiB is answered, got {other:?}"),
+    }
+    let mut trainer = env.client("t1");
+    assert_eq!(pull(&mut trainer, &[id]).await, initial(&[id]));
 }

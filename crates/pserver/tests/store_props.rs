@@ -123,19 +123,19 @@ impl Model {
             {
                 continue;
             }
-            // Sum in trainer order of w_k g_k, divided by the sum of weights.
+            // Sum in trainer order of s_k g_k, each push's share s_k of
+            // the step's total weight (summed in f64) as an f32.
             let pushed = std::mem::take(&mut self.pending[b]);
-            let mut total = 0.0f32;
+            let total: f64 = pushed.values().map(|(w, _)| f64::from(*w)).sum();
             let mut mean: Vec<f32> = Vec::new();
             for (i, (w, g)) in pushed.values().enumerate() {
-                total += w;
+                let share = (f64::from(*w) / total) as f32;
                 if i == 0 {
-                    mean = g.iter().map(|x| w * x).collect();
+                    mean = g.iter().map(|x| share * x).collect();
                 } else {
-                    mean.iter_mut().zip(g).for_each(|(x, y)| *x += w * y);
+                    mean.iter_mut().zip(g).for_each(|(x, y)| *x += share * y);
                 }
             }
-            mean.iter_mut().for_each(|x| *x /= total);
             self.sgd(b, &mean);
             self.updated[b] = true;
         }

@@ -2,6 +2,7 @@
 //! replication calls between pservers.
 
 use super::{metrics, replication, HeldSnapshot, Shared, Slot, SlotState, SNAPSHOT_KEEP};
+use crate::sparse::MAX_PULL_REPLY_BYTES;
 use crate::{
     protocol::{
         BatchAnswer, BatchCall, BlockSpan, PsReply, PsRequest, PulledShard, ReplicaState, ShardRows,
@@ -434,11 +435,30 @@ impl PsHandler {
         Ok(floats)
     }
 
+    /// The bytes a pull of `shards`' rows answers with, refused if more
+    /// than [`MAX_PULL_REPLY_BYTES`] (it could not be sent anyway): a
+    /// request of a few MiB naming one row a million times would
+    /// otherwise make the pserver build a reply of many GiB.
+    fn pull_reply_bytes(&self, shards: &[ShardRows]) -> Reply<u64> {
+        let mut floats = 0usize;
+        for s in shards {
+            floats = floats.saturating_add(self.rows_floats(&s.tables)?);
+        }
+        let bytes = (floats as u64).saturating_mul(4);
+        if bytes > MAX_PULL_REPLY_BYTES {
+            return Err(RemoteError::bad_request(format!(
+                "a pull of rows whose values take {bytes} bytes: at most {MAX_PULL_REPLY_BYTES} are answered (split the batch)"
+            )));
+        }
+        Ok(bytes)
+    }
+
     /// Rows of every shard asked for that this pserver is primary of:
     /// shard by shard, each at its own step (after its `min_step`, waiting
     /// up to `max_wait` in all).
     async fn pull_rows(&self, fingerprint: u64, shards: Vec<ShardRows>, max_wait: Duration) -> Reply<Answer> {
         self.check_fingerprint(fingerprint)?;
+        self.pull_reply_bytes(&shards)?;
         let asked: usize = shards.iter().flat_map(|s| &s.tables).map(|t| t.ids.len()).sum();
         if asked > crate::sparse::MAX_ROWS_PER_CALL {
             return Err(RemoteError::bad_request(format!(
@@ -777,6 +797,18 @@ impl PsHandler {
         }
         if let Some(at) = calls.iter().position(|c| matches!(c.request, PsRequest::Batch { .. })) {
             return Err(RemoteError::bad_request(format!("call {at} of a batch is a batch itself")));
+        }
+        // Each row pull is bounded alone; their replies together too.
+        let mut pulled = 0u64;
+        for call in &calls {
+            if let PsRequest::PullRows { shards, .. } = &call.request {
+                pulled = pulled.saturating_add(self.pull_reply_bytes(shards)?);
+            }
+        }
+        if pulled > MAX_PULL_REPLY_BYTES {
+            return Err(RemoteError::bad_request(format!(
+                "a batch of row pulls whose values take {pulled} bytes: at most {MAX_PULL_REPLY_BYTES} are answered"
+            )));
         }
         let mut at = 0;
         let handled = calls.into_iter().map(|call| {
