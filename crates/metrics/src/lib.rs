@@ -74,7 +74,7 @@ impl MetricsServer {
     }
 }
 
-/// How long a scraper has to send its request.
+/// How long a scraper has to send its request, and then to take the reply.
 const REQUEST_TIMEOUT: Duration = Duration::from_secs(5);
 /// The largest request head read.
 const MAX_REQUEST: usize = 8 << 10;
@@ -135,8 +135,12 @@ async fn answer(mut stream: TcpStream) -> std::io::Result<()> {
          Content-Length: {}\r\nConnection: close\r\n\r\n{body}",
         body.len()
     );
-    stream.write_all(response.as_bytes()).await?;
-    stream.shutdown().await
+    // A scraper that stops reading must not hold the connection forever.
+    let reply = async {
+        stream.write_all(response.as_bytes()).await?;
+        stream.shutdown().await
+    };
+    tokio::time::timeout(REQUEST_TIMEOUT, reply).await.unwrap_or(Ok(()))
 }
 
 #[cfg(test)]

@@ -318,6 +318,10 @@ pub async fn run_trainer(
         params_fresh: false,
     };
     let result = state.run(&master).await;
+    // An exchange still in flight (the stop's grace ran out, or training
+    // failed) holds the pserver client while it retries, for up to the
+    // client's whole retry window: drop it, so the trainer stops now.
+    state.in_flight = None;
     if let Some(schedule) = state.schedule.as_ref().filter(|_| state.sparse.is_none()) {
         state.report.stale_pulls = schedule.counts().stale_pulls;
         state.report.pulls = schedule.counts().pulls;
