@@ -306,7 +306,8 @@ pub trait Discovery: Send + Sync + 'static {
     /// lease, as etcd's own lock is per session). Written once for every
     /// backend.
     async fn lock(&self, key: &str, holder: Vec<u8>, lease: LeaseId, timeout: Duration) -> Result<Fence> {
-        let deadline = tokio::time::Instant::now() + timeout;
+        // (A "forever" timeout of u64::MAX seconds cannot be added to an instant.)
+        let deadline = tokio::time::Instant::now() + timeout.min(Duration::from_secs(30 * 365 * 24 * 3600));
         loop {
             if let Some(revision) = self.create_if_absent(key, holder.clone(), Some(lease)).await? {
                 return Ok(Fence { key: key.to_string(), revision, lease });

@@ -242,7 +242,7 @@ impl PserverClient {
     /// Wait until the shard map gives every shard that holds blocks a
     /// registered primary, at most `timeout`.
     pub async fn wait_for_servers(&self, timeout: Duration) -> Result<()> {
-        let deadline = tokio::time::Instant::now() + timeout;
+        let deadline = oar_transport::deadline_in(timeout);
         let topology = self.inner.topology().await?;
         loop {
             let now = topology.current();
@@ -311,7 +311,7 @@ impl PserverClient {
     /// shard's reply is written straight into `params` as it arrives.
     pub async fn pull(&mut self, params: &mut ParamBuf) -> Result<()> {
         let fingerprint = self.inner.placement.fingerprint();
-        let deadline = tokio::time::Instant::now() + self.inner.retry.give_up_after;
+        let deadline = oar_transport::deadline_in(self.inner.retry.give_up_after);
         let mut pending: Vec<u32> = self.inner.shards_in_use().collect();
         while !pending.is_empty() {
             for &index in &pending {
@@ -663,7 +663,7 @@ impl PserverClient {
             }
         }
         let fingerprint = placement.fingerprint();
-        let deadline = tokio::time::Instant::now() + self.inner.retry.give_up_after;
+        let deadline = oar_transport::deadline_in(self.inner.retry.give_up_after);
         let mut pending: Vec<u32> = wanted.keys().copied().collect();
         while !pending.is_empty() {
             // One call per pserver: group the shards by their primary now.

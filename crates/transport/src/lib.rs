@@ -143,7 +143,7 @@ pub use frame::{
 };
 pub use mem::{MemNetwork, MemTransport};
 pub use quic::{PathTuning, QuicListener, QuicOptions, QuicTransport};
-pub use retry::{RetryPolicy, Retrying, Transient};
+pub use retry::{deadline_in, RetryPolicy, Retrying, Transient};
 pub use tls::{Cipher, TlsConfig, ALPN, DEFAULT_SERVER_NAME};
 
 use async_trait::async_trait;

@@ -20,6 +20,14 @@ impl Transient for crate::Error {
     }
 }
 
+/// The instant `after` from now; an `after` so long that it cannot be
+/// represented (a "wait forever" option such as `u64::MAX` seconds) gives
+/// an instant decades away instead of a panic.
+pub fn deadline_in(after: std::time::Duration) -> tokio::time::Instant {
+    let now = tokio::time::Instant::now();
+    now.checked_add(after).unwrap_or_else(|| now + Duration::from_secs(30 * 365 * 24 * 3600))
+}
+
 /// How long and how often to retry.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct RetryPolicy {
@@ -104,6 +112,14 @@ mod tests {
     use super::*;
     use crate::Error;
     use std::sync::atomic::{AtomicU32, Ordering};
+
+    #[tokio::test(start_paused = true)]
+    async fn a_deadline_too_far_to_represent_is_decades_away_not_a_panic() {
+        let now = tokio::time::Instant::now();
+        assert_eq!(deadline_in(Duration::from_secs(5)), now + Duration::from_secs(5));
+        let forever = deadline_in(Duration::from_secs(u64::MAX));
+        assert!(forever > now + Duration::from_secs(20 * 365 * 24 * 3600));
+    }
 
     #[tokio::test(start_paused = true)]
     async fn retries_transient_errors_until_success() {

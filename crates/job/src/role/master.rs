@@ -323,7 +323,7 @@ async fn run_master(
     tracing::info!(state = ?report.state, "job report written");
 
     // Keep answering `Done` until the trainers are gone, for a while.
-    let deadline = tokio::time::Instant::now() + options.linger;
+    let deadline = oar_transport::deadline_in(options.linger);
     let mut changed = ChangeSignal::new(&*ctx.discovery, &keys.trainers()).await;
     while tokio::time::Instant::now() < deadline
         && !shutdown.is_cancelled()

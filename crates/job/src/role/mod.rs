@@ -149,7 +149,7 @@ pub fn default_id(role: &str) -> String {
 /// Wait up to `timeout` for the job's options under `/oar/<job>/config`.
 pub async fn read_config(discovery: &dyn Discovery, job: &str, timeout: Duration) -> Result<JobConfig> {
     let key = JobKeys::new(job)?.config();
-    let deadline = tokio::time::Instant::now() + timeout;
+    let deadline = oar_transport::deadline_in(timeout);
     let mut changed = ChangeSignal::new(discovery, &key).await;
     loop {
         if let Some(kv) = discovery.get(&key).await? {

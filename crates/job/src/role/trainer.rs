@@ -149,7 +149,7 @@ async fn register(
     session: &Session,
     timeout: Duration,
 ) -> Result<()> {
-    let deadline = tokio::time::Instant::now() + timeout;
+    let deadline = oar_transport::deadline_in(timeout);
     loop {
         if discovery.create_if_absent(key, id.as_bytes().to_vec(), Some(session.lease())).await?.is_some() {
             return Ok(());
