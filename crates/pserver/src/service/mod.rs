@@ -1071,7 +1071,7 @@ async fn reconcile(shared: &Arc<Shared>, map: Arc<ShardMap>) {
             Action::Promoted => {
                 slot.tasks.lock().unwrap_or_else(PoisonError::into_inner).clear();
                 replication::spawn_forwarders(shared, &slot);
-                leave_departed(shared, &slot).await;
+                spawn_leave_departed(shared, &slot);
             }
             Action::Sync => {
                 // A primary's forwarders go; the sync task comes.
@@ -1149,13 +1149,38 @@ async fn restore_primary(shared: &Arc<Shared>, slot: &Arc<Slot>, epoch: u64, fol
     }
     tracing::info!(shard, epoch, "serving as the shard's primary");
     replication::spawn_forwarders(shared, slot);
-    leave_departed(shared, slot).await;
+    spawn_leave_departed(shared, slot);
 }
 
 /// A new primary's store may count trainers that left while it was not
-/// primary (their departure went to the old primary): they leave now.
-async fn leave_departed(shared: &Arc<Shared>, slot: &Slot) {
-    let Ok(listing) = shared.discovery.get_prefix(&shared.keys.members).await else { return };
+/// primary (their departure went to the old primary): they leave now. The
+/// listing is tried again while etcd is away (a trainer left standing in
+/// the barrier would hold every sync step up), in a task of the slot's
+/// own, so that the map's other shards are not kept waiting; a role change
+/// ends it.
+fn spawn_leave_departed(shared: &Arc<Shared>, slot: &Arc<Slot>) {
+    let task = tokio::spawn(leave_departed(shared.clone(), slot.clone()));
+    let mut tasks = slot.tasks.lock().unwrap_or_else(PoisonError::into_inner);
+    tasks.insert("leave-departed".to_string(), AbortOnDropHandle::new(task));
+}
+
+async fn leave_departed(shared: Arc<Shared>, slot: Arc<Slot>) {
+    let mut pause = Duration::from_millis(100);
+    let listing = loop {
+        match shared.discovery.get_prefix(&shared.keys.members).await {
+            Ok(listing) => break listing,
+            Err(e) if e.is_transient() && shared.check_serving().is_ok() => {
+                tracing::warn!(error = %e, shard = slot.shard, "cannot list the trainers; trying again");
+                tokio::time::sleep(pause).await;
+                pause = (pause * 2).min(Duration::from_secs(2));
+            }
+            Err(e) => {
+                tracing::warn!(error = %e, shard = slot.shard, "cannot list the trainers; departed ones stay in the barrier until they leave");
+                return;
+            }
+        }
+    };
+    let (shared, slot) = (&shared, &*slot);
     let present: std::collections::HashSet<&str> = listing
         .kvs
         .iter()
