@@ -191,8 +191,8 @@ impl Proc {
 
     /// Its output, for a failure message.
     pub fn dump(&self) -> String {
-        // OAR_TEST_DUMP_LINES=N shows more of each process's output.
-        let lines = std::env::var("OAR_TEST_DUMP_LINES").ok().and_then(|n| n.parse().ok()).unwrap_or(40);
+        // OAR_TEST_DUMP_LINES=N shows more (or less) of each process's output.
+        let lines = std::env::var("OAR_TEST_DUMP_LINES").ok().and_then(|n| n.parse().ok()).unwrap_or(150);
         let tail = |s: String| {
             s.lines().rev().take(lines).collect::<Vec<_>>().into_iter().rev().collect::<Vec<_>>().join("\n")
         };

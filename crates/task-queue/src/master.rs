@@ -1051,6 +1051,8 @@ impl Handler for MasterHandler {
                         let now = Instant::now();
                         let outcome = core.queue.task_finished(task_ref, now);
                         if outcome == Report::Accepted {
+                            let (task, pass) = (task_ref.task.0, task_ref.pass);
+                            tracing::info!(trainer, task, pass, "task finished");
                             if let Some(arrived) = core.arrivals.remove(&task_ref.task.0) {
                                 if let Some(status) = &mut core.stream {
                                     status.lag_count += 1;
