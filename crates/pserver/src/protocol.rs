@@ -260,7 +260,23 @@ pub struct BatchAnswer {
     pub payload_len: u64,
 }
 
+/// The longest trainer id a pserver takes, in bytes (the master's limit
+/// too): ids are kept per trainer in each shard's store, its checkpoints
+/// and its followers.
+pub const MAX_TRAINER_ID_BYTES: usize = 256;
+
 impl PsRequest {
+    /// The trainer a request names, if it names one.
+    pub fn trainer(&self) -> Option<&str> {
+        match self {
+            PsRequest::Join { trainer, .. }
+            | PsRequest::Leave { trainer, .. }
+            | PsRequest::Push { trainer, .. }
+            | PsRequest::PushPull { trainer, .. } => Some(trainer),
+            _ => None,
+        }
+    }
+
     /// A push as a push-pull (`pull`) or a push-pull as a push (not
     /// `pull`), with the same fields; any other request unchanged.
     pub fn with_pull(self, pull: bool) -> PsRequest {

@@ -165,6 +165,14 @@ async fn bad_pushes_are_refused_by_name_and_change_nothing() {
         .await
         .map(|(r, _): (PsReply, Bytes)| r);
     assert_bad_request(result, "shard 1 does not exist");
+    // A trainer id of 1 KiB would be kept in the store, its checkpoints
+    // and its followers.
+    let long_id = common::push_request(0, fp, all_blocks(&env), &"t".repeat(1024), 2);
+    let payload = f32s_to_bytes(&vec![0.0; total()]);
+    let result = call(conn.as_ref(), PSERVER_METHOD, &long_id, payload, Duration::from_secs(1))
+        .await
+        .map(|(r, _): (PsReply, Bytes)| r);
+    assert_bad_request(result, "a trainer id of 1024 bytes");
     // A part's payload must match its blocks, not the whole shard's.
     assert_bad_request(
         raw_push_blocks(&env, &ps, 2, vec![0.0; total()], fp, BlockSpan::new(0, 1)).await,

@@ -2,6 +2,7 @@
 //! replication calls between pservers.
 
 use super::{metrics, replication, HeldSnapshot, Shared, Slot, SlotState, SNAPSHOT_KEEP};
+use crate::protocol::MAX_TRAINER_ID_BYTES;
 use crate::sparse::MAX_PULL_REPLY_BYTES;
 use crate::{
     protocol::{
@@ -836,6 +837,14 @@ impl PsHandler {
 
     /// One call (of a batch, or alone).
     async fn handle_one(&self, request: PsRequest, payload: Bytes) -> Reply<Answer> {
+        if let Some(trainer) = request.trainer() {
+            if trainer.is_empty() || trainer.len() > MAX_TRAINER_ID_BYTES {
+                return Err(RemoteError::bad_request(format!(
+                    "a trainer id of {} bytes: ids must be 1 to {MAX_TRAINER_ID_BYTES} bytes",
+                    trainer.len()
+                )));
+            }
+        }
         let reply = match request {
             PsRequest::Info { shard } => match self.slot(shard)? {
                 None => self.not_primary(shard),
