@@ -2,14 +2,13 @@
 //! replication calls between pservers.
 
 use super::{metrics, replication, HeldSnapshot, Shared, Slot, SlotState, SNAPSHOT_KEEP};
-use crate::protocol::MAX_TRAINER_ID_BYTES;
-use crate::sparse::MAX_PULL_REPLY_BYTES;
 use crate::{
     protocol::{
         BatchAnswer, BatchCall, BlockSpan, PsReply, PsRequest, PulledShard, ReplicaState, ShardRows,
-        TableRows, MAX_BATCH_CALLS, PSERVER_METHOD,
+        TableRows, MAX_BATCH_CALLS, MAX_TRAINER_ID_BYTES, PSERVER_METHOD,
     },
     replica::{History, SyncFrom, Update},
+    sparse::MAX_PULL_REPLY_BYTES,
     BlockId, Error, Grad, Mode, ParamStore, Push, PushOutcome, RowGrads,
 };
 use async_trait::async_trait;
