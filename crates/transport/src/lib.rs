@@ -127,10 +127,10 @@
 mod dev_ca;
 mod error;
 mod frame;
-mod gso;
 mod mem;
 mod pool;
 mod quic;
+mod quic_shell;
 mod retry;
 mod tls;
 pub mod wire;
