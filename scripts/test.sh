@@ -69,11 +69,11 @@ if ! "$kube_validate_present"; then
     fi
 fi
 
-# The cores build without their shells, and without tokio or quinn: Cargo,
-# not discipline, keeps them free of I/O runtimes.
+# The cores build without their shells, and without tokio or QUIC (quinn-proto,
+# quinn-udp, rustls): Cargo, not discipline, keeps them free of I/O runtimes.
 for core in oar-task-queue oar-pserver oar-trainer; do
-    if cargo tree --locked -q -p "$core" --no-default-features -e normal | grep -qE '^\W*(tokio|quinn|rustls) '; then
-        echo "scripts/test.sh: $core --no-default-features pulls in tokio, quinn or rustls:" >&2
+    if cargo tree --locked -q -p "$core" --no-default-features -e normal | grep -qE '^\W*(tokio|quinn|quinn-proto|quinn-udp|rustls) '; then
+        echo "scripts/test.sh: $core --no-default-features pulls in tokio, quinn-proto, quinn-udp or rustls:" >&2
         cargo tree --locked -q -p "$core" --no-default-features -e normal -i tokio >&2 || true
         exit 1
     fi

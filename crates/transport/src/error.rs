@@ -162,7 +162,7 @@ pub enum Error {
     Protocol {
         /// The peer's address.
         addr: String,
-        /// What quinn reported.
+        /// What quinn-proto reported.
         reason: String,
     },
 }

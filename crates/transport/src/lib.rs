@@ -6,8 +6,11 @@
 //! [`bytes::Bytes`], copied in bulk and never serialised element by element.
 //!
 //! The [`Transport`] trait is the seam: [`MemTransport`] connects endpoints
-//! inside one process (unit tests); [`QuicTransport`] runs over QUIC (quinn,
-//! rustls with ring, TLS 1.3) between processes. Servers implement
+//! inside one process (unit tests); [`QuicTransport`] runs over QUIC
+//! (quinn-proto's state machine under oar's own async shell, rustls with
+//! ring, TLS 1.3) between processes. The shell sends from the caller's task
+//! and lets a waiting caller read the socket itself, so a small call's
+//! round trip crosses two task wake-ups, as a TCP echo does. Servers implement
 //! [`Handler`]; clients get a [`Connection`]. Every call takes a timeout and
 //! ends with a typed [`Error`], never a hang.
 //!

@@ -142,6 +142,7 @@ impl PsHandler {
     /// step hold only what the barrier keeps of them (with one trainer,
     /// nothing: each block is applied as it comes).
     async fn push(&self, request: PsRequest, payload: Bytes) -> Reply<PsReply> {
+        let received = std::time::Instant::now();
         let PsRequest::Push { shard, fingerprint, blocks, trainer, seq, step, weight, rows, origin, epoch } =
             request
         else {
@@ -260,6 +261,7 @@ impl PsHandler {
         };
         self.replicated(&slot, wait).await?;
         metrics().acknowledged.inc();
+        tracing::debug!(shard, trainer = pusher, seq, after = ?received.elapsed(), "push acknowledged");
         Ok(reply)
     }
 

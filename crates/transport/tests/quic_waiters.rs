@@ -1,0 +1,79 @@
+//! The QUIC shell lets whichever task waits read the socket (see
+//! `quic_shell`): these tests hold it to never leaving a datagram unread
+//! while someone waits for it, whoever gave up waiting meanwhile.
+//!
+//! Timers would hide such a hole (the driver reads the socket whenever one
+//! fires), so keep-alives and idle timeouts are set far beyond the calls'
+//! deadlines: a request or reply left unread would end its call in a
+//! timeout instead of a late success.
+
+mod common;
+
+use common::*;
+use oar_transport::{Connection, DevCa, Error, Frame, Listener, QuicOptions, QuicTransport, Transport};
+use std::{sync::Arc, time::Duration};
+
+fn quiet_options() -> QuicOptions {
+    QuicOptions {
+        keep_alive: Duration::from_secs(600),
+        idle_timeout: Duration::from_secs(1200),
+        stream_idle_timeout: Duration::from_secs(600),
+        ..test_options()
+    }
+}
+
+/// Many callers on two clients, every fifth of their calls abandoned
+/// half-way (its future dropped while it may be the one waiting on the
+/// socket): every call that is let run gets its answer.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn callers_that_give_up_leave_no_datagram_unread() {
+    let ca = DevCa::new().unwrap();
+    let server_transport =
+        QuicTransport::with_options(ca.tls_config("server").unwrap(), quiet_options()).unwrap();
+    let service = Arc::new(TestService::default());
+    let listener = server_transport.serve("127.0.0.1:0", service.clone()).await.unwrap();
+    let addr = listener.local_addr().to_string();
+    let mut callers = Vec::new();
+    for c in 0..2 {
+        let client =
+            QuicTransport::with_options(ca.tls_config(&format!("c{c}")).unwrap(), quiet_options()).unwrap();
+        let conn: Arc<dyn Connection> = client.connect(&addr).await.unwrap();
+        for t in 0..6u32 {
+            let conn = conn.clone();
+            callers.push(tokio::spawn(async move {
+                let mut answered = 0u32;
+                for i in 0..200u32 {
+                    let frame = Frame::new(ECHO, &(t, i), Default::default()).unwrap();
+                    if i % 5 == 4 {
+                        // Given up at once or after a first poll: either way
+                        // dropped while it may hold the socket.
+                        let _ = tokio::time::timeout(
+                            Duration::from_micros(50),
+                            conn.call(frame, Duration::from_secs(4)),
+                        )
+                        .await;
+                        continue;
+                    }
+                    match conn.call(frame, Duration::from_secs(4)).await {
+                        Ok(reply) => {
+                            assert_eq!(reply.meta::<(u32, u32)>().unwrap(), (t, i));
+                            answered += 1;
+                        }
+                        Err(e @ Error::Timeout { .. }) => {
+                            panic!("caller {t}, call {i}: {e}: a datagram was left unread")
+                        }
+                        Err(e) => panic!("caller {t}, call {i}: {e}"),
+                    }
+                }
+                answered
+            }));
+        }
+        // Keep the client alive with its callers.
+        std::mem::forget(client);
+    }
+    let mut answered = 0;
+    for caller in callers {
+        answered += caller.await.unwrap();
+    }
+    assert_eq!(answered, 12 * 160);
+}
