@@ -53,6 +53,7 @@ fn grow_and_shrink(name: &str, mode: &'static str, replicas: u32) {
         pserver_flags: vec!["--metrics", "127.0.0.1:0"],
         job_flags: vec!["--optimizer", "adam", "--lr", "0.01"],
         block_size: 32,
+        pserver_log: None,
     };
     let mut job = Job::launch(name, shape);
 

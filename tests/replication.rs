@@ -18,8 +18,8 @@ mod support;
 
 use std::time::Duration;
 use support::{
-    is_named, log_field, metric_value, metrics_addr, scrape, seed_from, wait_until, JobShape, Lcg, Proc,
-    ReplicatedJob as Job, DATA_SHARDS, LONG,
+    is_named, log_field, metric_value, metrics_addr, scrape, seed_from, unix_now, wait_until, JobShape, Lcg,
+    Proc, ReplicatedJob as Job, DATA_SHARDS, LONG,
 };
 
 /// Kill the primary of a random model shard `rounds` times (seeded), each
@@ -126,7 +126,11 @@ fn a_dead_follower_is_dropped_and_a_new_pserver_catches_up() {
 #[test]
 fn a_deposed_primary_acknowledges_nothing_after_its_pause() {
     let pserver_flags = vec!["--metrics", "127.0.0.1:0"];
-    let shape = JobShape { replicas: 2, pservers: 3, trainers: 2, pserver_flags, ..JobShape::default() };
+    // Each acknowledged push is logged (with how long it took), so that a
+    // failure shows which push it was.
+    let pserver_log = Some("info,oar_pserver::service::handler=debug");
+    let shape =
+        JobShape { replicas: 2, pservers: 3, trainers: 2, pserver_flags, pserver_log, ..JobShape::default() };
     let mut job = Job::launch("repl-deposed", shape);
     let victim_name = job.cluster.primary_of(0);
     let victim = job.live_named(&victim_name);
@@ -152,7 +156,9 @@ fn a_deposed_primary_acknowledges_nothing_after_its_pause() {
         still >= 2
     });
     assert!(settled, "the acknowledged pushes kept rising with the trainers frozen");
+    let read_at = unix_now();
     job.pservers[victim].signal("STOP");
+    let stopped_at = unix_now();
     for trainer in &job.trainers {
         trainer.signal("CONT");
     }
@@ -172,7 +178,7 @@ fn a_deposed_primary_acknowledges_nothing_after_its_pause() {
     assert_eq!(
         after,
         before,
-        "acknowledged {} pushes after its pause: {line}\n{}",
+        "acknowledged {} pushes after its pause (last count read at {read_at:.3}, paused at {stopped_at:.3} s since the epoch): {line}\n{}",
         after.saturating_sub(before),
         job.pservers[victim].dump()
     );

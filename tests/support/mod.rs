@@ -455,6 +455,8 @@ mod cluster {
         /// Indices into `pservers` of the live ones.
         pub live: Vec<usize>,
         pub pserver_flags: Vec<&'static str>,
+        /// `OAR_LOG` for every pserver, if set.
+        pub pserver_log: Option<&'static str>,
         /// Seconds between the pservers' checkpoints (60 unless set).
         pub checkpoint_interval: f64,
         /// Shards holding a part of the model.
@@ -480,6 +482,8 @@ mod cluster {
         /// Floats per block: 128 puts a1a's model over 3 of the 8 shards,
         /// 32 over all 8.
         pub block_size: u32,
+        /// `OAR_LOG` for every pserver, if set.
+        pub pserver_log: Option<&'static str>,
     }
 
     impl Default for JobShape {
@@ -493,6 +497,7 @@ mod cluster {
                 pserver_flags: Vec::new(),
                 job_flags: Vec::new(),
                 block_size: 128,
+                pserver_log: None,
             }
         }
     }
@@ -510,7 +515,16 @@ mod cluster {
 
         /// Start a job of `shape` and wait until it is healthy.
         pub fn launch(name: &str, shape: JobShape) -> ReplicatedJob {
-            let JobShape { mode, replicas, pservers, trainers, pserver_flags, job_flags, block_size } = shape;
+            let JobShape {
+                mode,
+                replicas,
+                pservers,
+                trainers,
+                pserver_flags,
+                job_flags,
+                block_size,
+                pserver_log,
+            } = shape;
             let cluster = Cluster::start(name);
             let mut options = replicated_job_in_blocks(mode, replicas, pservers, block_size);
             options.extend(job_flags.iter().map(|f| f.to_string()));
@@ -524,6 +538,7 @@ mod cluster {
                 pservers: Vec::new(),
                 live: Vec::new(),
                 pserver_flags,
+                pserver_log,
                 checkpoint_interval: 60.0,
                 data_shards,
                 mode: mode.to_string(),
@@ -543,7 +558,9 @@ mod cluster {
             let name = format!("pserver-{}", self.pservers.len());
             let etcd = self.cluster.etcd.endpoint();
             let interval = self.checkpoint_interval;
-            self.pservers.push(self.cluster.pserver_with(&name, interval, &etcd, &self.pserver_flags));
+            let env: Vec<(&str, &str)> = self.pserver_log.iter().map(|log| ("OAR_LOG", *log)).collect();
+            let pserver = self.cluster.pserver_with_env(&name, interval, &etcd, &self.pserver_flags, &env);
+            self.pservers.push(pserver);
             self.live.push(self.pservers.len() - 1);
         }
 
@@ -824,8 +841,21 @@ mod cluster {
         }
 
         fn spawn_via(&self, name: &str, binary: &str, cert: &str, etcd: &str, extra: &[String]) -> Proc {
+            self.spawn_via_env(name, binary, cert, etcd, extra, &[])
+        }
+
+        fn spawn_via_env(
+            &self,
+            name: &str,
+            binary: &str,
+            cert: &str,
+            etcd: &str,
+            extra: &[String],
+            env: &[(&str, &str)],
+        ) -> Proc {
             let mut command = Command::new(example(binary));
             command.args(self.conn_via(cert, etcd)).args(extra);
+            command.envs(env.iter().copied());
             Proc::spawn(name, command)
         }
 
@@ -851,6 +881,19 @@ mod cluster {
 
         /// A pserver reaching etcd at `etcd`, with more flags.
         pub fn pserver_with(&self, name: &str, checkpoint_interval: f64, etcd: &str, flags: &[&str]) -> Proc {
+            self.pserver_with_env(name, checkpoint_interval, etcd, flags, &[])
+        }
+
+        /// As [`Cluster::pserver_with`], with `env` set for the process
+        /// (e.g. `OAR_LOG` to see more of what it does).
+        pub fn pserver_with_env(
+            &self,
+            name: &str,
+            checkpoint_interval: f64,
+            etcd: &str,
+            flags: &[&str],
+            env: &[(&str, &str)],
+        ) -> Proc {
             let dir = self.dir.path().join("checkpoints").display().to_string();
             let interval = checkpoint_interval.to_string();
             let mut extra = vec![
@@ -862,7 +905,7 @@ mod cluster {
                 interval,
             ];
             extra.extend(flags.iter().map(|f| f.to_string()));
-            self.spawn_via(name, "pserver", "pserver", etcd, &extra)
+            self.spawn_via_env(name, "pserver", "pserver", etcd, &extra, env)
         }
 
         pub fn trainer(&self, id: &str) -> Proc {

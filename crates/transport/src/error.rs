@@ -162,7 +162,7 @@ pub enum Error {
     Protocol {
         /// The peer's address.
         addr: String,
-        /// What quinn-proto reported.
+        /// What quinn reported.
         reason: String,
     },
 }

@@ -6,11 +6,8 @@
 //! [`bytes::Bytes`], copied in bulk and never serialised element by element.
 //!
 //! The [`Transport`] trait is the seam: [`MemTransport`] connects endpoints
-//! inside one process (unit tests); [`QuicTransport`] runs over QUIC
-//! (quinn-proto's state machine under oar's own async shell, rustls with
-//! ring, TLS 1.3) between processes. The shell sends from the caller's task
-//! and lets a waiting caller read the socket itself, so a small call's
-//! round trip crosses two task wake-ups, as a TCP echo does. Servers implement
+//! inside one process (unit tests); [`QuicTransport`] runs over QUIC (quinn,
+//! rustls with ring, TLS 1.3) between processes. Servers implement
 //! [`Handler`]; clients get a [`Connection`]. Every call takes a timeout and
 //! ends with a typed [`Error`], never a hang.
 //!
@@ -130,10 +127,10 @@
 mod dev_ca;
 mod error;
 mod frame;
+mod gso;
 mod mem;
 mod pool;
 mod quic;
-mod quic_shell;
 mod retry;
 mod tls;
 pub mod wire;

@@ -1,9 +1,8 @@
-//! The QUIC transport: quinn-proto under oar's own async shell
-//! ([`crate::quic_shell`]) with mutual TLS, one bidirectional stream per
+//! The QUIC transport: quinn with mutual TLS, one bidirectional stream per
 //! call, one connection per peer address.
 
 use crate::{
-    quic_shell::{self, Endpoint, RecvStream, SendStream, StreamError},
+    gso,
     tls::TlsConfig,
     wire::{self, Expect, Kind},
     Connection, Error, Frame, Handler, Listener, PayloadSink, RemoteError, Result, Transport,
@@ -11,10 +10,7 @@ use crate::{
 use async_trait::async_trait;
 use bytes::Bytes;
 use futures_util::FutureExt;
-use quinn_proto::{
-    crypto::rustls::{QuicClientConfig, QuicServerConfig},
-    VarInt,
-};
+use quinn::{crypto::rustls::QuicClientConfig, crypto::rustls::QuicServerConfig, VarInt};
 use std::{
     collections::HashMap,
     future::Future,
@@ -131,10 +127,10 @@ struct Config {
     options: QuicOptions,
     /// Where received payloads go, on both sides.
     pool: wire::BufferPool,
-    client_loopback: quinn_proto::ClientConfig,
-    client_network: quinn_proto::ClientConfig,
-    server_loopback: Arc<quinn_proto::ServerConfig>,
-    server_network: Arc<quinn_proto::ServerConfig>,
+    client_loopback: quinn::ClientConfig,
+    client_network: quinn::ClientConfig,
+    server_loopback: Arc<quinn::ServerConfig>,
+    server_network: Arc<quinn::ServerConfig>,
 }
 
 fn config_error(what: &str, e: impl std::fmt::Display) -> Error {
@@ -153,13 +149,13 @@ impl Config {
         );
         let loopback = Arc::new(transport_config(&options, &options.loopback)?);
         let network = Arc::new(transport_config(&options, &options.network)?);
-        let client = |t: &Arc<quinn_proto::TransportConfig>| {
-            let mut c = quinn_proto::ClientConfig::new(client_crypto.clone());
+        let client = |t: &Arc<quinn::TransportConfig>| {
+            let mut c = quinn::ClientConfig::new(client_crypto.clone());
             c.transport_config(t.clone());
             c
         };
-        let server = |t: &Arc<quinn_proto::TransportConfig>| {
-            let mut s = quinn_proto::ServerConfig::with_crypto(server_crypto.clone());
+        let server = |t: &Arc<quinn::TransportConfig>| {
+            let mut s = quinn::ServerConfig::with_crypto(server_crypto.clone());
             s.transport_config(t.clone());
             // Peers are on the job's network: skip the address-validation round trip.
             Arc::new(s)
@@ -178,10 +174,10 @@ impl Config {
     /// The endpoint configuration; a server passes its restart secret (see
     /// [`TlsConfig::restart_secret`]) so that its reset tokens and
     /// connection IDs survive a restart.
-    fn endpoint_config(&self, restart_secret: Option<[u8; 32]>) -> Result<quinn_proto::EndpointConfig> {
+    fn endpoint_config(&self, restart_secret: Option<[u8; 32]>) -> Result<quinn::EndpointConfig> {
         let mut config = match restart_secret {
             Some(secret) => {
-                let mut config = quinn_proto::EndpointConfig::new(Arc::new(ring::hmac::Key::new(
+                let mut config = quinn::EndpointConfig::new(Arc::new(ring::hmac::Key::new(
                     ring::hmac::HMAC_SHA256,
                     &secret,
                 )));
@@ -193,7 +189,7 @@ impl Config {
                 });
                 config
             }
-            None => quinn_proto::EndpointConfig::default(),
+            None => quinn::EndpointConfig::default(),
         };
         let largest = [self.options.loopback.mtu, self.options.network.mtu].into_iter().flatten().max();
         let payload = largest.unwrap_or(1472).clamp(1472, 65_527);
@@ -201,33 +197,33 @@ impl Config {
         Ok(config)
     }
 
-    /// An endpoint on `socket` whose GSO sends fit in one UDP send: the
-    /// bound comes from the largest MTU of the paths that use GSO (1472
-    /// bytes where MTU discovery is on: a safe overestimate, as discovery
-    /// stops at 1452 by default).
+    /// An endpoint on `socket` whose GSO sends fit in one UDP send
+    /// ([`gso::BoundedSegments`]): the bound comes from the largest MTU of
+    /// the paths that use GSO (1472 bytes where MTU discovery is on: a
+    /// safe overestimate, as discovery stops at 1452 by default).
     fn endpoint(
         &self,
-        endpoint_config: quinn_proto::EndpointConfig,
-        server: Option<Arc<quinn_proto::ServerConfig>>,
+        endpoint_config: quinn::EndpointConfig,
+        server_config: Option<quinn::ServerConfig>,
         socket: std::net::UdpSocket,
-    ) -> std::io::Result<Endpoint> {
+    ) -> std::io::Result<quinn::Endpoint> {
+        let runtime = Arc::new(quinn::TokioRuntime);
+        let socket = quinn::Runtime::wrap_udp_socket(&*runtime, socket)?;
         let largest_segment = [&self.options.loopback, &self.options.network]
             .into_iter()
             .filter(|path| path.segmentation_offload)
             .map(|path| path.mtu.map_or(1472, usize::from))
             .max()
             .unwrap_or(1472);
-        Endpoint::new(
-            socket,
-            quic_shell::EndpointOptions { config: endpoint_config, server, largest_segment },
-        )
+        let socket = Arc::new(gso::BoundedSegments::new(socket, largest_segment));
+        quinn::Endpoint::new_with_abstract_socket(endpoint_config, server_config, socket, runtime)
     }
 }
 
-fn transport_config(options: &QuicOptions, path: &PathTuning) -> Result<quinn_proto::TransportConfig> {
-    let mut t = quinn_proto::TransportConfig::default();
-    let idle = quinn_proto::IdleTimeout::try_from(options.idle_timeout)
-        .map_err(|e| config_error("idle timeout", e))?;
+fn transport_config(options: &QuicOptions, path: &PathTuning) -> Result<quinn::TransportConfig> {
+    let mut t = quinn::TransportConfig::default();
+    let idle =
+        quinn::IdleTimeout::try_from(options.idle_timeout).map_err(|e| config_error("idle timeout", e))?;
     let window = |what, v: u64| VarInt::from_u64(v).map_err(|e| config_error(what, e));
     t.max_concurrent_bidi_streams(VarInt::from_u32(options.max_concurrent_streams))
         .max_concurrent_uni_streams(VarInt::from_u32(0))
@@ -246,7 +242,7 @@ fn transport_config(options: &QuicOptions, path: &PathTuning) -> Result<quinn_pr
         t.initial_mtu(mtu).min_mtu(mtu.min(16_000)).mtu_discovery_config(None);
         // Cubic's default initial window (14720 bytes) is less than one
         // datagram of a large fixed MTU: the handshake could never start.
-        let mut cubic = quinn_proto::congestion::CubicConfig::default();
+        let mut cubic = quinn::congestion::CubicConfig::default();
         cubic.initial_window((10 * u64::from(mtu)).max(14_720));
         t.congestion_controller_factory(Arc::new(cubic));
     }
@@ -289,13 +285,13 @@ async fn resolve(addr: &str) -> Result<SocketAddr> {
 }
 
 /// Whether a QUIC error code is a TLS alert (certificate refused, no certificate, ...).
-fn is_crypto(code: quinn_proto::TransportErrorCode) -> bool {
+fn is_crypto(code: quinn::TransportErrorCode) -> bool {
     (0x100..0x200).contains(&u64::from(code))
 }
 
 /// A connection-level failure, typed for the caller.
-fn connection_error(addr: &str, e: &quinn_proto::ConnectionError) -> Error {
-    use quinn_proto::ConnectionError as E;
+fn connection_error(addr: &str, e: &quinn::ConnectionError) -> Error {
+    use quinn::ConnectionError as E;
     let addr = addr.to_string();
     match e {
         E::ApplicationClosed(_) | E::Reset | E::TimedOut | E::LocallyClosed => Error::Closed { addr },
@@ -305,9 +301,9 @@ fn connection_error(addr: &str, e: &quinn_proto::ConnectionError) -> Error {
     }
 }
 
-fn read_error(addr: &str, e: StreamError) -> Error {
+fn read_error(addr: &str, e: quinn::ReadError) -> Error {
     match e {
-        StreamError::ConnectionLost(c) => connection_error(addr, &c),
+        quinn::ReadError::ConnectionLost(c) => connection_error(addr, &c),
         other => Error::Protocol { addr: addr.to_string(), reason: format!("reading the stream: {other}") },
     }
 }
@@ -318,7 +314,7 @@ fn read_error(addr: &str, e: StreamError) -> Error {
 /// the frame (an error reply's payload, normally none, is dropped);
 /// without, into a buffer from `config`'s pool.
 async fn read_frame(
-    recv: &mut RecvStream,
+    recv: &mut quinn::RecvStream,
     expect: Expect,
     config: &Config,
     idle: Option<Duration>,
@@ -332,7 +328,7 @@ async fn read_frame(
     };
     let mut started = false;
     loop {
-        let next = recv.read_chunk(usize::MAX);
+        let next = recv.read_chunk(usize::MAX, true);
         let chunk = match idle {
             Some(after) => {
                 timeout(after, next).await.map_err(|_| Error::Stalled { addr: peer.to_string(), after })?
@@ -372,23 +368,25 @@ enum Exchange<'a> {
     Parts { head: Bytes, parts: &'a [&'a [u8]], sink: &'a mut dyn PayloadSink },
 }
 
-/// Write all of `bufs` and finish the stream, failing with
-/// [`Error::Stalled`] when the peer takes nothing for `idle` (it stopped
-/// reading).
-async fn write_idle(send: &mut SendStream, mut bufs: &mut [Bytes], idle: Duration, peer: &str) -> Result<()> {
-    loop {
-        let written = timeout(idle, send.write_chunks_some(bufs, true))
+/// Write all of `bufs`, failing with [`Error::Stalled`] when the peer takes
+/// nothing for `idle` (it stopped reading).
+async fn write_idle(
+    send: &mut quinn::SendStream,
+    mut bufs: &mut [Bytes],
+    idle: Duration,
+    peer: &str,
+) -> Result<()> {
+    while !bufs.is_empty() {
+        let written = timeout(idle, send.write_chunks(bufs))
             .await
             .map_err(|_| Error::Stalled { addr: peer.to_string(), after: idle })?
             .map_err(|e| Error::Protocol {
                 addr: peer.to_string(),
                 reason: format!("writing the reply: {e}"),
             })?;
-        bufs = &mut bufs[written..];
-        if bufs.is_empty() {
-            return Ok(());
-        }
+        bufs = &mut bufs[written.chunks..];
     }
+    Ok(())
 }
 
 /// The transport over QUIC. Cheap to clone; clones share connections.
@@ -404,8 +402,8 @@ pub struct QuicTransport {
 
 struct Inner {
     config: Arc<Config>,
-    client_v4: OnceCell<Endpoint>,
-    client_v6: OnceCell<Endpoint>,
+    client_v4: OnceCell<quinn::Endpoint>,
+    client_v6: OnceCell<quinn::Endpoint>,
     peers: Mutex<HashMap<SocketAddr, Arc<Peer>>>,
 }
 
@@ -413,18 +411,18 @@ struct Inner {
 struct Peer {
     addr: SocketAddr,
     addr_text: String,
-    current: Mutex<Option<quic_shell::Connection>>,
+    current: Mutex<Option<quinn::Connection>>,
     dialing: tokio::sync::Mutex<()>,
 }
 
 impl Peer {
-    fn live(&self) -> Option<quic_shell::Connection> {
+    fn live(&self) -> Option<quinn::Connection> {
         let current = self.current.lock().unwrap_or_else(PoisonError::into_inner);
         current.as_ref().filter(|c| c.close_reason().is_none()).cloned()
     }
 
     /// Drop `conn` from the cache (unless a newer one already replaced it).
-    fn forget(&self, conn: &quic_shell::Connection) {
+    fn forget(&self, conn: &quinn::Connection) {
         let mut current = self.current.lock().unwrap_or_else(PoisonError::into_inner);
         if current.as_ref().is_some_and(|c| c.stable_id() == conn.stable_id()) {
             *current = None;
@@ -487,7 +485,7 @@ impl QuicTransport {
         let local_text = local.to_string();
         let endpoint_config = config.endpoint_config(Some(config.tls.restart_secret(&local_text)))?;
         let endpoint = config
-            .endpoint(endpoint_config, Some(config.server_network.clone()), socket)
+            .endpoint(endpoint_config, Some((*config.server_network).clone()), socket)
             .map_err(|source| Error::Io { what: format!("start a QUIC endpoint at {local}"), source })?;
         let (shutdown_tx, shutdown_rx) = watch::channel(false);
         let (done_tx, done_rx) = watch::channel(false);
@@ -523,7 +521,7 @@ impl QuicTransport {
         let _ = timeout(limit, wait).await;
     }
 
-    async fn client_endpoint(&self, ipv4: bool) -> Result<Endpoint> {
+    async fn client_endpoint(&self, ipv4: bool) -> Result<quinn::Endpoint> {
         let (cell, bind): (_, SocketAddr) = if ipv4 {
             (&self.inner.client_v4, (std::net::Ipv4Addr::UNSPECIFIED, 0).into())
         } else {
@@ -556,7 +554,7 @@ impl QuicTransport {
     }
 
     /// The live connection to `peer`, dialing one if needed, by `deadline`.
-    async fn connection(&self, peer: &Peer, deadline: Instant) -> Result<quic_shell::Connection> {
+    async fn connection(&self, peer: &Peer, deadline: Instant) -> Result<quinn::Connection> {
         if let Some(conn) = peer.live() {
             return Ok(conn);
         }
@@ -573,10 +571,10 @@ impl QuicTransport {
             config.client_network.clone()
         };
         let connecting = endpoint
-            .connect(client_config, peer.addr, config.tls.server_name())
+            .connect_with(client_config, peer.addr, config.tls.server_name())
             .map_err(|e| Error::Protocol { addr: peer.addr_text.clone(), reason: e.to_string() })?;
         let limit = deadline.min(Instant::now() + config.options.connect_timeout);
-        let conn = match timeout_at(limit, connecting.established()).await {
+        let conn = match timeout_at(limit, connecting).await {
             Err(_) => return Err(unreachable()),
             Ok(Err(e)) => return Err(connection_error(&peer.addr_text, &e)),
             Ok(Ok(conn)) => conn,
@@ -597,29 +595,29 @@ impl QuicConnection {
     /// One exchange on a fresh stream of `conn`.
     async fn exchange(
         &self,
-        send: &mut SendStream,
-        recv: &mut RecvStream,
+        send: &mut quinn::SendStream,
+        recv: &mut quinn::RecvStream,
         exchange: Exchange<'_>,
     ) -> Result<Frame> {
         let addr = &self.peer.addr_text;
         let (sent, sink) = match exchange {
-            Exchange::Whole(mut bufs) => (send.write_chunks(&mut bufs, true).await, None),
+            Exchange::Whole(mut bufs) => (send.write_all_chunks(&mut bufs).await, None),
             Exchange::Parts { head, parts, sink } => {
                 let total: usize = parts.iter().map(|p| p.len()).sum();
                 let sent = if total <= JOIN_PARTS_UP_TO {
-                    // A few KiB are copied once, so that the whole request
-                    // goes in as few datagrams as it fits in.
+                    // Copying a few KiB costs less than handing quinn each
+                    // part on its own (a driver wake-up per write).
                     let mut joined = bytes::BytesMut::with_capacity(head.len() + total);
                     joined.extend_from_slice(&head);
                     parts.iter().for_each(|p| joined.extend_from_slice(p));
-                    send.write_chunks(&mut [joined.freeze()], true).await
+                    send.write_all_chunks(&mut [joined.freeze()]).await
                 } else {
-                    let mut sent = send.write_chunks(&mut [head], parts.is_empty()).await;
-                    for (i, part) in parts.iter().enumerate() {
+                    let mut sent = send.write_chunk(head).await;
+                    for part in parts {
                         if sent.is_err() {
                             break;
                         }
-                        sent = send.write_all(part, i + 1 == parts.len()).await;
+                        sent = send.write_all(part).await;
                     }
                     sent
                 };
@@ -627,11 +625,13 @@ impl QuicConnection {
             }
         };
         match sent {
-            Ok(()) => {}
+            Ok(()) => {
+                let _ = send.finish();
+            }
             // The server stopped reading (it refused the request early): its
             // error reply, if any, is still to be read.
-            Err(StreamError::Stopped(_)) => {}
-            Err(StreamError::ConnectionLost(e)) => return Err(connection_error(addr, &e)),
+            Err(quinn::WriteError::Stopped(_)) => {}
+            Err(quinn::WriteError::ConnectionLost(e)) => return Err(connection_error(addr, &e)),
             Err(e) => {
                 return Err(Error::Protocol {
                     addr: addr.clone(),
@@ -711,7 +711,7 @@ impl QuicConnection {
                 }
             }
         };
-        let rx_before = conn.datagrams_received();
+        let rx_before = conn.stats().udp_rx.datagrams;
         let started = Instant::now();
         let result = timeout_at(deadline, self.exchange(&mut send, &mut recv, exchange)).await;
         match result {
@@ -723,13 +723,13 @@ impl QuicConnection {
                 Err(e)
             }
             Err(_) => {
-                send.reset(VarInt::from_u32(CODE_CANCELLED));
-                recv.stop(VarInt::from_u32(CODE_CANCELLED));
+                let _ = send.reset(VarInt::from_u32(CODE_CANCELLED));
+                let _ = recv.stop(VarInt::from_u32(CODE_CANCELLED));
                 // Nothing at all came back during a whole call (not even an
                 // acknowledgement): the peer is gone, e.g. restarted with
                 // another key. Dial afresh next time instead of waiting for
                 // the idle timeout.
-                let silent = conn.datagrams_received() == rx_before;
+                let silent = conn.stats().udp_rx.datagrams == rx_before;
                 if silent && started.elapsed() >= Duration::from_millis(200) {
                     tracing::debug!(peer = %addr, "peer silent for a whole call; dropping the connection");
                     self.peer.forget(&conn);
@@ -800,7 +800,7 @@ async fn stopped(shutdown: &mut watch::Receiver<bool>) {
 
 /// Accept connections until shutdown, then drain and close.
 async fn accept_loop(
-    endpoint: Endpoint,
+    endpoint: quinn::Endpoint,
     handler: Arc<dyn Handler>,
     config: Arc<Config>,
     shutdown: watch::Receiver<bool>,
@@ -821,7 +821,7 @@ async fn accept_loop(
             },
         }
     }
-    endpoint.stop_accepting();
+    endpoint.set_server_config(None);
     drop(tracker);
     let grace = config.options.close_grace;
     if timeout(grace, drained.recv()).await.is_err() {
@@ -843,13 +843,13 @@ async fn accept_loop(
 /// (for more request bytes, a slow handler, flow control) moves to a task
 /// of its own, so that it never holds up the connection's other calls.
 async fn serve_connection(
-    incoming: quic_shell::Incoming,
+    incoming: quinn::Incoming,
     handler: Arc<dyn Handler>,
     config: Arc<Config>,
     mut shutdown: watch::Receiver<bool>,
     tracker: mpsc::Sender<()>,
 ) {
-    let Some(remote) = incoming.remote_address() else { return };
+    let remote = incoming.remote_address();
     let server_config = if remote.ip().is_loopback() {
         config.server_loopback.clone()
     } else {
@@ -862,7 +862,7 @@ async fn serve_connection(
             return;
         }
     };
-    let conn = match timeout(config.options.connect_timeout, connecting.established()).await {
+    let conn = match timeout(config.options.connect_timeout, connecting).await {
         Ok(Ok(conn)) => conn,
         Ok(Err(e)) => {
             // Most often a peer without a certificate from the job's CA.
@@ -920,7 +920,7 @@ async fn serve_connection(
 /// [`QuicOptions::max_concurrent_streams`] the peer may open, so the list
 /// holds at most twice that many (or 32).
 struct Unacked {
-    streams: Vec<SendStream>,
+    streams: Vec<quinn::SendStream>,
     /// Drop the acknowledged ones when the list is this long.
     prune_at: usize,
 }
@@ -933,9 +933,9 @@ impl Unacked {
         Unacked { streams: Vec::new(), prune_at: Unacked::PRUNE_FROM }
     }
 
-    fn push(&mut self, send: SendStream) {
+    fn push(&mut self, send: quinn::SendStream) {
         if self.streams.len() >= self.prune_at {
-            self.streams.retain(|s| !s.is_settled());
+            self.streams.retain(|s| !settled(s));
             self.prune_at = (2 * self.streams.len()).max(Unacked::PRUNE_FROM);
         }
         self.streams.push(send);
@@ -945,19 +945,26 @@ impl Unacked {
     /// the connection is gone), at most `limit` in all.
     async fn drain(self, limit: Duration) {
         let _ =
-            timeout(limit, futures_util::future::join_all(self.streams.iter().map(|s| s.settled()))).await;
+            timeout(limit, futures_util::future::join_all(self.streams.iter().map(|s| s.stopped()))).await;
     }
+}
+
+/// Whether `send` needs no more waiting: the peer acknowledged all of it,
+/// or stopped it, or the connection is gone. Polls once, never waits.
+fn settled(send: &quinn::SendStream) -> bool {
+    let mut cx = std::task::Context::from_waker(std::task::Waker::noop());
+    std::pin::pin!(send.stopped()).poll(&mut cx).is_ready()
 }
 
 /// Serve one call up to its reply being written and finished. Returns the
 /// stream, for [`acknowledged`]; `None` when the reply was abandoned.
 async fn answer(
-    mut send: SendStream,
-    mut recv: RecvStream,
+    mut send: quinn::SendStream,
+    mut recv: quinn::RecvStream,
     handler: Arc<dyn Handler>,
     config: Arc<Config>,
     peer: Arc<str>,
-) -> Option<SendStream> {
+) -> Option<quinn::SendStream> {
     let idle = config.options.stream_idle_timeout;
     let request = read_frame(&mut recv, Expect::Request, &config, Some(idle), &peer, None).await;
     let (kind, reply) = match request {
@@ -971,7 +978,7 @@ async fn answer(
         }
         Err(e) => {
             tracing::debug!(%peer, "bad request: {e}");
-            recv.stop(VarInt::from_u32(CODE_BAD_FRAME));
+            let _ = recv.stop(VarInt::from_u32(CODE_BAD_FRAME));
             (Kind::Error, error_frame(0, &RemoteError::from(e)))
         }
     };
@@ -983,10 +990,13 @@ async fn answer(
         }
     };
     match write_idle(&mut send, &mut bufs, idle, &peer).await {
-        Ok(()) => Some(send),
+        Ok(()) => {
+            let _ = send.finish();
+            Some(send)
+        }
         Err(e) => {
             tracing::debug!(%peer, "reply not delivered: {e}");
-            send.reset(VarInt::from_u32(CODE_STALLED));
+            let _ = send.reset(VarInt::from_u32(CODE_STALLED));
             None
         }
     }
@@ -995,8 +1005,8 @@ async fn answer(
 /// Wait until the peer has acknowledged the whole reply on `send` (or is
 /// gone), at most `idle`. Whoever awaits this holds a tracker, so that a
 /// graceful close never cuts a reply short.
-async fn acknowledged(send: SendStream, idle: Duration) {
-    let _ = timeout(idle, send.settled()).await;
+async fn acknowledged(send: quinn::SendStream, idle: Duration) {
+    let _ = timeout(idle, send.stopped()).await;
 }
 
 fn error_frame(method: u16, error: &RemoteError) -> Frame {

@@ -1,11 +1,12 @@
-//! The QUIC shell lets whichever task waits read the socket (see
-//! `quic_shell`): these tests hold it to never leaving a datagram unread
-//! while someone waits for it, whoever gave up waiting meanwhile.
+//! Callers that give up half-way (their call's future dropped, whatever it
+//! was waiting for) must leave nothing behind that holds up the other
+//! callers on the same connection: every call that is let run gets its
+//! answer.
 //!
-//! Timers would hide such a hole (the driver reads the socket whenever one
-//! fires), so keep-alives and idle timeouts are set far beyond the calls'
-//! deadlines: a request or reply left unread would end its call in a
-//! timeout instead of a late success.
+//! Timers would hide a datagram left unread (a driver reads the socket
+//! whenever one fires), so keep-alives and idle timeouts are set far beyond
+//! the calls' deadlines: a request or reply left unread would end its call
+//! in a timeout instead of a late success.
 
 mod common;
 
