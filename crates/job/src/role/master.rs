@@ -268,9 +268,6 @@ async fn run_master(
         return Ok(None);
     };
     let state = state?;
-    // The job is over: the map stays as it was while it trained (the
-    // pservers leave from now on, and their shards need no new home).
-    drop(coordinator);
     let last = master.status().borrow().clone();
     let training_seconds = started.elapsed().as_secs_f64();
 
@@ -319,6 +316,12 @@ async fn run_master(
         skipped_lines: last.passes.iter().map(|p| p.skipped_lines).sum(),
         wall_seconds: started.elapsed().as_secs_f64(),
     };
+    // The coordinator runs until the model is scored, so that the shards of
+    // a pserver that dies as the job ends still get a new home for the
+    // final pulls (else those pulls wait out the retry window). The
+    // pservers leave once the report is written: their shards then need
+    // no new home.
+    drop(coordinator);
     master.put_fenced(&keys.result(), report.to_json().into_bytes()).await?;
     tracing::info!(state = ?report.state, "job report written");
 
