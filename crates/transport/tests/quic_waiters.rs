@@ -1,12 +1,11 @@
 //! Callers that give up half-way (their call's future dropped, whatever it
 //! was waiting for) must leave nothing behind that holds up the other
-//! callers on the same connection: every call that is let run gets its
-//! answer.
+//! callers on the same connection (an open stream, an unread reply): every
+//! call that is let run gets its answer.
 //!
-//! Timers would hide a datagram left unread (a driver reads the socket
-//! whenever one fires), so keep-alives and idle timeouts are set far beyond
-//! the calls' deadlines: a request or reply left unread would end its call
-//! in a timeout instead of a late success.
+//! Keep-alives and idle timeouts are set far beyond the calls' deadlines,
+//! so that nothing left behind is cleared by a timer or a new connection:
+//! a call held up ends in a timeout instead of a late success.
 
 mod common;
 
@@ -48,8 +47,8 @@ async fn callers_that_give_up_hold_up_no_other_call() {
                 for i in 0..250u32 {
                     let frame = Frame::new(ECHO, &(t, i), Default::default()).unwrap();
                     if i % 5 == 4 {
-                        // Given up at once or after a first poll: either way
-                        // dropped while it may hold the socket.
+                        // Given up at once or after a first poll: dropped with
+                        // its stream open, its request sent or not.
                         let _ = tokio::time::timeout(
                             Duration::from_micros(50),
                             conn.call(frame, Duration::from_secs(4)),
