@@ -36,6 +36,7 @@ async fn callers_that_give_up_hold_up_no_other_call() {
     let listener = server_transport.serve("127.0.0.1:0", service.clone()).await.unwrap();
     let addr = listener.local_addr().to_string();
     let mut callers = Vec::new();
+    let mut clients = Vec::new();
     for c in 0..2 {
         let client =
             QuicTransport::with_options(ca.tls_config(&format!("c{c}")).unwrap(), quiet_options()).unwrap();
@@ -70,8 +71,7 @@ async fn callers_that_give_up_hold_up_no_other_call() {
                 answered
             }));
         }
-        // Keep the client alive with its callers.
-        std::mem::forget(client);
+        clients.push(client);
     }
     let mut answered = 0;
     for caller in callers {
