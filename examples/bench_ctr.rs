@@ -64,10 +64,11 @@
 //!
 //! - "oar µs/batch": the mean of the trainers' `oar_trainer_exchange_seconds`,
 //!   which times each sparse batch from its first call to its acknowledged
-//!   push. Async, that is `pull_rows` (one call per pserver), the model, and
-//!   `push_pull_rows` (the row and dense gradients out, the dense bias back),
-//!   2 rounds of calls; sync the same, the push-pull answered when the step
-//!   completes (a dense pull only after joining or a stale push). The
+//!   push. That is the model and `push_pull_rows_ahead` (the row and dense
+//!   gradients out, the dense bias and the next batch's rows back; sync,
+//!   answered when the step completes), and for a task's first batch a
+//!   `pull_rows` before (one call per pserver). "call rounds/batch" is 1
+//!   plus those row pulls per batch (`oar_trainer_row_pulls`). The
 //!   reference's µs per batch beside it is the same work without the calls.
 //! - "pserver calls/batch": calls the pservers answered (`oar_ps_pulls`,
 //!   where a push-pull counts too) per batch.
@@ -83,11 +84,6 @@
 #[path = "common/mod.rs"]
 mod common;
 use common::ModeArg;
-
-/// Call rounds per batch of a sparse model, one after another, in both
-/// modes: the row pull, then the push-pull (see the worker's docs, "Sparse
-/// models").
-const CALL_ROUNDS: u32 = 2;
 
 use clap::{Parser, ValueEnum};
 use oar::{
@@ -258,6 +254,9 @@ struct OarRun {
     /// per shard; row pulls, one per pserver. The master's scoring adds
     /// about 0.2 a batch (its row pulls of a1a.t, 1024 examples each).
     calls: f64,
+    /// Row pulls the trainers made on their own (`oar_trainer_row_pulls`):
+    /// a batch whose rows did not come with the push before it.
+    row_pulls: f64,
 }
 
 #[derive(Default)]
@@ -403,6 +402,7 @@ fn run(args: Args) -> Result<ExitCode, BoxError> {
     for (key, s) in keys.iter().zip(&samples) {
         let step_us = common::median(s.oar.iter().map(|o| o.step_seconds / o.steps * 1e6).collect());
         let calls = common::median(s.oar.iter().map(|o| o.calls / o.steps).collect());
+        let rounds = common::median(s.oar.iter().map(|o| 1.0 + o.row_pulls / o.steps).collect());
         let ref_us = common::median(s.reference.iter().map(|r| r.wall / r.batches as f64 * 1e6).collect());
         let batches = common::median(s.oar.iter().map(|o| o.steps).collect());
         let busy = common::median(
@@ -415,9 +415,8 @@ fn run(args: Args) -> Result<ExitCode, BoxError> {
                 .collect(),
         );
         println!(
-            "| {} | {} | {calls:.1} | {step_us:.0} | {ref_us:.1} | {batches:.0} | {:.0}% |",
+            "| {} | {rounds:.2} | {calls:.1} | {step_us:.0} | {ref_us:.1} | {batches:.0} | {:.0}% |",
             key.row(args.factors),
-            CALL_ROUNDS,
             busy * 100.0,
         );
     }
@@ -604,7 +603,8 @@ fn oar_run(config: &JobConfig, trainers: u32, timeout: Duration, workers: usize)
         // A push-pull counts as a push and a pull, and a sparse batch's
         // pushes are all push-pulls (sync too): the pulls count every call.
         let calls = diff("oar_ps_pulls_total");
-        Ok::<_, BoxError>(OarRun { report, pass_ends, wall, steps, step_seconds, calls })
+        let row_pulls = diff("oar_trainer_row_pulls_total");
+        Ok::<_, BoxError>(OarRun { report, pass_ends, wall, steps, step_seconds, calls, row_pulls })
     });
     runtime.shutdown_timeout(Duration::from_secs(5));
     result

@@ -214,3 +214,32 @@ async fn a_trainer_kept_from_running_pulls_before_training_on() {
     assert!(t.stale_pulls <= t.batches, "{t:?}");
     assert!(o.job.test_accuracy >= 0.8, "it trains: {}", o.job.test_accuracy);
 }
+
+/// A sparse model's batch is one round trip: the rows of the next batch
+/// of a task come with the batch's push, so a trainer pulls rows on their
+/// own only for each task's first batch. Sync and async, one trainer; the
+/// pushes are counted on every shard as above.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_sparse_batch_takes_one_round_trip() {
+    for mode in [Mode::Async, Mode::Sync] {
+        let mut config = config(1);
+        config.mode = mode;
+        config.passes = 2;
+        config.model = oar::trainer::ModelConfig::Ctr(oar::trainer::CtrModelConfig::Lr { crosses: false });
+        config.optimizer = OptimizerConfig::AdaGrad { lr: 0.1, eps: 1e-10 };
+        let (tasks, shards) = (u64::from(config.passes) * TASKS_PER_PASS, config.shards);
+        let o = run(config, 1, None).await;
+        assert!(o.job.is_done(), "{mode:?}");
+        let t = &o.trainers[0];
+        assert_eq!(t.tasks_finished, tasks, "{mode:?}: {t:?}");
+        assert_eq!(t.pushes, t.batches, "{mode:?}: a push per batch: {t:?}");
+        assert!(t.batches > 2 * tasks, "{mode:?}: several batches per task: {t:?}");
+        assert_eq!(t.pulls, t.tasks_finished, "{mode:?}: a row pull per task, not per batch: {t:?}");
+        for shard in 0..shards {
+            let steps: Vec<u64> =
+                o.pservers.iter().filter_map(|p| p.primaries.get(&shard).copied()).collect();
+            assert_eq!(steps, [t.pushes], "{mode:?}: shard {shard} applied every push once");
+        }
+        eprintln!("{mode:?}: {} batches, {} row pulls, accuracy {}", t.batches, t.pulls, o.job.test_accuracy);
+    }
+}

@@ -337,8 +337,17 @@ impl PserverClient {
                     max_wait_ms: PULL_WAIT.as_millis() as u64,
                 })
                 .collect();
-            let replies =
-                self.exchange(&parts, calls, None, &[], Some(&mut *params), PARTS_IN_FLIGHT).await?;
+            let replies = self
+                .exchange(
+                    &parts,
+                    calls,
+                    None,
+                    &[],
+                    Some(&mut *params),
+                    PARTS_IN_FLIGHT,
+                    &mut Riders::default(),
+                )
+                .await?;
             // Per shard: every part ready, at the lowest step any part was at
             // (so a sync push is never for a step some block has not reached).
             let mut pulled: Vec<(u32, Option<u64>)> = Vec::new();
@@ -396,7 +405,7 @@ impl PserverClient {
         rows: &[TableGrads<'_>],
         weight: f32,
     ) -> Result<PushResult> {
-        let replies = self.send_push(grads, rows, weight, None).await?;
+        let replies = self.send_push(grads, rows, weight, None, &mut Riders::default()).await?;
         // Per shard: stale if any part was; else taken if any part was (the
         // rest were retries of parts already taken); applied before if
         // every part was.
@@ -468,7 +477,74 @@ impl PserverClient {
         weight: f32,
         params: &mut ParamBuf,
     ) -> Result<PushResult> {
-        let replies = self.send_push(grads, rows, weight, Some(params)).await?;
+        let replies = self.send_push(grads, rows, weight, Some(params), &mut Riders::default()).await?;
+        self.pushed_pulled(replies)
+    }
+
+    /// [`push_pull_rows`](Self::push_pull_rows), and in the same round
+    /// trip the rows of `ahead.ids` (a trainer's next batch) into
+    /// `ahead.out`, as [`pull_rows`](Self::pull_rows) would pull them
+    /// just after: each pserver reads them once it answered the push (in
+    /// sync mode, at the step the push went into). So a sparse batch costs
+    /// one round trip, not two. Best effort: `true` only if every row came,
+    /// and the push was accepted. The rows do not come, and `ahead.out`
+    /// holds nothing of use, when the exchange is too large to travel in
+    /// one batch per pserver (more than 256 KiB both ways), when a shard's
+    /// primary changed on the way, when the ids are more than
+    /// [`pull_rows`](Self::pull_rows) takes, or when the push was stale;
+    /// pull them then.
+    pub async fn push_pull_rows_ahead(
+        &mut self,
+        grads: &ParamBuf,
+        rows: &[TableGrads<'_>],
+        weight: f32,
+        params: &mut ParamBuf,
+        ahead: RowsAhead<'_, '_>,
+    ) -> Result<(PushResult, bool)> {
+        let Ok(plan) = self.plan_rows(ahead.ids, ahead.out) else {
+            return Ok((self.push_pull_rows(grads, rows, weight, params).await?, false));
+        };
+        // Sync: the rows of the step after the push's, which the
+        // pserver has reached once it answered the push.
+        let in_barrier = self.in_barrier;
+        let mut riders = Riders {
+            asks: plan
+                .wanted
+                .keys()
+                .map(|&shard| {
+                    let after = in_barrier.then(|| self.shards[shard as usize].pulled_step + 1);
+                    plan.shard_rows(ahead.ids, shard, after)
+                })
+                .collect(),
+            answers: Vec::new(),
+        };
+        let replies = self.send_push(grads, rows, weight, Some(params), &mut riders).await?;
+        let result = self.pushed_pulled(replies)?;
+        if result != PushResult::Accepted {
+            return Ok((result, false));
+        }
+        // Every shard's rows, and in sync mode at the step of the
+        // parameters its push-pull brought back. (A reply that does not
+        // parse leaves the rows to a pull: the push was taken all the same.)
+        let mut answered = std::collections::BTreeSet::new();
+        let mut complete = true;
+        for (shards, reply, payload) in riders.answers {
+            let at_step =
+                |shard: u32, step: u64| !in_barrier || self.shards[shard as usize].pulled_step == step;
+            match plan.take(&shards, reply, &payload, ahead.out, at_step) {
+                Ok(waiting) => complete &= waiting.is_empty(),
+                Err(e) => {
+                    tracing::debug!(error = %e, "rows asked with a push did not come");
+                    complete = false;
+                }
+            }
+            answered.extend(shards);
+        }
+        Ok((result, complete && plan.wanted.keys().all(|shard| answered.contains(shard))))
+    }
+
+    /// What a push-pull's replies say, noted per shard.
+    fn pushed_pulled(&mut self, replies: Vec<(Part, PsReply)>) -> Result<PushResult> {
         // Per shard: the least step of its parts' parameters (None: stale),
         // and whether every part was applied before.
         let mut steps: Vec<(u32, Option<u64>, bool)> = Vec::new();
@@ -548,6 +624,7 @@ impl PserverClient {
         rows: &[TableGrads<'_>],
         weight: f32,
         mut params: Option<&mut ParamBuf>,
+        riders: &mut Riders,
     ) -> Result<Vec<(Part, PsReply)>> {
         let epoch_now = |inner: &Inner, index: u32| inner.epochs[index as usize].load(Ordering::SeqCst);
         let mut shards: Vec<u32> = self.inner.shards_in_use().collect();
@@ -561,9 +638,25 @@ impl PserverClient {
                 .into_iter()
                 .map(|push| push.with_pull(params.is_some()))
                 .collect();
+            // Riders go with the first round only: a resent push's rows
+            // are pulled afterwards.
+            let mut ride = if round == 0 { std::mem::take(riders) } else { Riders::default() };
             let sent = self
-                .exchange(&parts, calls, Some(grads), &extra, params.as_deref_mut(), PARTS_IN_FLIGHT)
+                .exchange(
+                    &parts,
+                    calls,
+                    Some(grads),
+                    &extra,
+                    params.as_deref_mut(),
+                    PARTS_IN_FLIGHT,
+                    &mut ride,
+                )
                 .await?;
+            if round == 0 {
+                riders.answers = ride.answers;
+            } else {
+                riders.answers.clear();
+            }
             replies.retain(|(part, _)| !shards.contains(&part.index));
             let moved: Vec<u32> = shards
                 .iter()
@@ -631,40 +724,10 @@ impl PserverClient {
     /// ids in all: a larger pull is refused here, before anything is sent
     /// (a pserver refuses it too); split the batch.
     pub async fn pull_rows(&mut self, rows: &[(u32, &[u64])], out: &mut [Vec<f32>]) -> Result<()> {
-        let placement = self.inner.placement.clone();
-        if out.len() != rows.len() {
-            return Err(Error::Protocol(format!("{} outputs for {} tables' rows", out.len(), rows.len())));
-        }
-        let asked: usize = rows.iter().map(|(_, ids)| ids.len()).sum();
-        if asked > crate::sparse::MAX_ROWS_PER_CALL {
-            let table = rows.iter().max_by_key(|(_, ids)| ids.len()).map_or(0, |(t, _)| *t);
-            return Err(crate::Error::TooManyRows {
-                table: table_spec(&placement, table)?.name.clone(),
-                got: asked,
-                max: crate::sparse::MAX_ROWS_PER_CALL,
-            }
-            .into());
-        }
-        // Per shard, per request table: (positions in the caller's ids).
-        let mut wanted: std::collections::BTreeMap<u32, Vec<(usize, Vec<usize>)>> = Default::default();
-        let mut dims = Vec::with_capacity(rows.len());
-        for (k, (table, ids)) in rows.iter().enumerate() {
-            let dim = table_spec(&placement, *table)?.dim;
-            dims.push(dim);
-            out[k].clear();
-            out[k].resize(ids.len() * dim, 0.0);
-            for (i, id) in ids.iter().enumerate() {
-                let shard = placement.row_shard(*table, *id).unwrap_or_default();
-                let per = wanted.entry(shard).or_default();
-                match per.iter_mut().find(|(t, _)| *t == k) {
-                    Some((_, at)) => at.push(i),
-                    None => per.push((k, vec![i])),
-                }
-            }
-        }
-        let fingerprint = placement.fingerprint();
+        let plan = self.plan_rows(rows, out)?;
+        let fingerprint = self.inner.placement.fingerprint();
         let deadline = oar_transport::deadline_in(self.inner.retry.give_up_after);
-        let mut pending: Vec<u32> = wanted.keys().copied().collect();
+        let mut pending: Vec<u32> = plan.wanted.keys().copied().collect();
         while !pending.is_empty() {
             // One call per pserver: group the shards by their primary now.
             let topology = self.inner.topology().await?.current();
@@ -678,17 +741,7 @@ impl PserverClient {
                     fingerprint,
                     shards: shards
                         .iter()
-                        .map(|&shard| ShardRows {
-                            shard,
-                            min_step: self.shards[shard as usize].next_step,
-                            tables: wanted[&shard]
-                                .iter()
-                                .map(|(k, at)| TableRows {
-                                    table: rows[*k].0,
-                                    ids: at.iter().map(|&i| rows[*k].1[i]).collect(),
-                                })
-                                .collect(),
-                        })
+                        .map(|&shard| plan.shard_rows(rows, shard, self.shards[shard as usize].next_step))
                         .collect(),
                     max_wait_ms: PULL_WAIT.as_millis() as u64,
                 };
@@ -701,32 +754,7 @@ impl PserverClient {
             });
             let mut waiting = Vec::new();
             for (shards, reply, payload) in oar_transport::join_all(calls).await {
-                let answers = match reply? {
-                    PsReply::PulledRows { shards: answers } if answers.len() == shards.len() => answers,
-                    other => return Err(Error::Protocol(format!("a row pull was answered with {other:?}"))),
-                };
-                let mut values =
-                    payload.chunks_exact(4).map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]));
-                for (shard, answer) in shards.into_iter().zip(answers) {
-                    match answer {
-                        PulledShard::Rows { .. } => {
-                            for (k, at) in &wanted[&shard] {
-                                let dim = dims[*k];
-                                for &i in at {
-                                    for v in &mut out[*k][i * dim..(i + 1) * dim] {
-                                        *v = values.next().ok_or_else(|| {
-                                            Error::Protocol(format!("shard {shard}'s rows ended early"))
-                                        })?;
-                                    }
-                                }
-                            }
-                        }
-                        PulledShard::NotReady { .. } | PulledShard::NotPrimary { .. } => waiting.push(shard),
-                    }
-                }
-                if values.next().is_some() {
-                    return Err(Error::Protocol("a row pull's payload is longer than its rows".into()));
-                }
+                waiting.extend(plan.take(&shards, reply?, &payload, out, |_, _| true)?);
             }
             if !waiting.is_empty() {
                 if tokio::time::Instant::now() >= deadline {
@@ -746,6 +774,41 @@ impl PserverClient {
             pending = waiting;
         }
         Ok(())
+    }
+
+    /// A row pull of `rows` checked (see [`pull_rows`](Self::pull_rows))
+    /// and planned, `out` sized for it.
+    fn plan_rows(&self, rows: &[(u32, &[u64])], out: &mut [Vec<f32>]) -> Result<RowPlan> {
+        let placement = &self.inner.placement;
+        if out.len() != rows.len() {
+            return Err(Error::Protocol(format!("{} outputs for {} tables' rows", out.len(), rows.len())));
+        }
+        let asked: usize = rows.iter().map(|(_, ids)| ids.len()).sum();
+        if asked > crate::sparse::MAX_ROWS_PER_CALL {
+            let table = rows.iter().max_by_key(|(_, ids)| ids.len()).map_or(0, |(t, _)| *t);
+            return Err(crate::Error::TooManyRows {
+                table: table_spec(placement, table)?.name.clone(),
+                got: asked,
+                max: crate::sparse::MAX_ROWS_PER_CALL,
+            }
+            .into());
+        }
+        let mut plan = RowPlan { wanted: Default::default(), dims: Vec::with_capacity(rows.len()) };
+        for (k, (table, ids)) in rows.iter().enumerate() {
+            let dim = table_spec(placement, *table)?.dim;
+            plan.dims.push(dim);
+            out[k].clear();
+            out[k].resize(ids.len() * dim, 0.0);
+            for (i, id) in ids.iter().enumerate() {
+                let shard = placement.row_shard(*table, *id).unwrap_or_default();
+                let per = plan.wanted.entry(shard).or_default();
+                match per.iter_mut().find(|(t, _)| *t == k) {
+                    Some((_, at)) => at.push(i),
+                    None => per.push((k, vec![i])),
+                }
+            }
+        }
+        Ok(plan)
     }
 
     /// The pushes shard `shard` acknowledged as taken (a sync push that
@@ -795,7 +858,8 @@ impl PserverClient {
         let all: Vec<Part> =
             self.inner.shards_in_use().map(|index| Part { index, blocks: BlockSpan::new(0, 0) }).collect();
         let calls = all.iter().map(|part| part.index).map(make).collect();
-        let replies = self.exchange(&all, calls, None, &[], None, PARTS_IN_FLIGHT).await?;
+        let replies =
+            self.exchange(&all, calls, None, &[], None, PARTS_IN_FLIGHT, &mut Riders::default()).await?;
         Ok(replies.into_iter().map(|(part, reply)| (part.index, reply)).collect())
     }
 
@@ -804,7 +868,10 @@ impl PserverClient {
     /// each call retried on its own. With `grads`, a request's payload is
     /// the part's blocks of it, sent from where they are; with `params`, a
     /// reply's payload is written into the part's blocks of it as it
-    /// arrives. Replies come back in the order of `parts`.
+    /// arrives. Replies come back in the order of `parts`. The `riders`'
+    /// row pulls go along in a small exchange's batches (their answers in
+    /// `riders.answers`), not in a large one.
+    #[allow(clippy::too_many_arguments)]
     async fn exchange(
         &self,
         parts: &[Part],
@@ -813,6 +880,7 @@ impl PserverClient {
         extra: &[Vec<u8>],
         params: Option<&mut ParamBuf>,
         in_flight: usize,
+        riders: &mut Riders,
     ) -> Result<Vec<(Part, PsReply)>> {
         let placement = &self.inner.placement;
         let mut sinks = match params {
@@ -841,7 +909,7 @@ impl PserverClient {
         let message_bytes: usize = payloads.iter().flatten().map(|p| p.len()).sum::<usize>()
             + sinks.iter().map(|s| s.expected as usize).sum::<usize>();
         let mut outcomes = if message_bytes <= SPAWN_CALLS_UP_TO {
-            self.exchange_small(parts, requests, &payloads, &mut sinks).await
+            self.exchange_small(parts, requests, &payloads, &mut sinks, riders).await
         } else {
             // Lanes: each runs its calls one after another; a shard's parts
             // are dealt to `in_flight` lanes of their own.
@@ -910,6 +978,7 @@ impl PserverClient {
         requests: Vec<PsRequest>,
         payloads: &[Vec<std::borrow::Cow<'_, [u8]>>],
         sinks: &mut [ShardSink<'_>],
+        riders: &mut Riders,
     ) -> Vec<(usize, Result<PsReply>, bool)> {
         // Calls grouped by the pserver their shard's primary is now; a
         // shard that cannot be looked up goes alone (its call says why).
@@ -919,7 +988,8 @@ impl PserverClient {
                 Ok((name, conn, _, epoch)) => (Some((name, conn)), Some(epoch)),
                 Err(_) => (None, None),
             };
-            let call = SmallCall { at, shard: part.index, epoch, request, payload: payload.concat() };
+            let call =
+                SmallCall { at, shard: part.index, epoch, request, payload: payload.concat(), rider: false };
             let same = |p: &Option<Primary>| matches!((p, &primary), (Some((a, _)), Some((b, _))) if a == b);
             match groups
                 .iter_mut()
@@ -928,6 +998,34 @@ impl PserverClient {
                 Some((_, calls)) => calls.push(call),
                 None => groups.push((primary, vec![call])),
             }
+        }
+        // The riders' rows, one pull per pserver, in a batch going there.
+        let mut rides: Vec<(String, u64, Vec<ShardRows>)> = Vec::new();
+        for ask in std::mem::take(&mut riders.asks) {
+            let Ok((name, _, _, epoch)) = self.inner.connection(ask.shard).await else { continue };
+            match rides.iter_mut().find(|(n, _, _)| *n == name) {
+                Some((_, _, asks)) => asks.push(ask),
+                None => rides.push((name, epoch, vec![ask])),
+            }
+        }
+        let fingerprint = self.inner.placement.fingerprint();
+        let mut ridden: Vec<Vec<u32>> = Vec::new();
+        for (name, epoch, asks) in rides {
+            let going = |(p, calls): &&mut (Option<Primary>, Vec<SmallCall>)| {
+                matches!(p, Some((n, _)) if *n == name) && calls.len() < crate::protocol::MAX_BATCH_CALLS
+            };
+            let Some((_, calls)) = groups.iter_mut().find(going) else { continue };
+            let shards: Vec<u32> = asks.iter().map(|a| a.shard).collect();
+            calls.push(SmallCall {
+                at: parts.len() + ridden.len(),
+                shard: shards.first().copied().unwrap_or_default(),
+                epoch: Some(epoch),
+                payload: Vec::new(),
+                rider: true,
+                // The pserver answers it after the batch's pushes: no wait.
+                request: PsRequest::PullRows { fingerprint, shards: asks, max_wait_ms: 0 },
+            });
+            ridden.push(shards);
         }
         let mut tasks = JoinSet::new();
         for (primary, calls) in groups {
@@ -945,6 +1043,12 @@ impl PserverClient {
                 }
             };
             for (at, reply, bytes) in answered {
+                if let Some(shards) = at.checked_sub(parts.len()).and_then(|k| ridden.get_mut(k)) {
+                    if let Ok(reply) = reply {
+                        riders.answers.push((std::mem::take(shards), reply, bytes));
+                    }
+                    continue;
+                }
                 let Some(sink) = sinks.get_mut(at) else { continue };
                 let reply = reply.and_then(|reply| {
                     oar_transport::PayloadSink::start(sink, bytes.len() as u64)?;
@@ -958,6 +1062,78 @@ impl PserverClient {
     }
 }
 
+/// Where the rows of a row pull go: per shard, per table of the pull
+/// (its position in the caller's list), the positions of its ids; and
+/// each table's dim.
+struct RowPlan {
+    wanted: std::collections::BTreeMap<u32, Vec<(usize, Vec<usize>)>>,
+    dims: Vec<usize>,
+}
+
+impl RowPlan {
+    /// What the pull asks of `shard`, not before `min_step`.
+    fn shard_rows(&self, rows: &[(u32, &[u64])], shard: u32, min_step: Option<u64>) -> ShardRows {
+        let tables = self.wanted.get(&shard).map_or(&[][..], Vec::as_slice);
+        ShardRows {
+            shard,
+            min_step,
+            tables: tables
+                .iter()
+                .map(|(k, at)| TableRows {
+                    table: rows[*k].0,
+                    ids: at.iter().map(|&i| rows[*k].1[i]).collect(),
+                })
+                .collect(),
+        }
+    }
+
+    /// The rows a pserver answered for `shards` (asked in that order) put
+    /// into `out`, those of a shard `accept`s (by shard and step); the
+    /// shards whose rows did not come or were not accepted.
+    fn take(
+        &self,
+        shards: &[u32],
+        reply: PsReply,
+        payload: &[u8],
+        out: &mut [Vec<f32>],
+        accept: impl Fn(u32, u64) -> bool,
+    ) -> Result<Vec<u32>> {
+        let answers = match reply {
+            PsReply::PulledRows { shards: answers } if answers.len() == shards.len() => answers,
+            other => return Err(Error::Protocol(format!("a row pull was answered with {other:?}"))),
+        };
+        let mut values = payload.chunks_exact(4).map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]));
+        let mut waiting = Vec::new();
+        for (&shard, answer) in shards.iter().zip(answers) {
+            let PulledShard::Rows { step } = answer else {
+                waiting.push(shard);
+                continue;
+            };
+            let keep = accept(shard, step);
+            if !keep {
+                waiting.push(shard);
+            }
+            for (k, at) in self.wanted.get(&shard).map_or(&[][..], Vec::as_slice) {
+                let dim = self.dims[*k];
+                for &i in at {
+                    for v in &mut out[*k][i * dim..(i + 1) * dim] {
+                        let value = values
+                            .next()
+                            .ok_or_else(|| Error::Protocol(format!("shard {shard}'s rows ended early")))?;
+                        if keep {
+                            *v = value;
+                        }
+                    }
+                }
+            }
+        }
+        if values.next().is_some() {
+            return Err(Error::Protocol("a row pull's payload is longer than its rows".into()));
+        }
+        Ok(waiting)
+    }
+}
+
 /// One small call of [`PserverClient::exchange_small`]: its position, its
 /// shard (and the shard's epoch in the map it was grouped by), its request
 /// and its payload.
@@ -967,6 +1143,28 @@ struct SmallCall {
     epoch: Option<u64>,
     request: PsRequest,
     payload: Vec<u8>,
+    /// A rider's row pull: answered in its batch or not at all.
+    rider: bool,
+}
+
+/// Row pulls that ride along a push's small exchange
+/// ([`PserverClient::push_pull_rows_ahead`]): the rows asked of each
+/// shard, and the answers that came, per pserver: its shards (in the
+/// order asked), its reply and the reply's payload.
+#[derive(Default)]
+struct Riders {
+    asks: Vec<ShardRows>,
+    answers: Vec<(Vec<u32>, PsReply, Vec<u8>)>,
+}
+
+/// The rows of a trainer's next batch, asked for with its push
+/// ([`PserverClient::push_pull_rows_ahead`]).
+#[derive(Debug)]
+pub struct RowsAhead<'ids, 'out> {
+    /// Per table, the ids, as [`PserverClient::pull_rows`] takes them.
+    pub ids: &'ids [(u32, &'ids [u64])],
+    /// Where their values go, as in [`PserverClient::pull_rows`].
+    pub out: &'out mut [Vec<f32>],
 }
 
 /// A shard's primary: its name and a connection to it.
@@ -1251,6 +1449,7 @@ impl Inner {
             for call in batch {
                 match replies.as_mut().ok().and_then(Iterator::next).flatten() {
                     Some((reply, bytes)) => answered.push((call.at, Ok(reply), bytes)),
+                    None if call.rider => {}
                     None => alone.push(call),
                 }
             }

@@ -157,7 +157,7 @@ pub mod topology;
 
 pub use block::BlockId;
 #[cfg(feature = "service")]
-pub use client::{PserverClient, PserverClientOptions, PushResult, TableGrads};
+pub use client::{PserverClient, PserverClientOptions, PushResult, RowsAhead, TableGrads};
 #[cfg(feature = "service")]
 pub use coordinator::{set_pservers, Coordinator, CoordinatorOptions, ScaleOptions, Scaled};
 pub use error::{Error, Result};

@@ -228,8 +228,11 @@ pub enum PsRequest {
     /// trip: a trainer's small push, push-pull or pull to every shard
     /// (each shard's call would otherwise be a round trip of its own).
     /// The payload is the calls' payloads one after another. Each call is
-    /// handled as if it had come alone, all at once, and answered in
-    /// [`PsReply::Batch`]; a batch holds no batch, and at most
+    /// handled as if it had come alone, all at once, except row pulls
+    /// ([`PsRequest::PullRows`]), which start once the other calls are
+    /// answered: the rows of a trainer's next batch, asked for with its
+    /// push, are read after that push (its step, in sync mode). Answered
+    /// in [`PsReply::Batch`]; a batch holds no batch, and at most
     /// [`MAX_BATCH_CALLS`] calls.
     Batch {
         /// The calls, each with its payload's length in bytes.

@@ -5,60 +5,16 @@
 
 mod common;
 
-use async_trait::async_trait;
 use bytes::Bytes;
-use common::{keys, Cluster};
+use common::{keys, Cluster, Counting};
 use oar_discovery::{Discovery, MemDiscovery};
 use oar_pserver::{
     protocol::{BatchCall, BlockSpan, PsReply, PsRequest, PSERVER_METHOD},
     Init, Mode, OptimizerConfig, ParamBuf, ParamSpec, Placement, Pserver, PserverClient,
     PserverClientOptions, PserverOptions, PushOutcome, PushResult,
 };
-use oar_transport::{
-    call, Connection, Frame, Handler, Listener, MemNetwork, MemTransport, RemoteError, RemoteErrorKind,
-    Transport,
-};
-use std::{
-    sync::{
-        atomic::{AtomicU64, Ordering},
-        Arc,
-    },
-    time::Duration,
-};
-
-/// A transport whose servers count the calls they answer.
-struct Counting {
-    inner: MemTransport,
-    calls: Arc<AtomicU64>,
-}
-
-struct CountingHandler {
-    inner: Arc<dyn Handler>,
-    calls: Arc<AtomicU64>,
-}
-
-#[async_trait]
-impl Handler for CountingHandler {
-    async fn handle(&self, request: Frame) -> Result<Frame, RemoteError> {
-        self.calls.fetch_add(1, Ordering::SeqCst);
-        self.inner.handle(request).await
-    }
-}
-
-#[async_trait]
-impl Transport for Counting {
-    async fn connect(&self, addr: &str) -> oar_transport::Result<Arc<dyn Connection>> {
-        self.inner.connect(addr).await
-    }
-    async fn listen(
-        &self,
-        addr: &str,
-        handler: Arc<dyn Handler>,
-    ) -> oar_transport::Result<Box<dyn Listener>> {
-        let handler = Arc::new(CountingHandler { inner: handler, calls: self.calls.clone() });
-        self.inner.listen(addr, handler).await
-    }
-}
+use oar_transport::{call, MemNetwork, MemTransport, RemoteErrorKind, Transport};
+use std::{sync::Arc, time::Duration};
 
 const SHARDS: u32 = 8;
 const LEN: usize = 64;
@@ -80,10 +36,7 @@ struct Env {
 impl Env {
     async fn new(mode: Mode) -> Env {
         let discovery: Arc<dyn Discovery> = Arc::new(MemDiscovery::new());
-        let transport = Arc::new(Counting {
-            inner: MemTransport::new(MemNetwork::new()),
-            calls: Arc::new(AtomicU64::new(0)),
-        });
+        let transport = Arc::new(Counting::new(Arc::new(MemTransport::new(MemNetwork::new()))));
         let cluster = Cluster::start(discovery.clone(), transport.clone(), SHARDS, 1, 1).await;
         let options = PserverOptions {
             keys: keys(),
@@ -110,7 +63,7 @@ impl Env {
     }
 
     fn calls(&self) -> u64 {
-        self.transport.calls.load(Ordering::SeqCst)
+        self.transport.calls()
     }
 
     /// A raw batch to the pserver.

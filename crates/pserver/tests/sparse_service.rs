@@ -3,19 +3,20 @@
 //! through the client, replicated to followers, carried to a new pserver by
 //! a catch-up from a snapshot (rows in their own parts, over several arena
 //! chunks), and kept exactly when the old replicas die; bad rows on the
-//! wire refused by name, harming nothing.
+//! wire refused by name, harming nothing; the rows of a trainer's next
+//! batch asked for with its push, in its round trip and read after it.
 
 mod common;
 
 use bytes::Bytes;
-use common::{keys, Cluster};
+use common::{keys, Cluster, Counting};
 use oar_discovery::{Discovery, MemDiscovery};
-use oar_pserver::client::TableGrads;
+use oar_pserver::client::{RowsAhead, TableGrads};
 use oar_pserver::protocol::{BatchCall, BlockSpan, PsReply, PsRequest, ShardRows, TableRows, PSERVER_METHOD};
 use oar_pserver::sparse::{init_row, TableSpec};
 use oar_pserver::{
     CoordinatorOptions, Init, Mode, OptimizerConfig, ParamBuf, ParamSpec, Placement, Pserver, PserverClient,
-    PserverClientOptions, PserverOptions,
+    PserverClientOptions, PserverOptions, PushResult,
 };
 use oar_transport::{call, MemNetwork, MemTransport, RemoteErrorKind, RetryPolicy, Transport};
 use std::{sync::Arc, time::Duration};
@@ -35,6 +36,8 @@ fn table() -> TableSpec {
 struct Env {
     discovery: Arc<dyn Discovery>,
     transport: Arc<dyn Transport>,
+    /// The same transport: its servers count the calls they answer.
+    counting: Arc<Counting>,
     listen: &'static str,
     cluster: Cluster,
 }
@@ -53,10 +56,12 @@ impl Env {
     }
 
     async fn on(transport: Arc<dyn Transport>, listen: &'static str, replicas: u32, pservers: u32) -> Env {
+        let counting = Arc::new(Counting::new(transport));
+        let transport: Arc<dyn Transport> = counting.clone();
         let discovery: Arc<dyn Discovery> = Arc::new(MemDiscovery::new());
         let options = CoordinatorOptions { shards: SHARDS, replicas, pservers, ..Default::default() };
         let cluster = Cluster::start_with(discovery.clone(), transport.clone(), options).await;
-        Env { discovery, transport, listen, cluster }
+        Env { discovery, transport, counting, listen, cluster }
     }
 
     /// Wait until `pservers` serve the map with both replicas of every
@@ -77,13 +82,17 @@ impl Env {
     }
 
     async fn pserver(&self) -> Pserver {
+        self.pserver_in(Mode::Async).await
+    }
+
+    async fn pserver_in(&self, mode: Mode) -> Pserver {
         let options = PserverOptions {
             keys: keys(),
             specs: specs(),
             tables: vec![table()],
             shards: SHARDS,
             block_size: 4,
-            mode: Mode::Async,
+            mode,
             seed: SEED,
             optimizer: OptimizerConfig::Sgd { lr: 1.0 },
             lease_ttl: Duration::from_secs(30),
@@ -299,4 +308,93 @@ async fn row_pulls_whose_replies_would_be_too_large_are_refused_before_any_row_i
     }
     let mut trainer = env.client("t1");
     assert_eq!(pull(&mut trainer, &[id]).await, initial(&[id]));
+}
+
+/// A push of `g` to every row of `ids` that asks for the rows of `next` in
+/// the same round trip: the push's result, whether the rows came, and
+/// their values.
+async fn push_asking(
+    trainer: &mut PserverClient,
+    ids: &[u64],
+    g: f32,
+    next: &[u64],
+) -> (PushResult, bool, Vec<f32>) {
+    let mut params = ParamBuf::zeros(&specs());
+    trainer.pull(&mut params).await.unwrap();
+    let grads = vec![g; ids.len() * DIM];
+    let rows = [TableGrads { table: 0, ids, grads: &grads }];
+    let mut out = vec![Vec::new()];
+    let ahead = RowsAhead { ids: &[(0, next)], out: &mut out };
+    let dense = ParamBuf::zeros(&specs());
+    let (result, came) = trainer.push_pull_rows_ahead(&dense, &rows, 1.0, &mut params, ahead).await.unwrap();
+    (result, came, out.pop().unwrap())
+}
+
+/// The rows of a trainer's next batch, asked for with its push, come in
+/// the push's round trip (one call to the one pserver holding the 4
+/// shards) and are read after the push: its rows come back updated, the
+/// others as they were, as a pull just after would read them.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn rows_asked_with_a_push_come_in_its_round_trip_read_after_it() {
+    let env = Env::new(1, 1).await;
+    let ps = env.pserver().await;
+    env.cluster.wait_serving(&[&ps]).await;
+    let mut trainer = env.client("t1");
+    let pushed: Vec<u64> = (0..16).collect();
+    let next: Vec<u64> = (8..40).collect();
+    let mut dense = ParamBuf::zeros(&specs());
+    trainer.pull(&mut dense).await.unwrap();
+
+    let before = env.counting.calls();
+    let (result, came, rows) = push_asking(&mut trainer, &pushed, 0.25, &next).await;
+    // push_asking pulls the dense parameters first: one call for that.
+    assert_eq!(env.counting.calls() - before, 2, "a pull, then the push with the next rows: one call each");
+    assert_eq!(result, PushResult::Accepted);
+    assert!(came, "the next batch's rows came with the push");
+    let mut want = initial(&next);
+    for (id, row) in next.iter().zip(want.chunks_exact_mut(DIM)) {
+        if pushed.contains(id) {
+            row.iter_mut().for_each(|v| *v -= 0.25);
+        }
+    }
+    assert_eq!(rows, want);
+    assert_eq!(pull(&mut trainer, &next).await, want);
+}
+
+/// Sync: the rows asked for with a push are read once the step it went
+/// into is complete, so they carry every trainer's gradient of that step:
+/// t1's push waits for t2's, and its rows come back with both applied,
+/// as a pull after the step reads them.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn in_sync_mode_rows_asked_with_a_push_are_read_after_its_step() {
+    let env = Env::new(1, 1).await;
+    let ps = env.pserver_in(Mode::Sync).await;
+    env.cluster.wait_serving(&[&ps]).await;
+    let (mut t1, mut t2) = (env.client("t1"), env.client("t2"));
+    t1.join().await.unwrap();
+    t2.join().await.unwrap();
+    let ids: Vec<u64> = (0..16).collect();
+    let first = {
+        let ids = ids.clone();
+        tokio::spawn(async move {
+            let (result, came, rows) = push_asking(&mut t1, &ids, 1.0, &ids).await;
+            (t1, result, came, rows)
+        })
+    };
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    assert!(!first.is_finished(), "t1's step waits for t2's push");
+    let mut dense = ParamBuf::zeros(&specs());
+    t2.pull(&mut dense).await.unwrap();
+    let grads = vec![3.0; ids.len() * DIM];
+    let rows = [TableGrads { table: 0, ids: &ids, grads: &grads }];
+    let pushed = t2.push_pull_rows(&ParamBuf::zeros(&specs()), &rows, 1.0, &mut dense).await.unwrap();
+    assert_eq!(pushed, PushResult::Accepted);
+
+    let (mut t1, result, came, rows) = first.await.unwrap();
+    assert_eq!(result, PushResult::Accepted);
+    assert!(came, "the rows came with the push");
+    let t1_alone: Vec<f32> = initial(&ids).iter().map(|v| v - 1.0).collect();
+    assert_ne!(rows, initial(&ids), "read before the step");
+    assert_ne!(rows, t1_alone, "read with t1's gradient only");
+    assert_eq!(rows, pull(&mut t1, &ids).await);
 }

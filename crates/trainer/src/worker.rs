@@ -58,11 +58,15 @@
 //! one call per pserver ([`PserverClient::pull_rows`]), the model runs, and
 //! its row gradients (summed per id, as the mean over the batch) go out
 //! with the dense gradient in one push, exactly once as a dense push
-//! does. That push also brings the dense parameters back
-//! ([`PserverClient::push_pull_rows`]; sync, when the step completes), so
-//! a batch costs two round trips. A sparse model pushes every batch: its
-//! rows differ from batch to batch, so there is no accumulated push to
-//! overlap, and `push_every`/`pull_every` must be 1 (checked at start).
+//! does. That push also brings the dense parameters back, and the rows
+//! of the task's next batch, read after the push (sync: once its step is
+//! complete; [`PserverClient::push_pull_rows_ahead`]), so a batch costs
+//! one round trip; a task's first batch pulls its rows first, and so does
+//! any batch whose rows did not come (a stale push, a shard that moved, a
+//! push too large for one batch per pserver). A sparse model pushes
+//! every batch: its rows differ from batch to batch, so there is no
+//! accumulated push to overlap, and `push_every`/`pull_every` must be 1
+//! (checked at start).
 //!
 //! # Exactly once
 //!
@@ -93,7 +97,7 @@ use crate::{
     Error, Result,
 };
 use oar_discovery::LeaseGuard;
-use oar_pserver::{Mode, Origin, ParamBuf, PserverClient, PushResult, TableGrads, TaskKey};
+use oar_pserver::{Mode, Origin, ParamBuf, PserverClient, PushResult, RowsAhead, TableGrads, TaskKey};
 use oar_task_queue::{MasterClient, ReportReply, TaskRef, TaskReply, TaskSpec, TaskStats};
 use std::{
     sync::Arc,
@@ -160,6 +164,8 @@ struct Metrics {
     batches: oar_metrics::Counter,
     tasks: oar_metrics::Counter,
     stale_pulls: oar_metrics::Counter,
+    /// Sparse models: row pulls made on their own, not with a push.
+    row_pulls: oar_metrics::Counter,
     /// Mean training loss of the last task finished.
     loss: oar_metrics::Gauge<f64, std::sync::atomic::AtomicU64>,
     /// Async: how old the parameters a batch trains on are.
@@ -175,6 +181,7 @@ fn metrics() -> &'static Metrics {
             batches: Default::default(),
             tasks: Default::default(),
             stale_pulls: Default::default(),
+            row_pulls: Default::default(),
             loss: Default::default(),
             parameter_age: oar_metrics::seconds_histogram(),
             exchange: oar_metrics::seconds_histogram(),
@@ -187,6 +194,11 @@ fn metrics() -> &'static Metrics {
             "oar_trainer_stale_pulls",
             "Async: stale parameters pulled again before training on.",
             m.stale_pulls.clone(),
+        );
+        r(
+            "oar_trainer_row_pulls",
+            "Sparse models: row pulls on their own (a batch's rows that did not come with the push before).",
+            m.row_pulls.clone(),
         );
         r("oar_trainer_loss", "Mean training loss of the last task finished.", m.loss.clone());
         r(
@@ -222,7 +234,8 @@ pub struct TrainerReport {
     /// took part in (a batch redone after a stale step counts once).
     pub pushes: u64,
     /// Async: pulls made (each brings every parameter). Sparse models:
-    /// row pulls, one per batch (in both modes).
+    /// row pulls made on their own, one per batch whose rows did not come
+    /// with the push before it (in both modes; usually a task's first).
     pub pulls: u64,
     /// Examples whose gradients were pushed; all of them once the trainer
     /// has stopped well.
@@ -281,7 +294,14 @@ pub async fn run_trainer(
         }
         AnyModel::Sparse(m) => {
             let rows = m.new_rows();
-            Some(SparseBuffers { grads: rows.clone(), pulled: Vec::new(), rows })
+            Some(SparseBuffers {
+                grads: rows.clone(),
+                next: rows.clone(),
+                next_pulled: Vec::new(),
+                next_ready: false,
+                pulled: Vec::new(),
+                rows,
+            })
         }
         AnyModel::Dense(_) => None,
     };
@@ -424,6 +444,13 @@ struct SparseBuffers {
     grads: RowBatch,
     /// What a row pull writes into, per table.
     pulled: Vec<Vec<f32>>,
+    /// The next batch's ids, and their values once they came with this
+    /// batch's push ([`PserverClient::push_pull_rows_ahead`]).
+    next: RowBatch,
+    /// What the rows asked with a push are written into, per table.
+    next_pulled: Vec<Vec<f32>>,
+    /// `next` holds the rows of the batch after the one last pushed.
+    next_ready: bool,
 }
 
 /// A task's report and the master's answer.
@@ -727,6 +754,9 @@ impl Loop {
     /// its gradient is not pushed).
     async fn train(&mut self, examples: &Examples) -> Result<Trained> {
         let mut stats = TaskStats::default();
+        if let Some(buffers) = self.sparse.as_mut() {
+            buffers.next_ready = false; // Rows of another task's batch.
+        }
         let (n, size) = (examples.len(), self.options.batch_size);
         for start in (0..n).step_by(size) {
             let batch = start..(start + size).min(n);
@@ -748,7 +778,8 @@ impl Loop {
                     }
                 }
                 (AnyModel::Sparse(model), Examples::Ids(e)) => {
-                    self.sparse_step(model.clone(), &e[batch.clone()], self.origin(&batch)).await?
+                    let next = e.get(batch.end..(batch.end + size).min(n)).filter(|b| !b.is_empty());
+                    self.sparse_step(model.clone(), &e[batch.clone()], next, self.origin(&batch)).await?
                 }
                 _ => {
                     return Err(Error::Panicked(
@@ -855,13 +886,16 @@ impl Loop {
     }
 
     /// A sparse model's batch (see [Sparse models](self#sparse-models)):
-    /// pull its rows (and, sync or at the start, the dense parameters), run
-    /// the model, push the row and dense gradients; sync, again at the new
-    /// step if the pservers moved on without us.
+    /// pull its rows (unless they came with the last push) and, sync or at
+    /// the start, the dense parameters; run the model; push the row and
+    /// dense gradients, with the rows of the `next` batch asked for in the
+    /// same round trip; sync, again at the new step if the pservers moved
+    /// on without us.
     async fn sparse_step(
         &mut self,
         model: Arc<dyn SparseModel>,
         batch: &[IdExample],
+        next: Option<&[IdExample]>,
         origin: Option<Origin>,
     ) -> Result<f32> {
         let Some(buffers) = self.sparse.as_mut() else {
@@ -874,14 +908,20 @@ impl Loop {
         loop {
             let started = Instant::now();
             if !self.params_fresh {
+                buffers.next_ready = false;
                 if !sync {
                     pservers.forget_steps();
                 }
                 pservers.pull(&mut self.params).await?;
             }
-            model.batch_ids(batch, &mut buffers.rows);
-            pull_batch_rows(&mut pservers, &mut buffers.rows, &mut buffers.pulled).await?;
-            self.report.pulls += 1;
+            if std::mem::take(&mut buffers.next_ready) {
+                std::mem::swap(&mut buffers.rows, &mut buffers.next);
+            } else {
+                model.batch_ids(batch, &mut buffers.rows);
+                pull_batch_rows(&mut pservers, &mut buffers.rows, &mut buffers.pulled).await?;
+                self.report.pulls += 1;
+                metrics().row_pulls.inc();
+            }
             // The batch's ids, zeroed: a model that adds to its gradients
             // (rather than overwriting them, as the trait asks) still pushes
             // the right ones.
@@ -896,7 +936,27 @@ impl Loop {
             let tables: Vec<TableGrads<'_>> = (0..grads.tables())
                 .map(|t| TableGrads { table: t as u32, ids: grads.ids(t), grads: grads.values(t) })
                 .collect();
-            let pushed = pservers.push_pull_rows(&self.grads, &tables, weight, &mut self.params).await?;
+            let pushed = match next {
+                Some(next) => {
+                    model.batch_ids(next, &mut buffers.next);
+                    let next_rows = &mut buffers.next;
+                    buffers.next_pulled.resize_with(next_rows.tables(), Vec::new);
+                    let ids: Vec<(u32, &[u64])> =
+                        (0..next_rows.tables()).map(|t| (t as u32, next_rows.ids(t))).collect();
+                    let ahead = RowsAhead { ids: &ids, out: &mut buffers.next_pulled };
+                    let (pushed, came) = pservers
+                        .push_pull_rows_ahead(&self.grads, &tables, weight, &mut self.params, ahead)
+                        .await?;
+                    if came {
+                        for (t, values) in buffers.next_pulled.iter().enumerate() {
+                            next_rows.values_mut(t).copy_from_slice(values);
+                        }
+                    }
+                    buffers.next_ready = came;
+                    pushed
+                }
+                None => pservers.push_pull_rows(&self.grads, &tables, weight, &mut self.params).await?,
+            };
             self.params_fresh = pushed == PushResult::Accepted;
             if pushed == PushResult::Accepted {
                 metrics().exchange.observe(started.elapsed().as_secs_f64());

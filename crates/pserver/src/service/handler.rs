@@ -779,7 +779,8 @@ impl Handler for PsHandler {
 
 impl PsHandler {
     /// The calls of a [`PsRequest::Batch`], all at once, each handled as
-    /// if it had come alone; answered in call order. A batch whose
+    /// if it had come alone, except that its row pulls start once the
+    /// other calls are answered; answered in call order. A batch whose
     /// payload lengths do not add up, that holds a batch or that is too
     /// long is refused whole, before any call is handled.
     async fn batch(&self, calls: Vec<BatchCall>, payload: Bytes) -> Reply<Answer> {
@@ -812,18 +813,29 @@ impl PsHandler {
                 "a batch of row pulls whose values take {pulled} bytes: at most {MAX_PULL_REPLY_BYTES} are answered"
             )));
         }
+        // Row pulls go after the other calls: the rows of a trainer's next
+        // batch, asked for with its push, are read after that push.
+        let (mut first, mut then) = (Vec::new(), Vec::new());
         let mut at = 0;
-        let handled = calls.into_iter().map(|call| {
+        for (k, call) in calls.into_iter().enumerate() {
             let len = call.payload_len as usize;
             let part = payload.slice(at..at + len);
             at += len;
-            self.handle_one(call.request, part)
-        });
-        let answered = oar_transport::join_all(handled).await;
-        let total: usize = answered.iter().map(|a| a.as_ref().map_or(0, |(_, bytes)| bytes.len())).sum();
+            let list =
+                if matches!(call.request, PsRequest::PullRows { .. }) { &mut then } else { &mut first };
+            list.push((k, call.request, part));
+        }
+        let mut answered = Vec::with_capacity(first.len() + then.len());
+        for round in [first, then] {
+            let keys: Vec<usize> = round.iter().map(|(k, _, _)| *k).collect();
+            let handled = round.into_iter().map(|(_, request, part)| self.handle_one(request, part));
+            answered.extend(keys.into_iter().zip(oar_transport::join_all(handled).await));
+        }
+        answered.sort_by_key(|(k, _)| *k);
+        let total: usize = answered.iter().map(|(_, a)| a.as_ref().map_or(0, |(_, bytes)| bytes.len())).sum();
         let mut payload = BytesMut::with_capacity(total);
         let mut answers = Vec::with_capacity(answered.len());
-        for one in answered {
+        for (_, one) in answered {
             let (reply, len) = match one {
                 Ok((reply, bytes)) => {
                     payload.extend_from_slice(&bytes);

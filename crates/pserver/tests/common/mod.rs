@@ -3,13 +3,20 @@
 
 #![allow(dead_code)]
 
+use async_trait::async_trait;
 use oar_discovery::Discovery;
 use oar_pserver::{
     protocol::{BlockSpan, PsRequest, ReplicaRole},
     Coordinator, CoordinatorOptions, Pserver, PserverKeys, ShardMap,
 };
-use oar_transport::Transport;
-use std::{sync::Arc, time::Duration};
+use oar_transport::{Connection, Frame, Handler, Listener, RemoteError, Transport};
+use std::{
+    sync::{
+        atomic::{AtomicU64, Ordering},
+        Arc,
+    },
+    time::Duration,
+};
 
 /// The pservers' keys, under `/ps-test/`.
 pub fn keys() -> PserverKeys {
@@ -140,5 +147,50 @@ impl Cluster {
             }
             tokio::time::sleep(Duration::from_millis(10)).await;
         }
+    }
+}
+
+/// A transport whose servers count the calls they answer (a batch is one).
+pub struct Counting {
+    inner: Arc<dyn Transport>,
+    calls: Arc<AtomicU64>,
+}
+
+impl Counting {
+    pub fn new(inner: Arc<dyn Transport>) -> Counting {
+        Counting { inner, calls: Arc::new(AtomicU64::new(0)) }
+    }
+
+    /// Calls answered so far.
+    pub fn calls(&self) -> u64 {
+        self.calls.load(Ordering::SeqCst)
+    }
+}
+
+struct CountingHandler {
+    inner: Arc<dyn Handler>,
+    calls: Arc<AtomicU64>,
+}
+
+#[async_trait]
+impl Handler for CountingHandler {
+    async fn handle(&self, request: Frame) -> Result<Frame, RemoteError> {
+        self.calls.fetch_add(1, Ordering::SeqCst);
+        self.inner.handle(request).await
+    }
+}
+
+#[async_trait]
+impl Transport for Counting {
+    async fn connect(&self, addr: &str) -> oar_transport::Result<Arc<dyn Connection>> {
+        self.inner.connect(addr).await
+    }
+    async fn listen(
+        &self,
+        addr: &str,
+        handler: Arc<dyn Handler>,
+    ) -> oar_transport::Result<Box<dyn Listener>> {
+        let handler = Arc::new(CountingHandler { inner: handler, calls: self.calls.clone() });
+        self.inner.listen(addr, handler).await
     }
 }
