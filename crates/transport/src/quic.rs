@@ -215,7 +215,9 @@ impl Config {
             .map(|path| path.mtu.map_or(1472, usize::from))
             .max()
             .unwrap_or(1472);
-        let socket = Arc::new(gso::BoundedSegments::new(socket, largest_segment));
+        let unit = (endpoint_config.get_max_udp_payload_size() as usize).min(64 << 10);
+        let network_datagram = self.options.network.mtu.map_or(1472, usize::from);
+        let socket = Arc::new(gso::BoundedSegments::new(socket, largest_segment, unit, network_datagram));
         quinn::Endpoint::new_with_abstract_socket(endpoint_config, server_config, socket, runtime)
     }
 }
