@@ -983,6 +983,8 @@ impl PserverClient {
         // Calls grouped by the pserver their shard's primary is now; a
         // shard that cannot be looked up goes alone (its call says why).
         let mut groups: Vec<(Option<Primary>, Vec<SmallCall>)> = Vec::new();
+        // Per shard looked up: its group and its primary's epoch.
+        let mut group_of: HashMap<u32, (usize, u64)> = HashMap::new();
         for (at, ((part, request), payload)) in parts.iter().zip(requests).zip(payloads).enumerate() {
             let (primary, epoch) = match self.inner.connection(part.index).await {
                 Ok((name, conn, _, epoch)) => (Some((name, conn)), Some(epoch)),
@@ -991,30 +993,40 @@ impl PserverClient {
             let call =
                 SmallCall { at, shard: part.index, epoch, request, payload: payload.concat(), rider: false };
             let same = |p: &Option<Primary>| matches!((p, &primary), (Some((a, _)), Some((b, _))) if a == b);
-            match groups
+            let group = match groups
                 .iter_mut()
-                .find(|(p, calls)| same(p) && calls.len() < crate::protocol::MAX_BATCH_CALLS)
+                .position(|(p, calls)| same(p) && calls.len() < crate::protocol::MAX_BATCH_CALLS)
             {
-                Some((_, calls)) => calls.push(call),
-                None => groups.push((primary, vec![call])),
+                Some(g) => {
+                    groups[g].1.push(call);
+                    g
+                }
+                None => {
+                    groups.push((primary, vec![call]));
+                    groups.len() - 1
+                }
+            };
+            if let Some(epoch) = epoch {
+                group_of.insert(part.index, (group, epoch));
             }
         }
-        // The riders' rows, one pull per pserver, in a batch going there.
-        let mut rides: Vec<(String, u64, Vec<ShardRows>)> = Vec::new();
+        // The riders' rows, one pull per pserver, in the batch going there
+        // (a shard whose call could not be looked up is left to a pull).
+        let mut rides: Vec<(usize, u64, Vec<ShardRows>)> = Vec::new();
         for ask in std::mem::take(&mut riders.asks) {
-            let Ok((name, _, _, epoch)) = self.inner.connection(ask.shard).await else { continue };
-            match rides.iter_mut().find(|(n, _, _)| *n == name) {
+            let Some(&(group, epoch)) = group_of.get(&ask.shard) else { continue };
+            match rides.iter_mut().find(|(g, _, _)| *g == group) {
                 Some((_, _, asks)) => asks.push(ask),
-                None => rides.push((name, epoch, vec![ask])),
+                None => rides.push((group, epoch, vec![ask])),
             }
         }
         let fingerprint = self.inner.placement.fingerprint();
         let mut ridden: Vec<Vec<u32>> = Vec::new();
-        for (name, epoch, asks) in rides {
-            let going = |(p, calls): &&mut (Option<Primary>, Vec<SmallCall>)| {
-                matches!(p, Some((n, _)) if *n == name) && calls.len() < crate::protocol::MAX_BATCH_CALLS
-            };
-            let Some((_, calls)) = groups.iter_mut().find(going) else { continue };
+        for (group, epoch, asks) in rides {
+            let calls = &mut groups[group].1;
+            if calls.len() >= crate::protocol::MAX_BATCH_CALLS {
+                continue;
+            }
             let shards: Vec<u32> = asks.iter().map(|a| a.shard).collect();
             calls.push(SmallCall {
                 at: parts.len() + ridden.len(),

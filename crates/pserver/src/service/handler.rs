@@ -142,7 +142,8 @@ impl PsHandler {
     /// step hold only what the barrier keeps of them (with one trainer,
     /// nothing: each block is applied as it comes).
     async fn push(&self, request: PsRequest, payload: Bytes) -> Reply<PsReply> {
-        let received = std::time::Instant::now();
+        // Timed for the debug log only: no clock read per push without it.
+        let received = tracing::enabled!(tracing::Level::DEBUG).then(std::time::Instant::now);
         let PsRequest::Push { shard, fingerprint, blocks, trainer, seq, step, weight, rows, origin, epoch } =
             request
         else {
@@ -261,7 +262,7 @@ impl PsHandler {
         };
         self.replicated(&slot, wait).await?;
         metrics().acknowledged.inc();
-        tracing::debug!(shard, trainer = pusher, seq, after = ?received.elapsed(), "push acknowledged");
+        tracing::debug!(shard, trainer = pusher, seq, after = ?received.map(|r| r.elapsed()), "push acknowledged");
         Ok(reply)
     }
 
