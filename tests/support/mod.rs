@@ -331,7 +331,8 @@ impl Proc {
         let mut looks = 0;
         wait_until(timeout, || {
             assert!(self.wait(Duration::ZERO).is_none(), "{} ended first\n{}", self.name, self.dump());
-            self.signal("STOP");
+            self.stop();
+            // Let the reader threads take the lines written before the stop.
             std::thread::sleep(Duration::from_millis(100));
             let caught = state(self);
             if !caught {
