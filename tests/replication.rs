@@ -139,22 +139,25 @@ fn a_deposed_primary_acknowledges_nothing_after_its_pause() {
     for trainer in &job.trainers {
         trainer.stop();
     }
-    // Calls under way finish (they wait for the followers, which run): the
-    // count holds still over two readings 300 ms apart, 600 ms (on a
-    // loaded machine 500 ms of sleep was once not enough, and with one
-    // runtime worker per process one reading 300 ms later was not either:
-    // most likely a push early in the job, waiting for a follower catching
-    // up, was acknowledged after the reading and taken for one after the
-    // pause).
-    let acknowledged = || metric_value(&scrape(&metrics), "oar_ps_acknowledged_pushes_total") as u64;
-    let mut before = acknowledged();
-    let mut still = 0;
+    // Pushes under way finish (they wait for the followers, which run).
+    // The count is exact once two scrapes 300 ms apart both show no push
+    // in flight and the same count: with the trainers stopped, only a push
+    // already sent could still come, and a scrape reads the count just
+    // before the pushes in flight (a push ending between the two readings
+    // shows as none in flight with the count before it).
+    let quiet_count = || {
+        let scraped = scrape(&metrics);
+        let in_flight = metric_value(&scraped, "oar_ps_pushes_in_flight");
+        (in_flight == 0.0).then(|| metric_value(&scraped, "oar_ps_acknowledged_pushes_total") as u64)
+    };
+    let mut last = quiet_count();
     let settled = wait_until(LONG, || {
         std::thread::sleep(Duration::from_millis(300));
-        let now = acknowledged();
-        still = if std::mem::replace(&mut before, now) == now { still + 1 } else { 0 };
-        still >= 2
+        let now = quiet_count();
+        let was = std::mem::replace(&mut last, now);
+        now.is_some() && was == now
     });
+    let before = last.unwrap_or(0);
     assert!(settled, "the acknowledged pushes kept rising with the trainers frozen");
     let read_at = unix_now();
     // Every thread of the victim stopped before the trainers run again:

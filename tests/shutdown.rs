@@ -99,11 +99,11 @@ fn a_pserver_stopped_by_sigterm_hands_over_every_acknowledged_push() {
 
 /// A stopped master stores its state and releases its lock and address at
 /// once: a standby serves long before the stopped master's lease could
-/// have expired (30 s here), and the job finishes under it.
+/// have expired (60 s here), and the job finishes under it.
 #[test]
 fn a_master_stopped_by_sigterm_hands_over_to_its_standby_at_once() {
     let mut cluster = Cluster::start("master-term");
-    cluster.lease_ttl = 30;
+    cluster.lease_ttl = 60;
     // Long enough to stop it mid-job (a pass takes ~0.1 s).
     let passes = 100;
     let pservers: Vec<_> = (0..2).map(|i| cluster.pserver(&format!("pserver-{i}"), 1.0)).collect();
@@ -123,9 +123,11 @@ fn a_master_stopped_by_sigterm_hands_over_to_its_standby_at_once() {
     let served = wait_until(LONG, || standby.stderr().contains("master serving"));
     let takeover = sent.elapsed();
     assert!(served, "the standby never served\n{}{}", standby.dump(), first.dump());
-    eprintln!("standby serving {:.0} ms after SIGTERM (lease ttl 30 s)", takeover.as_secs_f64() * 1e3);
-    // A lease expiry would take 30 s; a third of it leaves room for a slow machine.
-    assert!(takeover < Duration::from_secs(10), "took over after {takeover:?}: no handover?");
+    eprintln!("standby serving {:.0} ms after SIGTERM (lease ttl 60 s)", takeover.as_secs_f64() * 1e3);
+    // Not a timing target: the line between a handover (well under a
+    // second idle) and a lease expiry (60 s), halfway, so that a loaded
+    // machine's slowness is never taken for the lack of a handover.
+    assert!(takeover < Duration::from_secs(30), "took over after {takeover:?}: no handover?");
     let out = exited_well(&mut first, &[]);
     assert_eq!(out["master"], "shut down", "{out}");
 
@@ -190,7 +192,7 @@ fn a_trainer_stopped_while_its_shard_is_away_stops_within_its_grace() {
     let mut master = cluster.master("master", &job);
     wait_for_pass(&mut master, 1, &[]);
 
-    pserver.signal("STOP");
+    pserver.stop();
     std::thread::sleep(Duration::from_millis(500));
     let sent = Instant::now();
     trainer.signal("TERM");

@@ -5,9 +5,14 @@
 
 use std::{
     io::{BufRead, BufReader, Read},
+    os::fd::{AsFd, AsRawFd, OwnedFd},
     path::{Path, PathBuf},
     process::{Child, Command, ExitStatus, Stdio},
-    sync::{Arc, Mutex},
+    sync::{
+        atomic::{AtomicI32, Ordering},
+        Arc, Mutex,
+    },
+    thread::JoinHandle,
     time::{Duration, Instant},
 };
 
@@ -150,20 +155,75 @@ pub fn unix_now() -> f64 {
 pub struct Proc {
     pub name: String,
     child: Child,
-    stdout: Arc<Mutex<String>>,
-    stderr: Arc<Mutex<String>>,
+    stdout: Capture,
+    stderr: Capture,
     status: Option<ExitStatus>,
 }
 
-fn collect(stream: impl Read + Send + 'static, into: Arc<Mutex<String>>) {
-    std::thread::spawn(move || {
-        for line in BufReader::new(stream).lines() {
-            let Ok(line) = line else { return };
-            let mut text = into.lock().unwrap();
-            text.push_str(&line);
-            text.push('\n');
+/// One output stream of a process, read line by line by a thread of its
+/// own. What a test reads of it is what that thread has taken so far, so
+/// a test that must see everything written waits until the thread has
+/// caught up: [`Capture::finished`] once the process exited,
+/// [`Capture::caught_up`] while it is stopped (a fixed sleep is not enough
+/// on a loaded machine, where the thread may not run for a while).
+struct Capture {
+    text: Arc<Mutex<String>>,
+    reader: JoinHandle<()>,
+    /// The reader thread's id, to see whether it is blocked in read(2).
+    reader_tid: Arc<AtomicI32>,
+    /// A second descriptor of the pipe, to ask how many bytes wait in it.
+    pipe: Option<OwnedFd>,
+}
+
+impl Capture {
+    fn start<S: Read + AsFd + Send + 'static>(stream: S) -> Capture {
+        let pipe = stream.as_fd().try_clone_to_owned().ok();
+        let text = Arc::<Mutex<String>>::default();
+        let reader_tid = Arc::new(AtomicI32::new(0));
+        let (into, tid) = (Arc::clone(&text), Arc::clone(&reader_tid));
+        let reader = std::thread::spawn(move || {
+            // SAFETY: gettid(2) has no preconditions.
+            tid.store(unsafe { libc::gettid() }, Ordering::SeqCst);
+            for line in BufReader::new(stream).lines() {
+                let Ok(line) = line else { return };
+                let mut text = into.lock().unwrap();
+                text.push_str(&line);
+                text.push('\n');
+            }
+        });
+        Capture { text, reader, reader_tid, pipe }
+    }
+
+    fn text(&self) -> String {
+        self.text.lock().unwrap().clone()
+    }
+
+    /// The stream ended (the process exited) and every line was taken.
+    fn finished(&self) -> bool {
+        self.reader.is_finished()
+    }
+
+    /// Nothing waits in the pipe and the reader thread is blocked reading
+    /// it: every complete line written so far was taken. Only meaningful
+    /// while the writer is stopped, and while this test holds no lock the
+    /// reader takes (it would then be blocked on the lock, not the pipe).
+    fn caught_up(&self) -> bool {
+        if self.finished() {
+            return true;
         }
-    });
+        let Some(pipe) = &self.pipe else { return false };
+        let mut waiting: libc::c_int = 0;
+        // SAFETY: FIONREAD on a pipe writes one c_int through the pointer.
+        let asked = unsafe { libc::ioctl(pipe.as_raw_fd(), libc::FIONREAD, &mut waiting) };
+        let tid = self.reader_tid.load(Ordering::SeqCst);
+        if asked != 0 || waiting != 0 || tid == 0 {
+            return false;
+        }
+        // "tid (comm) S ...": S is an interruptible sleep, which for this
+        // thread is read(2) on the empty pipe.
+        let stat = std::fs::read_to_string(format!("/proc/self/task/{tid}/stat")).unwrap_or_default();
+        stat.rsplit_once(')').and_then(|(_, rest)| rest.split_whitespace().next()) == Some("S")
+    }
 }
 
 impl Proc {
@@ -171,9 +231,8 @@ impl Proc {
     pub fn spawn(name: &str, mut command: Command) -> Proc {
         command.stdin(Stdio::null()).stdout(Stdio::piped()).stderr(Stdio::piped());
         let mut child = command.spawn().unwrap_or_else(|e| panic!("cannot start {name}: {e}"));
-        let (stdout, stderr) = (Arc::default(), Arc::default());
-        collect(child.stdout.take().unwrap(), Arc::clone(&stdout));
-        collect(child.stderr.take().unwrap(), Arc::clone(&stderr));
+        let stdout = Capture::start(child.stdout.take().unwrap());
+        let stderr = Capture::start(child.stderr.take().unwrap());
         Proc { name: name.to_string(), child, stdout, stderr, status: None }
     }
 
@@ -182,11 +241,11 @@ impl Proc {
     }
 
     pub fn stdout(&self) -> String {
-        self.stdout.lock().unwrap().clone()
+        self.stdout.text()
     }
 
     pub fn stderr(&self) -> String {
-        self.stderr.lock().unwrap().clone()
+        self.stderr.text()
     }
 
     /// Its output, for a failure message.
@@ -263,7 +322,9 @@ impl Proc {
             }
             if Instant::now() >= deadline || self.try_status().is_some() {
                 // One last look: the line may have come with the exit.
-                std::thread::sleep(Duration::from_millis(50));
+                if self.try_status().is_some() {
+                    self.read_to_end();
+                }
                 return self.stdout().lines().find(|l| wanted(l)).map(str::to_string);
             }
             std::thread::sleep(Duration::from_millis(20));
@@ -332,8 +393,7 @@ impl Proc {
         wait_until(timeout, || {
             assert!(self.wait(Duration::ZERO).is_none(), "{} ended first\n{}", self.name, self.dump());
             self.stop();
-            // Let the reader threads take the lines written before the stop.
-            std::thread::sleep(Duration::from_millis(100));
+            self.read_what_was_written();
             let caught = state(self);
             if !caught {
                 self.signal("CONT");
@@ -349,8 +409,7 @@ impl Proc {
         let deadline = Instant::now() + timeout;
         loop {
             if let Some(status) = self.try_status() {
-                // Let the reader threads take the last lines.
-                std::thread::sleep(Duration::from_millis(50));
+                self.read_to_end();
                 return Some(status);
             }
             if Instant::now() >= deadline {
@@ -358,6 +417,21 @@ impl Proc {
             }
             std::thread::sleep(Duration::from_millis(20));
         }
+    }
+
+    /// After its exit: wait until the reader threads took the last lines.
+    fn read_to_end(&self) {
+        // Both streams end with the process (nothing it starts outlives it).
+        let ended = wait_until(Duration::from_secs(10), || self.stdout.finished() && self.stderr.finished());
+        assert!(ended, "{}'s output did not end within 10 s of its exit", self.name);
+    }
+
+    /// While it is stopped: wait until the reader threads took every line
+    /// it wrote before the stop.
+    fn read_what_was_written(&self) {
+        let caught_up =
+            wait_until(Duration::from_secs(10), || self.stdout.caught_up() && self.stderr.caught_up());
+        assert!(caught_up, "the output {} wrote before its stop was not read within 10 s", self.name);
     }
 
     /// The last stdout line parsed as JSON.

@@ -57,6 +57,17 @@ fn arrive(dir: &Path, name: &str, lines: usize) -> u64 {
 
 /// Take and finish tasks until the master says wait; the chunks finished
 /// go to `finished`, and the tasks are counted.
+/// Wait (at most 10 s) until `master` has cut files into tasks up to a
+/// position starting with `files` ("2 files,"): the master polls every
+/// 20 ms, but on a loaded machine a poll may come much later.
+async fn cut(master: &Master, files: &str) {
+    let mut status = master.status();
+    let wanted =
+        |s: &oar_task_queue::MasterStatus| s.stream.as_ref().is_some_and(|st| st.position.starts_with(files));
+    let seen = tokio::time::timeout(Duration::from_secs(10), status.wait_for(wanted)).await;
+    assert!(matches!(seen, Ok(Ok(_))), "not cut up to {files}: {:?}", master.status().borrow().stream);
+}
+
 async fn drain(client: &MasterClient, trainer: &str, finished: &mut Vec<Chunk>) -> usize {
     let mut tasks = 0;
     loop {
@@ -124,7 +135,7 @@ async fn a_stream_survives_a_master_crash_and_ends_at_the_close() {
     let first = start("m1").await.unwrap();
     assert!(matches!(client.get_task("t").await.unwrap(), TaskReply::Wait { .. }), "an empty stream waits");
     sizes.insert(path("a.libsvm"), arrive(dir.path(), "a.libsvm", 20));
-    tokio::time::sleep(Duration::from_millis(200)).await;
+    cut(&first, "1 file,").await;
     let tasks = drain(&client, "t", &mut finished).await;
     assert!(!finished.is_empty(), "the first file was trained");
     let status = first.status().borrow().clone();
@@ -134,7 +145,7 @@ async fn a_stream_survives_a_master_crash_and_ends_at_the_close() {
 
     // A second file arrives and is handed out in part; then the master crashes.
     sizes.insert(path("b.libsvm"), arrive(dir.path(), "b.libsvm", 30));
-    tokio::time::sleep(Duration::from_millis(200)).await;
+    cut(&first, "2 files,").await;
     let TaskReply::Assigned { task: lost, .. } = client.get_task("t").await.unwrap() else {
         panic!("b's tasks")
     };
@@ -143,7 +154,7 @@ async fn a_stream_survives_a_master_crash_and_ends_at_the_close() {
 
     // The successor resumes from the stored mark: b's tasks and c, none of a again.
     let second = tokio::time::timeout(Duration::from_secs(10), start("m2")).await.unwrap().unwrap();
-    tokio::time::sleep(Duration::from_millis(200)).await;
+    cut(&second, "3 files,").await;
     let before = finished.len();
     drain(&client, "t2", &mut finished).await;
     assert!(

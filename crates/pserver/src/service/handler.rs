@@ -41,6 +41,23 @@ const MAX_STEP_WAIT: Duration = Duration::from_secs(5);
 /// ahead anyway.
 const MAX_GATE_WAIT: Duration = Duration::from_secs(5);
 
+/// Counts a push in `oar_ps_pushes_in_flight` while it is handled, however
+/// it ends (answered, refused, or its call dropped).
+struct PushInFlight;
+
+impl PushInFlight {
+    fn enter() -> PushInFlight {
+        metrics().pushes_in_flight.inc();
+        PushInFlight
+    }
+}
+
+impl Drop for PushInFlight {
+    fn drop(&mut self) {
+        metrics().pushes_in_flight.dec();
+    }
+}
+
 impl PsHandler {
     fn check_fingerprint(&self, fingerprint: u64) -> Reply<()> {
         let ours = self.shared.placement.fingerprint();
@@ -142,6 +159,7 @@ impl PsHandler {
     /// step hold only what the barrier keeps of them (with one trainer,
     /// nothing: each block is applied as it comes).
     async fn push(&self, request: PsRequest, payload: Bytes) -> Reply<PsReply> {
+        let _in_flight = PushInFlight::enter();
         // Timed for the debug log only: no clock read per push without it.
         let received = tracing::enabled!(tracing::Level::DEBUG).then(std::time::Instant::now);
         let PsRequest::Push { shard, fingerprint, blocks, trainer, seq, step, weight, rows, origin, epoch } =

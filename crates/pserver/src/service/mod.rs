@@ -81,6 +81,9 @@ struct Metrics {
     forwarded: oar_metrics::Counter,
     /// Pushes (and push-pulls) acknowledged to trainers.
     acknowledged: oar_metrics::Counter,
+    /// Pushes (a push-pull's push too) received and not yet acknowledged
+    /// or refused.
+    pushes_in_flight: oar_metrics::Gauge,
     /// Each primary shard's step.
     step: oar_metrics::Family<Vec<(String, String)>, oar_metrics::Gauge>,
     checkpoint: oar_metrics::Histogram,
@@ -100,6 +103,7 @@ fn metrics() -> &'static Metrics {
             replication_wait: oar_metrics::seconds_histogram(),
             forwarded: Default::default(),
             acknowledged: Default::default(),
+            pushes_in_flight: Default::default(),
             step: Default::default(),
             checkpoint: oar_metrics::seconds_histogram(),
             checkpoint_time: Default::default(),
@@ -127,6 +131,11 @@ fn metrics() -> &'static Metrics {
             "oar_ps_acknowledged_pushes",
             "Pushes acknowledged to trainers (after every follower held them).",
             m.acknowledged.clone(),
+        );
+        r(
+            "oar_ps_pushes_in_flight",
+            "Pushes (a push-pull's push too) received and not yet acknowledged or refused: waiting for a step, the followers or a checkpoint.",
+            m.pushes_in_flight.clone(),
         );
         r("oar_ps_step", "Updates applied to each shard this pserver is primary of.", m.step.clone());
         r("oar_ps_checkpoint_seconds", "Time to write a checkpoint.", m.checkpoint.clone());
