@@ -265,8 +265,13 @@ impl Proc {
         )
     }
 
-    /// SIGKILL, and reap it.
+    /// SIGKILL, reap it, and read its output to the end.
     pub fn kill(&mut self) {
+        self.kill_and_reap();
+        self.read_to_end();
+    }
+
+    fn kill_and_reap(&mut self) {
         let _ = self.child.kill();
         self.status = self.child.wait().ok();
     }
@@ -451,7 +456,7 @@ impl Drop for Proc {
                 // SAFETY: kill(2) on our own child's pid, with a valid signal number.
                 unsafe { libc::kill(pid, libc::SIGCONT) };
             }
-            self.kill();
+            self.kill_and_reap();
         }
     }
 }

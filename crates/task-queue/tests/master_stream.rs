@@ -58,14 +58,16 @@ fn arrive(dir: &Path, name: &str, lines: usize) -> u64 {
 /// Take and finish tasks until the master says wait; the chunks finished
 /// go to `finished`, and the tasks are counted.
 /// Wait (at most 10 s) until `master` has cut files into tasks up to a
-/// position starting with `files` ("2 files,"): the master polls every
+/// position starting with `files` ("2 files,") and has tasks to hand out
+/// (appended tasks wait until they are stored). The master polls every
 /// 20 ms, but on a loaded machine a poll may come much later.
 async fn cut(master: &Master, files: &str) {
     let mut status = master.status();
-    let wanted =
-        |s: &oar_task_queue::MasterStatus| s.stream.as_ref().is_some_and(|st| st.position.starts_with(files));
+    let wanted = |s: &oar_task_queue::MasterStatus| {
+        s.queue.todo > 0 && s.stream.as_ref().is_some_and(|st| st.position.starts_with(files))
+    };
     let seen = tokio::time::timeout(Duration::from_secs(10), status.wait_for(wanted)).await;
-    assert!(matches!(seen, Ok(Ok(_))), "not cut up to {files}: {:?}", master.status().borrow().stream);
+    assert!(matches!(seen, Ok(Ok(_))), "not cut up to {files}: {:?}", master.status().borrow());
 }
 
 async fn drain(client: &MasterClient, trainer: &str, finished: &mut Vec<Chunk>) -> usize {
