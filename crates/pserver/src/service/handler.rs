@@ -224,7 +224,7 @@ impl PsHandler {
             m.push_bytes.inc_by(payload.len() as u64);
             if let Ok(PushOutcome::Applied { step }) = &taken {
                 m.apply.observe(started.elapsed().as_secs_f64());
-                m.step.get_or_create(&vec![("shard".to_string(), shard.to_string())]).set(*step as i64);
+                slot.set_step_metric(*step);
             }
             let version = self.shared.map_version();
             if replicated {

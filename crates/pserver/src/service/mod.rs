@@ -298,6 +298,9 @@ impl Default for PserverOptions {
 /// One shard's replica on this pserver.
 struct Slot {
     shard: u32,
+    /// Its `oar_ps_step` sample, looked up at the first update it applies
+    /// (not at every one).
+    step_gauge: std::sync::OnceLock<oar_metrics::Gauge>,
     state: Mutex<SlotState>,
     /// Wakes pulls waiting for the next sync step, and checkpoints waiting
     /// for a step or a push in parts to complete: notified after every push.
@@ -322,6 +325,17 @@ struct Slot {
     syncing: AtomicBool,
     /// The role last [published](Shared::publish) (a [`ReplicaRole`] as u8).
     role: std::sync::atomic::AtomicU8,
+}
+
+impl Slot {
+    /// Publish `step` as the shard's `oar_ps_step`.
+    fn set_step_metric(&self, step: u64) {
+        let shard = self.shard;
+        let gauge = self.step_gauge.get_or_init(|| {
+            metrics().step.get_or_create(&vec![("shard".to_string(), shard.to_string())]).clone()
+        });
+        gauge.set(step as i64);
+    }
 }
 
 /// Whether the slot is primary, and what every follower holds.
@@ -998,6 +1012,7 @@ async fn reconcile(shared: &Arc<Shared>, map: Arc<ShardMap>) {
                 .or_insert_with(|| {
                     Arc::new(Slot {
                         shard,
+                        step_gauge: std::sync::OnceLock::new(),
                         state: Mutex::new(SlotState::Syncing),
                         stepped: Notify::new(),
                         checkpoint_gate: watch::channel(0).0,
