@@ -125,13 +125,28 @@ fn a_dead_follower_is_dropped_and_a_new_pserver_catches_up() {
 /// trainers are frozen too, so it is exact.
 #[test]
 fn a_deposed_primary_acknowledges_nothing_after_its_pause() {
+    deposed_primary_acknowledges_nothing(2);
+}
+
+/// [`a_deposed_primary_acknowledges_nothing_after_its_pause`] with one
+/// replica: no follower refuses the deposed pserver's pushes, so only its
+/// own view of its lease keeps it from acknowledging the pushes that
+/// waited for it through the pause (its session finds the lease lost, and
+/// every answer checks the lease first). Its shards are restored elsewhere
+/// from their checkpoints, as one replica allows.
+#[test]
+fn a_deposed_single_replica_acknowledges_nothing_after_its_pause() {
+    deposed_primary_acknowledges_nothing(1);
+}
+
+fn deposed_primary_acknowledges_nothing(replicas: u32) {
     let pserver_flags = vec!["--metrics", "127.0.0.1:0"];
     // Each acknowledged push is logged (with how long it took), so that a
     // failure shows which push it was.
     let pserver_log = Some("info,oar_pserver::service::handler=debug");
     let shape =
-        JobShape { replicas: 2, pservers: 3, trainers: 2, pserver_flags, pserver_log, ..JobShape::default() };
-    let mut job = Job::launch("repl-deposed", shape);
+        JobShape { replicas, pservers: 3, trainers: 2, pserver_flags, pserver_log, ..JobShape::default() };
+    let mut job = Job::launch(&format!("repl-deposed-{replicas}"), shape);
     let victim_name = job.cluster.primary_of(0);
     let victim = job.live_named(&victim_name);
     let metrics = metrics_addr(&job.pservers[victim]).expect("the pserver serves metrics");
@@ -172,9 +187,14 @@ fn a_deposed_primary_acknowledges_nothing_after_its_pause() {
     }
     let deposed = wait_until(LONG, || !job.cluster.status().contains(&victim_name));
     assert!(deposed, "{victim_name} kept its shards\n{}", job.dump());
-    // Let the trainers push to the new primaries for a while, some of them
-    // retrying calls the frozen pserver had taken.
-    std::thread::sleep(Duration::from_secs(1));
+    // With replicas, let the trainers push to the new primaries for a
+    // while, some of them retrying calls the frozen pserver had taken. With
+    // one, run it again at once: its connections to the trainers are still
+    // open (their idle timeout is 3 s), so the pushes sent to it during the
+    // pause are there for it when it runs.
+    if replicas > 1 {
+        std::thread::sleep(Duration::from_secs(1));
+    }
     job.pservers[victim].signal("CONT");
     let stopped = job.pservers[victim].wait(LONG);
     assert!(stopped.is_some(), "the deposed primary did not stop\n{}", job.pservers[victim].dump());
@@ -191,6 +211,11 @@ fn a_deposed_primary_acknowledges_nothing_after_its_pause() {
         job.pservers[victim].dump()
     );
     eprintln!("deposed primary: {before} acknowledged before the pause, none after");
+    if replicas == 1 {
+        // What one replica may lose (the pushes since the last checkpoint)
+        // is not this test's: the rest is checked with replicas.
+        return;
+    }
     job.live.retain(|&i| i != victim);
     job.add_pserver();
     job.wait_healthy();
