@@ -160,6 +160,14 @@ pub struct Proc {
     status: Option<ExitStatus>,
 }
 
+/// The state letter (R, S, T...) of the thread whose `/proc` directory is
+/// `task`, if it still exists.
+fn thread_state(task: &Path) -> Option<char> {
+    let stat = std::fs::read_to_string(task.join("stat")).ok()?;
+    // "tid (comm) S ...": the state follows the last ')'.
+    stat.rsplit_once(')')?.1.trim_start().chars().next()
+}
+
 /// One output stream of a process, read line by line by a thread of its
 /// own. What a test reads of it is what that thread has taken so far, so
 /// a test that must see everything written waits until the thread has
@@ -219,10 +227,9 @@ impl Capture {
         if asked != 0 || waiting != 0 || tid == 0 {
             return false;
         }
-        // "tid (comm) S ...": S is an interruptible sleep, which for this
-        // thread is read(2) on the empty pipe.
-        let stat = std::fs::read_to_string(format!("/proc/self/task/{tid}/stat")).unwrap_or_default();
-        stat.rsplit_once(')').and_then(|(_, rest)| rest.split_whitespace().next()) == Some("S")
+        // An interruptible sleep, which for this thread is read(2) on the
+        // empty pipe.
+        thread_state(Path::new(&format!("/proc/self/task/{tid}"))) == Some('S')
     }
 }
 
@@ -310,11 +317,7 @@ impl Proc {
     /// Whether every thread of the process is in the stopped state (`T`).
     fn all_threads_stopped(&self) -> bool {
         let Ok(tasks) = std::fs::read_dir(format!("/proc/{}/task", self.pid())) else { return false };
-        tasks.flatten().all(|task| {
-            let stat = std::fs::read_to_string(task.path().join("stat")).unwrap_or_default();
-            // "pid (comm) S ...": the state follows the last ')'.
-            stat.rsplit_once(')').and_then(|(_, rest)| rest.split_whitespace().next()) == Some("T")
-        })
+        tasks.flatten().all(|task| thread_state(&task.path()) == Some('T'))
     }
 
     /// Wait until a stdout line satisfies `wanted`; the line, or `None` at
