@@ -2,7 +2,7 @@
 //! the task is discarded after the failure threshold and the rest of the job
 //! trains on. With `skip_bad_lines` the line is skipped and counted instead.
 
-mod support;
+use crate::support;
 
 use oar::{
     job::{config::JobConfig, report::JobReport},

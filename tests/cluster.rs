@@ -5,7 +5,7 @@
 //! `scripts/test.sh` installs it.
 #![cfg(feature = "etcd")]
 
-mod support;
+use crate::support;
 
 use oar::{
     discovery::{Discovery, EtcdDiscovery},

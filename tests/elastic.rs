@@ -12,7 +12,7 @@
 //! refused by name, the job unharmed.
 #![cfg(feature = "etcd")]
 
-mod support;
+use crate::support;
 
 use std::time::Duration;
 use support::{metric_value, metrics_addr, scrape, wait_until, JobShape, ReplicatedJob as Job, LONG};

@@ -5,7 +5,7 @@
 //! plugin does: the user's rule applied the updates, the user's model
 //! computed the gradients.
 
-mod support;
+use crate::support;
 
 use std::process::Command;
 

@@ -4,7 +4,7 @@
 //! well and that every task of every pass was accepted exactly once.
 #![cfg(feature = "etcd")]
 
-mod support;
+use crate::support;
 
 use std::time::Duration;
 use support::{

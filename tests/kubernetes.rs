@@ -58,7 +58,7 @@ fn validator() -> PathBuf {
     on_path.unwrap_or_else(|| {
         panic!(
             "kubernetes-validate not found (at {INSTALLED}, ${OVERRIDE} or on PATH): \
-             run scripts/test.sh, which installs it, or scripts/test.sh --test kubernetes"
+             run scripts/test.sh, which installs it, or scripts/test.sh --test integration kubernetes::"
         )
     })
 }

@@ -1,7 +1,7 @@
 //! The `local` example as a user runs it: a short job on generated data ends
 //! with a JSON line, and bad flags get a clear message and a non-zero exit.
 
-mod support;
+use crate::support;
 
 use std::{path::PathBuf, process::Command};
 

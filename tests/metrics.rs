@@ -3,7 +3,7 @@
 //! numbers move while the job trains.
 #![cfg(feature = "etcd")]
 
-mod support;
+use crate::support;
 
 use std::time::Duration;
 use support::{a1a_job, exits, metric_value as value, metrics_addr, scrape, Cluster, Proc};

@@ -3,7 +3,7 @@
 //! lines when its output is piped. The terminal is a pseudo-terminal made by
 //! `script(1)` (util-linux, in every Debian).
 
-mod support;
+use crate::support;
 
 use std::process::Command;
 

@@ -14,7 +14,7 @@
 //! per test, `OAR_REPLICATION_SEED` replays a schedule.
 #![cfg(feature = "etcd")]
 
-mod support;
+use crate::support;
 
 use std::time::Duration;
 use support::{

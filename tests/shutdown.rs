@@ -4,7 +4,7 @@
 //! and every acknowledged push applied exactly once.
 #![cfg(feature = "etcd")]
 
-mod support;
+use crate::support;
 
 use std::time::{Duration, Instant};
 use support::{a1a_job, assert_each_task_once, dump, exits, is_named, log_field, wait_until, Cluster, Proc};

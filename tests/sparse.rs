@@ -17,7 +17,7 @@
 //! `OAR_SPARSE_SEED` replays a kill schedule.
 #![cfg(feature = "etcd")]
 
-mod support;
+use crate::support;
 
 use std::time::Duration;
 use support::{seed_from, wait_until, JobShape, Lcg, ReplicatedJob as Job, LONG};

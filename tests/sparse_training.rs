@@ -3,7 +3,7 @@
 //! the dense softmax's accuracy on a1a, and every row gradient a trainer
 //! pushes is applied exactly once, counted on the rows' values.
 
-mod support;
+use crate::support;
 
 use oar::{
     discovery::MemDiscovery,

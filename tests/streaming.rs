@@ -5,7 +5,7 @@
 //! cut into tasks, one never completed, a truncated last line) is named and
 //! the job goes on with the rest.
 
-mod support;
+use crate::support;
 
 use oar::{
     discovery::MemDiscovery,

@@ -17,7 +17,7 @@
 //!   none skipped.
 #![cfg(feature = "etcd")]
 
-mod support;
+use crate::support;
 
 use std::{path::Path, time::Duration};
 use support::{accepted_once, dump, exits, Cluster, Proc};

@@ -6,7 +6,7 @@
 //! others': nothing pushed is lost or applied twice, and every task is
 //! reported once.
 
-mod support;
+use crate::support;
 
 use oar::pserver::{ParamBuf, ParamSpec};
 use oar::{

@@ -3,7 +3,7 @@
 //! shard, with every shard's answer as if it had come alone. A batch that
 //! does not add up is refused whole and harms nothing.
 
-mod common;
+use crate::common;
 
 use bytes::Bytes;
 use common::{keys, Cluster, Counting};

@@ -14,7 +14,7 @@ use oar_pserver::{
 };
 use proptest::prelude::*;
 
-mod frozen;
+use crate::frozen;
 
 const TRAINERS: [&str; 3] = ["a", "b", "c"];
 const REPLICAS: usize = 3;

@@ -5,7 +5,7 @@
 //! calls. `oar-job`'s tests do the same with real processes, etcd and
 //! SIGKILL.
 
-mod common;
+use crate::common;
 
 use bytes::Bytes;
 use common::{keys, Cluster};

@@ -22,7 +22,7 @@ use oar_pserver::{
 };
 use proptest::prelude::*;
 
-mod frozen;
+use crate::frozen;
 use frozen::Frozen;
 
 const TRAINERS: [&str; 2] = ["a", "b"];

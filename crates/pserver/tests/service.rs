@@ -4,7 +4,7 @@
 //! checkpoint, and a user optimizer panicking midway through a push.
 //! Replication is `tests/replication.rs`'s subject.
 
-mod common;
+use crate::common;
 
 use common::{keys, Cluster};
 

@@ -9,7 +9,7 @@ use oar_pserver::{
 };
 use proptest::prelude::*;
 
-mod frozen;
+use crate::frozen;
 use frozen::Frozen;
 use std::path::Path;
 

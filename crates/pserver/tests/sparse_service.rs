@@ -6,7 +6,7 @@
 //! wire refused by name, harming nothing; the rows of a trainer's next
 //! batch asked for with its push, in its round trip and read after it.
 
-mod common;
+use crate::common;
 
 use bytes::Bytes;
 use common::{keys, Cluster, Counting};

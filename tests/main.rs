@@ -1,0 +1,24 @@
+//! Every integration test of the crate, as modules of one test binary: a
+//! binary per file compiled and linked the stack again (up to 20 s of build each).
+//! Run one file's tests with `cargo test --test integration <file>::`.
+
+mod a1a;
+mod bad_data;
+mod cluster;
+mod elastic;
+mod etcd_blips;
+mod extension_examples;
+mod faults;
+mod kubernetes;
+mod local_example;
+mod metrics;
+mod progress;
+mod replication;
+mod shutdown;
+mod sparse;
+mod sparse_training;
+mod streaming;
+mod streaming_cluster;
+mod support;
+mod sync_equivalence;
+mod trainer_pipeline;
