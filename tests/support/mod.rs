@@ -1,7 +1,7 @@
 //! Test support for end-to-end tests: the example binaries as real
 //! processes (output captured line by line, killed on drop) and a job
 //! around a real etcd started for the test.
-#![allow(dead_code)] // Each test binary uses a part.
+#![allow(dead_code)] // Each test module uses a part (and without `etcd` some are left out).
 
 use std::{
     io::{BufRead, BufReader, Read},

@@ -1,7 +1,7 @@
 //! What the property tests compare stores by: their whole state, floats as
 //! bits so that comparisons are exact.
 
-#![allow(dead_code)] // Each test binary uses a part.
+#![allow(dead_code)] // Each test module uses a part.
 
 use oar_pserver::{
     Adam, AppliedOrigins, BlockId, Mode, Origin, ParamStore, SplitMix64, StoreSnapshot, TaskKey,
