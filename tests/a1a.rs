@@ -2,7 +2,7 @@
 //! stack: master, 2 pservers and 3 trainers in one process, talking over
 //! QUIC with mutual TLS on 127.0.0.1.
 
-use crate::support;
+mod support;
 
 use oar::{
     job::{config::JobConfig, report::JobReport},

@@ -1,8 +1,11 @@
 //! Every integration test of the crate, as modules of one test binary: a
 //! binary per file compiled and linked the stack again (up to 20 s of build each).
 //! Run one file's tests with `cargo test --test integration <file>::`.
+//!
+//! Not here: `a1a.rs`, a binary of its own, because it starts CPU hogs to
+//! train under a load it knows; beside the other tests that load would slow
+//! them, and theirs would add to it.
 
-mod a1a;
 mod bad_data;
 mod cluster;
 mod elastic;
