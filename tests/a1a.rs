@@ -73,14 +73,26 @@ impl Drop for Hogs {
 
 /// What a new user runs (`examples/local.rs` on a1a in async mode, every
 /// default: 5 passes, batch 64, SGD at 0.1, push and pull every batch, 3
-/// trainers, 2 pservers, QUIC) reaches sync mode's accuracy every time
-/// (83.3% on a1a.t; the bar is 83%): on a quiet machine and with two CPU
-/// hogs taking the cores from it. Async once lagged sync here (81.1-82.2%)
-/// because with overlap most due pushes were merged and averaged into one
-/// update: about 9 updates a pass instead of 29. Merging just four (the old
-/// limit) still ends at 82.3-82.7%, below this bar.
+/// trainers, 2 pservers, QUIC) reaches sync mode's accuracy (83.3% on
+/// a1a.t) on a quiet machine and with two CPU hogs taking the cores from
+/// it: at least half the runs (the lower median) reach 83%, and no run
+/// ends below 82.5%.
+///
+/// Async once lagged sync here (81.1-82.2%) because with overlap most due
+/// pushes were merged and averaged into one update: about 9 updates a pass
+/// instead of 29. Merging just four (the old limit) still ends at
+/// 82.3-82.7%: both fail the median.
+///
+/// Why a median and not every run: the seed sets only the initial
+/// parameters, so quiet runs see one order of the data and land within
+/// 83.33-83.41%. Under load the order in which the trainers' batches reach
+/// the pservers changes from run to run, and with it the end point: in 100
+/// loaded runs of each mode (2026-11-27), async ended at 82.73-83.61%
+/// (median 83.37%, 3 runs below 83%) and sync at 83.14-83.44% (median
+/// 83.26%; an earlier batch had one at 82.94%). A bar on every one of the
+/// 12 runs thus fails about one suite run in five, and it failed CI.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn async_a1a_with_the_default_options_reaches_sync_accuracy_every_time_also_under_load() {
+async fn async_a1a_with_the_default_options_reaches_sync_accuracy_also_under_load() {
     let runs = std::env::var("OAR_A1A_RUNS").ok().and_then(|n| n.parse().ok()).unwrap_or(6u64);
     let mut accuracies = Vec::new();
     for hogged in [false, true] {
@@ -99,7 +111,13 @@ async fn async_a1a_with_the_default_options_reaches_sync_accuracy_every_time_als
         }
     }
     eprintln!("(under load, seed, test accuracy): {accuracies:?}");
-    for (hogged, seed, accuracy) in accuracies {
-        assert!(accuracy >= 0.83, "seed {seed}{}: {accuracy}", if hogged { " under load" } else { "" });
+    for hogged in [false, true] {
+        let condition = if hogged { "under load" } else { "on a quiet machine" };
+        let mut runs: Vec<f32> =
+            accuracies.iter().filter(|(h, _, _)| *h == hogged).map(|(_, _, accuracy)| *accuracy).collect();
+        runs.sort_by(f32::total_cmp);
+        let median = runs[(runs.len() - 1) / 2];
+        assert!(median >= 0.83, "median {median} of the runs {condition}: {runs:?}");
+        assert!(runs[0] >= 0.825, "a run {condition} ended at {}: {runs:?}", runs[0]);
     }
 }
