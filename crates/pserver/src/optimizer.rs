@@ -11,7 +11,7 @@
 //! development machine the built-ins run at 1.0-1.7x the bytes per second of
 //! a plain `a = b + s*c` pass over the same memory, AdaGrad lowest (its
 //! square root and division, at 4 SSE lanes, limit it before memory does);
-//! see `examples/bench_optimizer.rs`.
+//! see `bench/src/bin/bench_optimizer.rs`.
 //!
 //! Every rule runs on the calling thread: a pserver's other core is busy
 //! receiving gradients while it applies them (BENCHMARKS.md, "Optimizer

@@ -269,7 +269,7 @@ pub fn row_shard_hashed(table_hash: u64, id: u64, shards: u32) -> u32 {
 /// - the allocator's own overhead, and memory it keeps after a free.
 ///
 /// Measured with dim 16 and Adam, a 400,000-row cap under a long Zipf
-/// stream (`examples/bench_sparse.rs`): resident 1.00x `max_rows *
+/// stream (`bench/src/bin/bench_sparse.rs`): resident 1.00x `max_rows *
 /// row_bytes`.
 pub fn row_bytes(dim: usize, state_slots: usize) -> usize {
     dim.saturating_mul(state_slots.saturating_add(1))

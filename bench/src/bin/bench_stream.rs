@@ -8,7 +8,7 @@
 //! fails at its end: "training diverged in pass 1: the test loss is NaN").
 //!
 //! ```sh
-//! cargo run --release --example bench_stream
+//! cargo run --release -p oar-bench --bin bench_stream
 //! # options: --only latency|throughput  (latency) --records N [2400] --lines N [8]
 //! #   --gap-ms MIN,MAX [20,50] --window S [10] --check-window S [1; 0 = skip] --overlap
 //! #   (throughput) --copies N [1000] --copies-per-file N [50] --reps R [5] --trainers T [1]
@@ -101,7 +101,7 @@
 //! (B over the A or A64 run of the same repetition, B+ over A), medians
 //! quoted.
 
-#[path = "common/mod.rs"]
+#[path = "../../../examples/common/mod.rs"]
 mod common;
 
 use clap::{Parser, ValueEnum};
@@ -159,7 +159,7 @@ struct Args {
     #[arg(long, value_enum, value_delimiter = ',', default_value = "latency,throughput")]
     only: Vec<Part>,
     /// The a1a-shaped source (libsvm, 123 features, 2 classes).
-    #[arg(long, default_value = concat!(env!("CARGO_MANIFEST_DIR"), "/testdata/a1a"))]
+    #[arg(long, default_value = concat!(env!("CARGO_MANIFEST_DIR"), "/../testdata/a1a"))]
     source: PathBuf,
     /// Latency: measured records per run (after a warm-up batch).
     #[arg(long, default_value_t = 2400)]

@@ -6,17 +6,17 @@
 //! `perf report --time T0,T1` (BENCHMARKS.md, "Profile before changes").
 //!
 //! ```sh
-//! cargo build --release -p oar-transport --example profile_transport
-//! target/release/examples/profile_transport large 64 5      # 5 calls of 64M f32 (256 MiB)
-//! target/release/examples/profile_transport small 40000     # 16-byte calls, echoed
-//! target/release/examples/profile_transport tcpbulk 64 9    # raw TCP into a reused buffer
-//! target/release/examples/profile_transport tcpecho 40000   # TCP_NODELAY echo
+//! cargo build --release -p oar-bench --bin profile_transport
+//! target/release/profile_transport large 64 5      # 5 calls of 64M f32 (256 MiB)
+//! target/release/profile_transport small 40000     # 16-byte calls, echoed
+//! target/release/profile_transport tcpbulk 64 9    # raw TCP into a reused buffer
+//! target/release/profile_transport tcpecho 40000   # TCP_NODELAY echo
 //! # options: --threads T (runtime workers) --cipher aes128|aes256|chacha --mtu N --gso
 //! #   --in-task: the caller runs in a spawned task (on a worker) instead of on block_on's thread
 //! perf script -i perf.data --time $T0,$T1 | python3 scripts/perf_classify.py
 //! ```
 
-mod common;
+use oar_bench::transport as common;
 
 use async_trait::async_trait;
 use bytes::Bytes;

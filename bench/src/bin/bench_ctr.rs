@@ -6,8 +6,8 @@
 //! interleaved.
 //!
 //! ```sh
-//! cargo run --release --example bench_ctr
-//! cargo run --release --example bench_ctr -- --models lr --modes async --shapes 1x1 --shards 64 --reps 9
+//! cargo run --release -p oar-bench --bin bench_ctr
+//! cargo run --release -p oar-bench --bin bench_ctr -- --models lr --modes async --shapes 1x1 --shards 64 --reps 9
 //! # options: --copies N [8] --passes P [5] --reps R [5] --models lr,fm --factors K [8]
 //! #   --modes sync,async --shapes 1x1,2x2 (trainers x pservers) --shards 64,2
 //! #   --batch-size [64] --lr [0.1] --run-timeout SECONDS [60] --workers W [0 = one per core]
@@ -81,7 +81,7 @@
 //!   seconds) spent inside those batches; the rest is start-up, task
 //!   hand-outs and reports, and waiting at pass ends.
 
-#[path = "common/mod.rs"]
+#[path = "../../../examples/common/mod.rs"]
 mod common;
 use common::ModeArg;
 
@@ -122,10 +122,10 @@ struct Args {
     #[arg(long, default_value_t = 8)]
     copies: usize,
     /// The training source (libsvm ids, binary labels).
-    #[arg(long, default_value = concat!(env!("CARGO_MANIFEST_DIR"), "/testdata/a1a"))]
+    #[arg(long, default_value = concat!(env!("CARGO_MANIFEST_DIR"), "/../testdata/a1a"))]
     source: PathBuf,
     /// Held-out data: the master scores it after each pass, the reference at the end.
-    #[arg(long, default_value = concat!(env!("CARGO_MANIFEST_DIR"), "/testdata/a1a.t"))]
+    #[arg(long, default_value = concat!(env!("CARGO_MANIFEST_DIR"), "/../testdata/a1a.t"))]
     test_data: PathBuf,
     /// Passes over the training file (at least 2 for the steady figure).
     #[arg(long, default_value_t = 5)]

@@ -2,7 +2,7 @@
 //! loopback, in the same run, on the same runtime and threads.
 //!
 //! ```text
-//! cargo run --release -p oar-transport --example bench_transport -- [options]
+//! cargo run --release -p oar-bench --bin bench_transport -- [options]
 //!   --mtu N            fixed UDP payload size on loopback (0: MTU discovery)   [65000]
 //!   --gso              UDP segmentation offload on loopback                    [off]
 //!   --buffer BYTES     UDP socket buffers                                      [4 MiB]
@@ -25,7 +25,7 @@
 //! (b) the median round trip of a small call (16 bytes of metadata echoed)
 //! against a 16-byte TCP echo. Prints both and their ratios.
 
-mod common;
+use oar_bench::transport as common;
 
 use async_trait::async_trait;
 use bytes::Bytes;

@@ -2,8 +2,8 @@
 //! amount of memory, measured in the same run, interleaved call by call.
 //!
 //! ```sh
-//! cargo run --release -p oar-pserver --example bench_optimizer
-//! cargo run --release -p oar-pserver --example bench_optimizer -- --n 16777216 --reps 9
+//! cargo run --release -p oar-bench --bin bench_optimizer
+//! cargo run --release -p oar-bench --bin bench_optimizer -- --n 16777216 --reps 9
 //! ```
 //!
 //! Options: `--n N` elements per block (default 64M = 67108864 float32, 256 MiB
@@ -34,8 +34,7 @@
 //! the load average are printed before and after, because the figures are only
 //! meaningful on an otherwise idle machine.
 
-#[path = "common/mod.rs"]
-mod common;
+use oar_bench::pserver as common;
 
 use std::hint::black_box;
 use std::time::Instant;

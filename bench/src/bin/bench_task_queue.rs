@@ -2,7 +2,7 @@
 //! out and take back tasks, against references measured in the same run.
 //!
 //! ```text
-//! cargo run --release -p oar-task-queue --features etcd --example bench_task_queue -- [options]
+//! cargo run --release -p oar-bench --features etcd --bin bench_task_queue -- [options]
 //!   --tasks N      tasks in the queue                                    [100000]
 //!   --runs R       timed runs of the core (median reported)              [5]
 //!   --passes P     passes over the queue per core run                    [3]

@@ -2,8 +2,8 @@
 //! each in a process of its own, talking over QUIC on 127.0.0.1.
 //!
 //! ```sh
-//! cargo run --release --example bench_memory
-//! cargo run --release --example bench_memory -- --modes sync --trainers 2
+//! cargo run --release -p oar-bench --bin bench_memory
+//! cargo run --release -p oar-bench --bin bench_memory -- --modes sync --trainers 2
 //! # options: --params N [100000000] --optimizer NAME [adam] --modes sync,async
 //! #   --trainers K [1] --block-size B [65536] --target X [1.3]
 //! ```
@@ -42,7 +42,7 @@
 //! with Adam); trainer = params + grads (+ the async accumulator) (0.8 GB,
 //! 1.2 GB). PASS when peak / ideal <= `--target` (1.3). 1 GB = 1e9 B.
 
-#[path = "common/mod.rs"]
+#[path = "../../../examples/common/mod.rs"]
 mod common;
 use common::ModeArg;
 

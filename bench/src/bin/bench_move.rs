@@ -2,8 +2,8 @@
 //! three measurements, each against a reference taken in the same run,
 //! medians over `--reps` (default 5), every rep on a fresh cluster.
 //!
-//!     cargo run --release -p oar-pserver --all-features --example bench_move -- --reps 5
-//!     cargo run --release -p oar-pserver --all-features --example bench_move -- --reps 5 --only 1 --millions 10
+//!     cargo run --release -p oar-bench --bin bench_move -- --reps 5
+//!     cargo run --release -p oar-bench --bin bench_move -- --reps 5 --only 1 --millions 10
 //!
 //! All pservers, the coordinator and the trainers run in this process, on
 //! one QUIC transport over 127.0.0.1 and a `MemDiscovery`. The coordinator
@@ -48,7 +48,7 @@
 //! `--only 1,3` runs some of them. Every wait has a deadline and ends the
 //! run with a message.
 
-mod common;
+use oar_bench::pserver as common;
 
 use oar_discovery::{Discovery, MemDiscovery};
 use oar_pserver::{

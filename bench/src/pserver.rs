@@ -1,7 +1,5 @@
 //! What the pserver benchmarks share (each uses some of it).
 
-#![allow(dead_code)]
-
 /// Running `rustc` processes and the 1-minute load average, from /proc.
 pub fn machine_load() -> String {
     let rustc = std::fs::read_dir("/proc")
@@ -22,12 +20,9 @@ pub fn machine_load() -> String {
     format!("rustc running: {rustc}, load average (1 min): {load}")
 }
 
-#[cfg(feature = "service")]
-#[allow(unused_imports)] // each bench uses some of it
 pub use service::*;
 
-/// The pieces for benches that run pservers (feature `service`).
-#[cfg(feature = "service")]
+/// The pieces for benches that run pservers.
 mod service {
     use oar_discovery::Discovery;
     use oar_pserver::{Coordinator, CoordinatorOptions, PserverKeys};

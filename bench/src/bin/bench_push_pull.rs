@@ -2,9 +2,9 @@
 //! on 127.0.0.1, beside raw TCP moving the same bytes, measured in the same
 //! run and interleaved call by call.
 //!
-//!     cargo run --release -p oar-pserver --example bench_push_pull
-//!     cargo run --release -p oar-pserver --example bench_push_pull -- --sizes 1,10 --reps 7
-//!     cargo run --release -p oar-pserver --example bench_push_pull -- --part-mib 32
+//!     cargo run --release -p oar-bench --bin bench_push_pull
+//!     cargo run --release -p oar-bench --bin bench_push_pull -- --sizes 1,10 --reps 7
+//!     cargo run --release -p oar-bench --bin bench_push_pull -- --part-mib 32
 //!
 //! oar: a `PserverClient` (async mode, SGD) pushes a gradient of N floats
 //! (split into the placement's blocks, all shards at once) and pulls the N
@@ -19,7 +19,7 @@
 //! protocol, no optimizer. Both use one tokio runtime with a worker per core
 //! and reuse their connections. Medians of `--reps` (default 5).
 
-mod common;
+use oar_bench::pserver as common;
 
 use oar_discovery::MemDiscovery;
 use oar_pserver::{

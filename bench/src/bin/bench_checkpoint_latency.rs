@@ -1,8 +1,8 @@
 //! The latency of pushes to a pserver while its checkpoints are written,
 //! against the same pushes with no checkpoint running.
 //!
-//!     cargo run --release -p oar-pserver --example bench_checkpoint_latency -- --pushes 4000 --rounds 5
-//!     cargo run --release -p oar-pserver --example bench_checkpoint_latency -- --params 10 --pushes 500
+//!     cargo run --release -p oar-bench --bin bench_checkpoint_latency -- --pushes 4000 --rounds 5
+//!     cargo run --release -p oar-bench --bin bench_checkpoint_latency -- --params 10 --pushes 500
 //!
 //! One pserver (async mode, Adam) holds `--params` million float32 (default
 //! 100) in blocks of `--block` floats (default 65536, the pserver's
@@ -52,8 +52,7 @@
 //! is in, so that the pserver's shutdown finds no half-taken push to wait
 //! for.
 
-#[path = "common/mod.rs"]
-mod common;
+use oar_bench::pserver as common;
 
 use bytes::Bytes;
 use oar_discovery::MemDiscovery;

@@ -3,8 +3,8 @@
 //! stream, each against a plain in-memory reference or the raw size.
 //!
 //! ```sh
-//! cargo run --release --example bench_sparse
-//! cargo run --release --example bench_sparse -- --parts throughput --dims 16 --rounds 9 --steps 200
+//! cargo run --release -p oar-bench --bin bench_sparse
+//! cargo run --release -p oar-bench --bin bench_sparse -- --parts throughput --dims 16 --rounds 9 --steps 200
 //! # options: --parts throughput,memory,cap --dims 16,64 --batch [4096] --universe [10000000]
 //! #   --zipf-s [1.1] --rounds [7] --steps [200] (per round) --warmup [20] --client-threads [1]
 //! #   --mem-rows 2000000,500000 (one per --dims) --cap [400000] --cap-dim [16]
@@ -58,7 +58,7 @@
 //!    (peak and final, over the baseline before the table existed) against
 //!    `cap * bytes_per_row`, and the apply rate.
 
-#[path = "common/mod.rs"]
+#[path = "../../../examples/common/mod.rs"]
 mod common;
 
 use clap::{Parser, ValueEnum};

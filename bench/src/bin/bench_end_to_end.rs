@@ -6,8 +6,8 @@
 //! same file with no oar at all, measured in the same run, interleaved.
 //!
 //! ```sh
-//! cargo run --release --example bench_end_to_end
-//! cargo run --release --example bench_end_to_end -- --modes async --transports quic,mem --batch-sizes 64,1024
+//! cargo run --release -p oar-bench --bin bench_end_to_end
+//! cargo run --release -p oar-bench --bin bench_end_to_end -- --modes async --transports quic,mem --batch-sizes 64,1024
 //! # options: --copies N [100] --passes P [10] --reps R [3] --trainers 1,2,4 --modes async,sync
 //! #   --transports quic|mem,... --batch-sizes 64,... --pservers [2] --chunk-bytes [0 = auto]
 //! #   --every N [1] (async push_every = pull_every) --lr [0.1] --test-data PATH [testdata/a1a]
@@ -67,7 +67,7 @@
 //! = time to the end of pass 1 minus one steady pass; shutdown = from the end
 //! of the last pass to `run_local`'s return.
 
-#[path = "common/mod.rs"]
+#[path = "../../../examples/common/mod.rs"]
 mod common;
 use common::ModeArg;
 
@@ -117,10 +117,10 @@ struct Args {
     #[arg(long, default_value_t = 100)]
     copies: usize,
     /// The a1a-shaped source (libsvm, 123 features, 2 classes).
-    #[arg(long, default_value = concat!(env!("CARGO_MANIFEST_DIR"), "/testdata/a1a"))]
+    #[arg(long, default_value = concat!(env!("CARGO_MANIFEST_DIR"), "/../testdata/a1a"))]
     source: PathBuf,
     /// Held-out data the master scores after each pass.
-    #[arg(long, default_value = concat!(env!("CARGO_MANIFEST_DIR"), "/testdata/a1a"))]
+    #[arg(long, default_value = concat!(env!("CARGO_MANIFEST_DIR"), "/../testdata/a1a"))]
     test_data: PathBuf,
     /// Passes over the data (at least 2 for the steady figure).
     #[arg(long, default_value_t = 10)]

@@ -53,6 +53,7 @@ pub async fn tcp_server(listener: TcpListener) {
     }
 }
 
+/// A TCP_NODELAY connection to a [`tcp_server`] in `mode` (its first 8 bytes).
 pub async fn tcp_connect(addr: std::net::SocketAddr, mode: u64) -> std::io::Result<TcpStream> {
     let mut s = TcpStream::connect(addr).await?;
     s.set_nodelay(true)?;

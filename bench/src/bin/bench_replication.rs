@@ -2,8 +2,8 @@
 //! R = 1, 2, 3 replicas per shard, in sync and async mode, over QUIC on
 //! 127.0.0.1; and what a follower holds in memory.
 //!
-//!     cargo run --release -p oar-pserver --example bench_replication
-//!     cargo run --release -p oar-pserver --example bench_replication -- --millions 10 --reps 9 --sync-trainers 4
+//!     cargo run --release -p oar-bench --bin bench_replication
+//!     cargo run --release -p oar-bench --bin bench_replication -- --millions 10 --reps 9 --sync-trainers 4
 //!
 //! Each R is its own cluster of three pservers (3 shards, one primary per
 //! pserver, followers on the others; strong mode: a push is answered once
@@ -20,7 +20,7 @@
 //! what the new follower holds and whatever its catch-up left behind,
 //! printed against the parameters and optimizer state it must hold.
 
-mod common;
+use oar_bench::pserver as common;
 
 use oar_discovery::{Discovery, MemDiscovery};
 use oar_pserver::{

@@ -20,7 +20,7 @@
 //! --in-task` and `bench_transport` (BENCHMARKS.md, "Transport").
 //!
 //! ```sh
-//! cargo run --release -p oar-transport --example bench_quic_floor -- [--calls N] [--reps R] [--bytes B]
+//! cargo run --release -p oar-bench --bin bench_quic_floor -- [--calls N] [--reps R] [--bytes B]
 //! ```
 
 use bytes::BytesMut;
