@@ -4,5 +4,6 @@
 
 #![warn(missing_docs)]
 
+pub mod child;
 pub mod pserver;
 pub mod transport;

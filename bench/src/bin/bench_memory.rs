@@ -45,6 +45,7 @@
 #[path = "../../../examples/common/mod.rs"]
 mod common;
 use common::ModeArg;
+use oar_bench::child::ChildProc;
 
 use clap::{Parser, ValueEnum};
 use oar::{
@@ -57,10 +58,10 @@ use oar::{
     transport::{DevCa, QuicTransport, RetryPolicy, TlsConfig},
 };
 use std::{
-    io::{BufRead, Write},
+    io::BufRead,
     path::{Path, PathBuf},
-    process::{Child, ChildStdin, Command, ExitCode, Stdio},
-    sync::{mpsc, Arc},
+    process::ExitCode,
+    sync::Arc,
     time::Duration,
 };
 use tokio::sync::mpsc::UnboundedReceiver;
@@ -309,91 +310,14 @@ fn trainer_child(args: &Args) -> Result<(), BoxError> {
     Ok(())
 }
 
-/// A child process and the lines it prints, read on a thread of their own.
-struct Proc {
-    name: String,
-    child: Child,
-    stdin: Option<ChildStdin>,
-    lines: mpsc::Receiver<String>,
-}
-
-impl Proc {
-    fn spawn(name: &str, args: &[String]) -> Result<Proc, BoxError> {
-        let exe = std::env::current_exe()?;
-        let mut child = Command::new(exe).args(args).stdin(Stdio::piped()).stdout(Stdio::piped()).spawn()?;
-        let stdout = child.stdout.take().ok_or("no stdout")?;
-        let stdin = child.stdin.take();
-        let (tx, lines) = mpsc::channel();
-        std::thread::spawn(move || {
-            for line in std::io::BufReader::new(stdout).lines() {
-                let Ok(line) = line else { break };
-                if tx.send(line).is_err() {
-                    break;
-                }
-            }
-        });
-        Ok(Proc { name: name.to_string(), child, stdin, lines })
-    }
-
-    fn send(&mut self, line: &str) -> Result<(), BoxError> {
-        let stdin = self.stdin.as_mut().ok_or("stdin closed")?;
-        writeln!(stdin, "{line}")?;
-        stdin.flush()?;
-        Ok(())
-    }
-
-    /// The next line starting with `prefix` (others are passed through).
-    fn expect(&mut self, prefix: &str) -> Result<String, BoxError> {
-        loop {
-            let line = self.lines.recv_timeout(STEP_TIMEOUT).map_err(|e| {
-                format!("{}: no {prefix:?} line ({e}); exit status {:?}", self.name, self.child.try_wait())
-            })?;
-            if let Some(rest) = line.strip_prefix(prefix) {
-                return Ok(rest.trim().to_string());
-            }
-            println!("  [{}] {line}", self.name);
-        }
-    }
-
-    /// The (stage, peak, current) of the next memory report.
-    fn memory(&mut self) -> Result<(String, u64, u64), BoxError> {
-        let rest = self.expect("hwm ")?;
-        let mut words = rest.split_whitespace();
-        let (Some(stage), Some(hwm), Some(rss)) = (words.next(), words.next(), words.next()) else {
-            return Err(format!("{}: bad report {rest:?}", self.name).into());
-        };
-        Ok((stage.to_string(), hwm.parse()?, rss.parse()?))
-    }
-
-    /// Close stdin and wait for the exit, at most `STEP_TIMEOUT`; kill it after that.
-    fn finish(mut self) -> Result<(), BoxError> {
-        drop(self.stdin.take());
-        let deadline = std::time::Instant::now() + STEP_TIMEOUT;
-        loop {
-            if let Some(status) = self.child.try_wait()? {
-                return if status.success() {
-                    Ok(())
-                } else {
-                    Err(format!("{} exited with {status}", self.name).into())
-                };
-            }
-            if std::time::Instant::now() >= deadline {
-                let _ = self.child.kill();
-                return Err(format!("{} did not exit in time", self.name).into());
-            }
-            std::thread::sleep(Duration::from_millis(20));
-        }
-    }
-}
-
-impl Drop for Proc {
-    fn drop(&mut self) {
-        // Only a child still running here failed somewhere: do not leave it behind.
-        if matches!(self.child.try_wait(), Ok(None)) {
-            let _ = self.child.kill();
-            let _ = self.child.wait();
-        }
-    }
+/// The (stage, peak, current) of a child's next memory report.
+fn child_memory(child: &mut ChildProc) -> Result<(String, u64, u64), BoxError> {
+    let rest = child.expect("hwm ")?;
+    let mut words = rest.split_whitespace();
+    let (Some(stage), Some(hwm), Some(rss)) = (words.next(), words.next(), words.next()) else {
+        return Err(format!("{}: bad report {rest:?}", child.name()).into());
+    };
+    Ok((stage.to_string(), hwm.parse()?, rss.parse()?))
 }
 
 /// Print a memory report; returns its peak.
@@ -454,10 +378,10 @@ fn parent(args: &Args) -> Result<(), BoxError> {
         ];
         let mut ps_args = common.clone();
         ps_args.extend(["--role".to_string(), "pserver".into()]);
-        let mut ps = Proc::spawn("pserver", &ps_args)?;
-        show("pserver", ps.memory()?);
+        let mut ps = ChildProc::spawn("pserver", &ps_args, STEP_TIMEOUT)?;
+        show("pserver", child_memory(&mut ps)?);
         let addr = ps.expect("addr ")?;
-        show("pserver", ps.memory()?);
+        show("pserver", child_memory(&mut ps)?);
         let mut trainers = Vec::new();
         for i in 0..args.trainers {
             let mut t_args = common.clone();
@@ -469,8 +393,9 @@ fn parent(args: &Args) -> Result<(), BoxError> {
                 "--index".into(),
                 i.to_string(),
             ]);
-            let mut t = Proc::spawn(&format!("trainer-{i}"), &t_args)?;
-            show(&t.name.clone(), t.memory()?);
+            let mut t = ChildProc::spawn(&format!("trainer-{i}"), &t_args, STEP_TIMEOUT)?;
+            let report = child_memory(&mut t)?;
+            show(t.name(), report);
             t.expect("ready")?;
             trainers.push(t);
         }
@@ -481,11 +406,11 @@ fn parent(args: &Args) -> Result<(), BoxError> {
                 t.send("go")?;
             }
             for t in &mut trainers {
-                let name = t.name.clone();
-                trainer_peak = trainer_peak.max(show(&name, t.memory()?));
+                let report = child_memory(t)?;
+                trainer_peak = trainer_peak.max(show(t.name(), report));
             }
             ps.send(&format!("report {stage}"))?;
-            ps_peak = ps_peak.max(show("pserver", ps.memory()?));
+            ps_peak = ps_peak.max(show("pserver", child_memory(&mut ps)?));
         }
         for t in trainers {
             t.finish()?;

@@ -60,6 +60,7 @@
 
 #[path = "../../../examples/common/mod.rs"]
 mod common;
+use oar_bench::child::ChildProc;
 
 use clap::{Parser, ValueEnum};
 use oar::{
@@ -74,10 +75,10 @@ use oar::{
 };
 use std::{
     collections::{HashMap, HashSet},
-    io::{BufRead, Write},
+    io::Write,
     path::{Path, PathBuf},
-    process::{Child, ChildStdin, Command, ExitCode, Stdio},
-    sync::{mpsc, Arc},
+    process::ExitCode,
+    sync::Arc,
     time::{Duration, Instant},
 };
 
@@ -380,87 +381,10 @@ fn cpu_seconds() -> Result<f64, BoxError> {
     Ok(seconds(usage.ru_utime) + seconds(usage.ru_stime))
 }
 
-/// A child process and the lines it prints, read on a thread of their own.
-struct Proc {
-    name: String,
-    child: Child,
-    stdin: Option<ChildStdin>,
-    lines: mpsc::Receiver<String>,
-}
-
-impl Proc {
-    fn spawn(name: &str, args: &[String]) -> Result<Proc, BoxError> {
-        let exe = std::env::current_exe()?;
-        let mut child = Command::new(exe).args(args).stdin(Stdio::piped()).stdout(Stdio::piped()).spawn()?;
-        let stdout = child.stdout.take().ok_or("no stdout")?;
-        let stdin = child.stdin.take();
-        let (tx, lines) = mpsc::channel();
-        std::thread::spawn(move || {
-            for line in std::io::BufReader::new(stdout).lines() {
-                let Ok(line) = line else { break };
-                if tx.send(line).is_err() {
-                    break;
-                }
-            }
-        });
-        Ok(Proc { name: name.to_string(), child, stdin, lines })
-    }
-
-    fn send(&mut self, line: &str) -> Result<(), BoxError> {
-        let stdin = self.stdin.as_mut().ok_or("stdin closed")?;
-        writeln!(stdin, "{line}")?;
-        stdin.flush()?;
-        Ok(())
-    }
-
-    /// The pserver child's CPU seconds so far.
-    fn cpu(&mut self) -> Result<f64, BoxError> {
-        self.send("cpu")?;
-        Ok(self.expect("cpu ")?.parse()?)
-    }
-
-    /// The next line starting with `prefix`, without it (others are passed through).
-    fn expect(&mut self, prefix: &str) -> Result<String, BoxError> {
-        loop {
-            let line = self.lines.recv_timeout(TIMEOUT).map_err(|e| {
-                format!("{}: no {prefix:?} line ({e}); exit status {:?}", self.name, self.child.try_wait())
-            })?;
-            if let Some(rest) = line.strip_prefix(prefix) {
-                return Ok(rest.trim().to_string());
-            }
-            println!("  [{}] {line}", self.name);
-        }
-    }
-
-    /// Close stdin and wait for the exit, at most `TIMEOUT`; kill it after that.
-    fn finish(mut self) -> Result<(), BoxError> {
-        drop(self.stdin.take());
-        let deadline = Instant::now() + TIMEOUT;
-        loop {
-            if let Some(status) = self.child.try_wait()? {
-                return if status.success() {
-                    Ok(())
-                } else {
-                    Err(format!("{} exited with {status}", self.name).into())
-                };
-            }
-            if Instant::now() >= deadline {
-                let _ = self.child.kill();
-                return Err(format!("{} did not exit in time", self.name).into());
-            }
-            std::thread::sleep(Duration::from_millis(20));
-        }
-    }
-}
-
-impl Drop for Proc {
-    fn drop(&mut self) {
-        // Only a child still running here failed somewhere: do not leave it behind.
-        if matches!(self.child.try_wait(), Ok(None)) {
-            let _ = self.child.kill();
-            let _ = self.child.wait();
-        }
-    }
+/// The pserver child's CPU seconds so far.
+fn child_cpu(child: &mut ChildProc) -> Result<f64, BoxError> {
+    child.send("cpu")?;
+    Ok(child.expect("cpu ")?.parse()?)
 }
 
 /// `key value` pairs of a child's result line.
@@ -685,7 +609,7 @@ fn throughput(args: &Args, dim: usize, dir: &Path) -> Result<Throughput, BoxErro
     let dir_arg = dir.to_str().ok_or("temporary path is not UTF-8")?.to_string();
     let ps_args: Vec<String> =
         vec!["--role".into(), "pserver".into(), "--dim".into(), dim.to_string(), "--dir".into(), dir_arg];
-    let mut ps = Proc::spawn(&format!("pserver dim {dim}"), &ps_args)?;
+    let mut ps = ChildProc::spawn(&format!("pserver dim {dim}"), &ps_args, TIMEOUT)?;
     let addr = ps.expect("addr ")?;
 
     // Every batch of the run, drawn before anything is timed.
@@ -749,7 +673,7 @@ fn throughput(args: &Args, dim: usize, dir: &Path) -> Result<Throughput, BoxErro
             let ref_secs = started.elapsed().as_secs_f64();
 
             let (mut pull, mut push) = (Duration::ZERO, Duration::ZERO);
-            let ps_cpu = ps.cpu()?;
+            let ps_cpu = child_cpu(&mut ps)?;
             let my_cpu = cpu_seconds()?;
             let started = Instant::now();
             for ids in batches {
@@ -762,7 +686,7 @@ fn throughput(args: &Args, dim: usize, dir: &Path) -> Result<Throughput, BoxErro
                 push += t2.elapsed();
             }
             let secs = started.elapsed().as_secs_f64();
-            let ps_secs = ps.cpu()? - ps_cpu;
+            let ps_secs = child_cpu(&mut ps)? - ps_cpu;
             let my_secs = cpu_seconds()? - my_cpu;
 
             ref_rate.push(rows / ref_secs);
@@ -827,7 +751,7 @@ fn memory_part(args: &Args, dim: usize, rows: usize) -> Result<MemoryRow, BoxErr
         "--batch".into(),
         args.batch.to_string(),
     ];
-    let mut child = Proc::spawn(&format!("memory dim {dim}"), &child_args)?;
+    let mut child = ChildProc::spawn(&format!("memory dim {dim}"), &child_args, TIMEOUT)?;
     let line = child.expect("mem ")?;
     child.finish()?;
     let f = fields(&line);
@@ -884,7 +808,7 @@ fn cap_part(args: &Args, evict: Evict) -> Result<CapRow, BoxError> {
         "--seed".into(),
         args.seed.to_string(),
     ];
-    let mut child = Proc::spawn(&format!("cap {}", evict.name()), &child_args)?;
+    let mut child = ChildProc::spawn(&format!("cap {}", evict.name()), &child_args, TIMEOUT)?;
     let line = child.expect("cap ")?;
     child.finish()?;
     let f = fields(&line);
