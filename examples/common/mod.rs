@@ -1,6 +1,7 @@
 //! Flags and helpers shared by the example binaries (`local`, `master`,
 //! `pserver`, `trainer`, `status`). Copy what you need: each binary uses a
-//! part of it.
+//! part of it. The end-to-end benchmarks (`bench/src/bin/`) include it by
+//! path, so that they parse a job's flags as the examples do.
 #![allow(dead_code)]
 
 use clap::{Args, ValueEnum};
