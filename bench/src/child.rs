@@ -10,8 +10,7 @@ use std::{
     time::{Duration, Instant},
 };
 
-/// The error of a child's line protocol.
-pub type BoxError = Box<dyn std::error::Error + Send + Sync>;
+use crate::BoxError;
 
 /// A child process and the lines it prints, read on a thread of their own.
 /// Dropped while still running (the driver failed somewhere), it is killed.

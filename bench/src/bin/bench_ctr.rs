@@ -113,7 +113,7 @@ use std::{
 };
 use tokio_util::sync::CancellationToken;
 
-type BoxError = Box<dyn std::error::Error + Send + Sync>;
+use oar_bench::BoxError;
 
 #[derive(Parser, Debug)]
 #[command(about = "Examples per second of the CTR example's job against the same model trained without oar")]

@@ -105,7 +105,7 @@ use std::{
     time::{Duration, Instant},
 };
 
-type BoxError = Box<dyn std::error::Error + Send + Sync>;
+use oar_bench::BoxError;
 
 const FEATURES: usize = 123;
 const CLASSES: usize = 2;

@@ -66,7 +66,7 @@ use std::{
 };
 use tokio::sync::mpsc::UnboundedReceiver;
 
-type BoxError = Box<dyn std::error::Error + Send + Sync>;
+use oar_bench::BoxError;
 
 const JOB: &str = "mem";
 /// Bound of every wait for a child (a step moves 400 MB over QUIC and may apply Adam to 100M elements).
@@ -120,13 +120,7 @@ fn main() -> ExitCode {
         Some(Role::Pserver) => pserver_child(&args),
         Some(Role::Trainer) => trainer_child(&args),
     };
-    match result {
-        Ok(()) => ExitCode::SUCCESS,
-        Err(e) => {
-            eprintln!("error ({:?}): {e}", args.role);
-            ExitCode::from(2)
-        }
-    }
+    oar_bench::exit_code(result, args.role)
 }
 
 /// The model: one parameter of `n` floats, drawn from a normal (so the

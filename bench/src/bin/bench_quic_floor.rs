@@ -37,7 +37,7 @@ use std::{
     time::{Duration, Instant},
 };
 
-type BoxError = Box<dyn std::error::Error + Send + Sync>;
+use oar_bench::BoxError;
 
 struct Args {
     calls: usize,

@@ -82,7 +82,7 @@ use std::{
     time::{Duration, Instant},
 };
 
-type BoxError = Box<dyn std::error::Error + Send + Sync>;
+use oar_bench::BoxError;
 
 const JOB: &str = "sparse";
 /// The table's seed and name (one table, index 0).
@@ -206,13 +206,7 @@ fn main() -> ExitCode {
         Some(Role::Memory) => memory_child(&args),
         Some(Role::Cap) => cap_child(&args),
     };
-    match result {
-        Ok(()) => ExitCode::SUCCESS,
-        Err(e) => {
-            eprintln!("error ({:?}): {e}", args.role);
-            ExitCode::from(2)
-        }
-    }
+    oar_bench::exit_code(result, args.role)
 }
 
 // ---------------------------------------------------------------- ids

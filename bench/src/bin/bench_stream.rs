@@ -144,7 +144,7 @@ use std::{
     time::{Duration, Instant},
 };
 
-type BoxError = Box<dyn std::error::Error + Send + Sync>;
+use oar_bench::BoxError;
 
 /// a1a's features and classes.
 const FEATURES: usize = 123;

@@ -46,7 +46,7 @@ use std::{
     time::{Duration, Instant},
 };
 
-type BoxError = Box<dyn std::error::Error + Send + Sync>;
+use oar_bench::BoxError;
 
 const CORE_TARGET: f64 = 1_000_000.0;
 const SERVICE_TARGET: f64 = 5_000.0;

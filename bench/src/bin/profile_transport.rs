@@ -30,7 +30,7 @@ use tokio::{
     net::TcpListener,
 };
 
-type BoxError = Box<dyn std::error::Error + Send + Sync>;
+use oar_bench::BoxError;
 
 /// Echoes small calls; answers a large one with its length.
 struct Sink;
