@@ -11,13 +11,13 @@ pub mod transport;
 /// What the benchmarks' fallible parts return: they only report errors.
 pub type BoxError = Box<dyn std::error::Error + Send + Sync>;
 
-/// A benchmark's exit code: success, or 2 after printing `error (what): e`
-/// (what: the role of a child process, or the benchmark's name).
-pub fn exit_code(result: Result<(), BoxError>, what: impl std::fmt::Debug) -> std::process::ExitCode {
+/// A child-process benchmark's exit code: success, or 2 after printing
+/// `error (role): e`.
+pub fn exit_code(result: Result<(), BoxError>, role: impl std::fmt::Debug) -> std::process::ExitCode {
     match result {
         Ok(()) => std::process::ExitCode::SUCCESS,
         Err(e) => {
-            eprintln!("error ({what:?}): {e}");
+            eprintln!("error ({role:?}): {e}");
             std::process::ExitCode::from(2)
         }
     }
