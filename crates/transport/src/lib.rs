@@ -27,7 +27,11 @@
 //! serves each connection in a task of its own, which runs a call as far as
 //! it goes without waiting (all of most small calls); a call that has to
 //! wait continues in a task of its own. A large payload is received into a
-//! reused buffer ([`QuicOptions::receive_pool`]). A malformed,
+//! reused buffer ([`QuicOptions::receive_pool`]), and on glibc a transport
+//! raises malloc's dynamic thresholds once so that quinn's per-datagram
+//! buffers are not unmapped and faulted in again by every large transfer
+//! ([`QuicOptions::glibc_mmap_threshold`]: the process's allocator is
+//! touched, so it says how, and 0 turns it off). A malformed,
 //! oversized or stalled request gets an error reply ([`RemoteErrorKind::BadRequest`])
 //! and costs nothing else. The frame layout and its checks are in [`wire`];
 //! tuning is in [`QuicOptions`].
@@ -128,6 +132,7 @@ mod dev_ca;
 mod error;
 mod frame;
 mod gso;
+mod malloc;
 mod mem;
 mod pool;
 mod quic;

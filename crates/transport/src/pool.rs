@@ -20,7 +20,10 @@ use crate::{Error, Result};
 /// buffers, then never rose, and glibc kept handing quinn's per-datagram
 /// buffers back to the kernel (up to 5x the page faults). Pooling from
 /// 4 MiB left calls of 4 MiB as fast as before, with as many faults
-/// (BENCHMARKS.md, "Pooled buffers for 8 MiB parts").
+/// (BENCHMARKS.md, "Pooled buffers for 8 MiB parts"). Since a pooled buffer
+/// is never freed, a process whose large buffers all stay here never
+/// raises glibc's threshold either: a transport raises it to this size when
+/// it is made ([`QuicOptions::glibc_mmap_threshold`](crate::QuicOptions::glibc_mmap_threshold)).
 pub const DEFAULT_POOLED_FROM: usize = 4 << 20;
 
 /// At most this many buffers are kept idle, whatever their sizes: it bounds

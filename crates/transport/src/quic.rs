@@ -90,6 +90,21 @@ pub struct QuicOptions {
     /// whatever their sizes); a process that receives no payload of 4 MiB
     /// keeps nothing. 0 turns reuse off.
     pub receive_pool: usize,
+    /// glibc only: when the transport is made it frees one block of this
+    /// many bytes, which raises glibc's dynamic mmap threshold to it and
+    /// its trim threshold to twice it, as the process's first free of
+    /// such a block would. Else, with every large buffer kept in the
+    /// receive pool, glibc keeps trimming the megabytes of quinn's
+    /// per-datagram buffers a large transfer frees, and faulting them in
+    /// again (on a VM with dear page faults a fifth of a 256 MiB call's
+    /// time). The default, 4 MiB, is the size the pool starts at
+    /// ([`wire::DEFAULT_POOLED_FROM`]): smaller buffers are then kept by
+    /// glibc, and up to 8 MiB of freed memory per malloc arena stays
+    /// mapped. 0 leaves glibc alone; glibc itself ignores it when its
+    /// thresholds were set (`mallopt`, `GLIBC_TUNABLES`) or are higher
+    /// already, and other allocators never see it. Above 32 MiB, glibc's
+    /// cap, it does nothing.
+    pub glibc_mmap_threshold: usize,
     /// Tuning when the peer is a loopback address: fixed 65000-byte
     /// datagrams without GSO (MTU discovery never left 1200 bytes there,
     /// a fifth of the throughput).
@@ -115,6 +130,7 @@ impl Default for QuicOptions {
             send_window: 4 << 20,
             socket_buffer: 4 << 20,
             receive_pool: 512 << 20,
+            glibc_mmap_threshold: wire::DEFAULT_POOLED_FROM,
             loopback: PathTuning { mtu: Some(65_000), segmentation_offload: false },
             network: PathTuning { mtu: None, segmentation_offload: true },
         }
@@ -446,6 +462,7 @@ impl QuicTransport {
 
     /// A transport with identity `tls` and `options`.
     pub fn with_options(tls: TlsConfig, options: QuicOptions) -> Result<QuicTransport> {
+        crate::malloc::raise_thresholds(options.glibc_mmap_threshold);
         let config = Arc::new(Config::new(tls, options)?);
         Ok(QuicTransport {
             inner: Arc::new(Inner {
