@@ -5,6 +5,10 @@
 //!     cargo run --release -p oar-bench --bin bench_push_pull
 //!     cargo run --release -p oar-bench --bin bench_push_pull -- --sizes 1,10 --reps 7
 //!     cargo run --release -p oar-bench --bin bench_push_pull -- --part-mib 32
+//!     cargo run --release -p oar-bench --bin bench_push_pull -- --send-window 1048576 --buffer 4194304
+//!
+//! `--send-window` and `--buffer` set the transport's `QuicOptions::send_window`
+//! and `socket_buffer` (bytes; defaults 4 MiB each).
 //!
 //! oar: a `PserverClient` (async mode, SGD) pushes a gradient of N floats
 //! (split into the placement's blocks, all shards at once) and pulls the N
@@ -99,20 +103,28 @@ async fn main() {
     let mut sizes: Vec<usize> = vec![1, 10, 100];
     let mut reps = 5usize;
     let mut part_bytes = oar_pserver::client::DEFAULT_MAX_PART_BYTES;
+    let mut quic = oar_transport::QuicOptions::default();
+    let usage = || -> ! {
+        eprintln!(
+            "usage: bench_push_pull [--sizes 1,10,100 (millions)] [--reps R] [--part-mib M] \
+             [--send-window BYTES] [--buffer BYTES]"
+        );
+        std::process::exit(2);
+    };
     let mut args = std::env::args().skip(1);
     while let Some(flag) = args.next() {
         match (flag.as_str(), args.next()) {
             ("--sizes", Some(v)) => sizes = v.split(',').filter_map(|s| s.parse().ok()).collect(),
             ("--reps", Some(v)) => reps = v.parse().unwrap_or(5).max(3),
             ("--part-mib", Some(v)) => part_bytes = v.parse::<usize>().unwrap_or(8).max(1) << 20,
-            _ => {
-                eprintln!("usage: bench_push_pull [--sizes 1,10,100 (millions)] [--reps R] [--part-mib M]");
-                std::process::exit(2);
-            }
+            ("--send-window", Some(v)) => quic.send_window = v.parse().unwrap_or_else(|_| usage()),
+            ("--buffer", Some(v)) => quic.socket_buffer = v.parse().unwrap_or_else(|_| usage()),
+            _ => usage(),
         }
     }
     let ca = DevCa::new().expect("CA");
-    let transport = Arc::new(QuicTransport::new(ca.tls_config("bench").expect("tls")).expect("quic"));
+    let transport =
+        Arc::new(QuicTransport::with_options(ca.tls_config("bench").expect("tls"), quic).expect("quic"));
     println!(
         "push then pull of N float32, one trainer; median of {reps}; ratio = oar time / TCP time; \
          push-pull = both in one call per pserver (async mode); parts of {} MiB",
