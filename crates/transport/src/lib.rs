@@ -27,11 +27,12 @@
 //! serves each connection in a task of its own, which runs a call as far as
 //! it goes without waiting (all of most small calls); a call that has to
 //! wait continues in a task of its own. A large payload is received into a
-//! reused buffer ([`QuicOptions::receive_pool`]), and on glibc a transport
-//! raises malloc's dynamic thresholds once so that quinn's per-datagram
-//! buffers are not unmapped and faulted in again by every large transfer
-//! ([`QuicOptions::glibc_mmap_threshold`]: the process's allocator is
-//! touched, so it says how, and 0 turns it off). A malformed,
+//! reused buffer ([`QuicOptions::receive_pool`]). On glibc a transport
+//! also raises malloc's dynamic thresholds once, so that quinn's
+//! per-datagram buffers are not given back to the kernel and faulted in
+//! again by every large transfer: this touches the whole process's
+//! allocator, so [`QuicOptions::glibc_mmap_threshold`] says exactly how,
+//! and 0 turns it off. A malformed,
 //! oversized or stalled request gets an error reply ([`RemoteErrorKind::BadRequest`])
 //! and costs nothing else. The frame layout and its checks are in [`wire`];
 //! tuning is in [`QuicOptions`].
