@@ -377,6 +377,39 @@ async fn read_frame(
 /// buffer before sending; larger ones are sent part by part, uncopied.
 const JOIN_PARTS_UP_TO: usize = 64 << 10;
 
+/// The largest piece of a frame handed to quinn in one write: a sixteenth
+/// of the send window, at least 64 KiB.
+///
+/// quinn-proto counts a written piece against the send window until the
+/// peer has acknowledged all of it (`SendBuffer::buffered` includes the
+/// acknowledged front of the oldest piece). A large frame written whole
+/// goes in as pieces the size of the free window, so the sender takes no
+/// more data until the last packet of the window is acknowledged, and the
+/// path drains for a round trip at every window. With pieces a sixteenth
+/// of it, the window frees in steps as acknowledgements arrive.
+fn piece_len(send_window: u64) -> usize {
+    usize::try_from(send_window / 16).unwrap_or(usize::MAX).max(64 << 10)
+}
+
+/// `bufs` cut into pieces of at most `piece` bytes (views, no copy), or
+/// `None` if none of them is longer.
+fn in_pieces(bufs: &[Bytes], piece: usize) -> Option<Vec<Bytes>> {
+    if bufs.iter().all(|b| b.len() <= piece) {
+        return None;
+    }
+    let count = bufs.iter().map(|b| b.len().div_ceil(piece)).sum();
+    let mut pieces = Vec::with_capacity(count);
+    for buf in bufs {
+        let mut at = 0;
+        while at < buf.len() {
+            let end = buf.len().min(at + piece);
+            pieces.push(buf.slice(at..end));
+            at = end;
+        }
+    }
+    Some(pieces)
+}
+
 /// What one call sends, and where its reply's payload goes.
 enum Exchange<'a> {
     /// A whole frame's buffers; the reply is kept whole.
@@ -390,10 +423,16 @@ enum Exchange<'a> {
 /// nothing for `idle` (it stopped reading).
 async fn write_idle(
     send: &mut quinn::SendStream,
-    mut bufs: &mut [Bytes],
+    bufs: &mut [Bytes],
+    piece: usize,
     idle: Duration,
     peer: &str,
 ) -> Result<()> {
+    let mut pieces = in_pieces(bufs, piece);
+    let mut bufs = match pieces.as_mut() {
+        Some(pieces) => pieces.as_mut_slice(),
+        None => bufs,
+    };
     while !bufs.is_empty() {
         let written = timeout(idle, send.write_chunks(bufs))
             .await
@@ -619,8 +658,15 @@ impl QuicConnection {
         exchange: Exchange<'_>,
     ) -> Result<Frame> {
         let addr = &self.peer.addr_text;
+        let piece = piece_len(self.transport.inner.config.options.send_window);
         let (sent, sink) = match exchange {
-            Exchange::Whole(mut bufs) => (send.write_all_chunks(&mut bufs).await, None),
+            Exchange::Whole(mut bufs) => {
+                let sent = match in_pieces(&bufs, piece) {
+                    Some(mut pieces) => send.write_all_chunks(&mut pieces).await,
+                    None => send.write_all_chunks(&mut bufs).await,
+                };
+                (sent, None)
+            }
             Exchange::Parts { head, parts, sink } => {
                 let total: usize = parts.iter().map(|p| p.len()).sum();
                 let sent = if total <= JOIN_PARTS_UP_TO {
@@ -632,7 +678,7 @@ impl QuicConnection {
                     send.write_all_chunks(&mut [joined.freeze()]).await
                 } else {
                     let mut sent = send.write_chunk(head).await;
-                    for part in parts {
+                    for part in parts.iter().flat_map(|part| part.chunks(piece)) {
                         if sent.is_err() {
                             break;
                         }
@@ -1008,7 +1054,8 @@ async fn answer(
             wire::encode(Kind::Error, &error_frame(reply.method, &error)).ok()?
         }
     };
-    match write_idle(&mut send, &mut bufs, idle, &peer).await {
+    let piece = piece_len(config.options.send_window);
+    match write_idle(&mut send, &mut bufs, piece, idle, &peer).await {
         Ok(()) => {
             let _ = send.finish();
             Some(send)
@@ -1035,4 +1082,32 @@ fn error_frame(method: u16, error: &RemoteError) -> Frame {
         meta: Bytes::new(),
         payload: Bytes::new(),
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn pieces_are_a_sixteenth_of_the_send_window_and_at_least_64_kib() {
+        assert_eq!(piece_len(4 << 20), 256 << 10);
+        assert_eq!(piece_len(16 << 20), 1 << 20);
+        assert_eq!(piece_len(256 << 10), 64 << 10);
+        assert_eq!(piece_len(0), 64 << 10);
+    }
+
+    #[test]
+    fn frames_are_cut_into_views_in_order_and_short_ones_left_alone() {
+        let head = Bytes::from_static(b"0123456789");
+        let payload = Bytes::from((0..=255u8).cycle().take(1000).collect::<Vec<u8>>());
+        assert!(in_pieces(&[head.clone(), payload.clone()], 1000).is_none());
+
+        let pieces = in_pieces(&[head.clone(), payload.clone(), Bytes::new()], 300).unwrap();
+        let lens: Vec<usize> = pieces.iter().map(Bytes::len).collect();
+        assert_eq!(lens, [10, 300, 300, 300, 100]);
+        assert_eq!(pieces.concat(), [&head[..], &payload[..]].concat());
+        // Views of the payload's buffer, not copies.
+        assert_eq!(pieces[1].as_ptr(), payload.as_ptr());
+        assert_eq!(pieces[4].as_ptr(), payload[900..].as_ptr());
+    }
 }
