@@ -74,7 +74,10 @@ pub struct QuicOptions {
     pub stream_window: u32,
     /// Per-connection receive window, bytes.
     pub connection_window: u64,
-    /// Unacknowledged bytes a connection may have in flight.
+    /// Unacknowledged bytes a connection may have in flight. A frame is
+    /// handed to quinn in pieces of a sixteenth of it (at least 64 KiB), so
+    /// the window frees as acknowledgements arrive rather than once a
+    /// whole window is acknowledged.
     pub send_window: u64,
     /// Requested UDP socket send and receive buffers (capped by the kernel's
     /// `net.core.rmem_max` / `wmem_max`).
