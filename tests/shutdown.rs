@@ -157,8 +157,11 @@ fn a_trainer_stopped_by_sigterm_hands_back_its_task_and_the_job_finishes() {
     let mut master = cluster.master("master", &job);
     wait_for_pass(&mut master, 1, &[]);
 
-    // Catch it in the middle of a task: stop it, look, stop it for good.
-    trainers[1].stop_mid_task(LONG);
+    // Catch it in a task's first batch, so that batches are left (every
+    // task is 3 batches or more here: the smallest, the file's last
+    // 1.7 KB, holds about 24 examples); caught in its last batch, it would
+    // rightly finish the task. Stop it, look, stop it for good.
+    trainers[1].stop_mid_task_unpushed(LONG);
     assert!(master.wait(Duration::ZERO).is_none(), "the job ended before the stop\n{}", master.dump());
     trainers[1].signal("TERM");
     trainers[1].signal("CONT");

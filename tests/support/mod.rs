@@ -359,6 +359,15 @@ impl Proc {
         self.last_of(&["got task", "reporting task", first]) == Some(first)
     }
 
+    /// Whether its log says it is in a task's first batch: it got the task
+    /// and no gradient of it was acknowledged yet. A task of several
+    /// batches has batches left then; a look that is merely
+    /// [`mid_task`](Self::mid_task) may have caught its last one.
+    pub fn mid_task_unpushed(&self) -> bool {
+        let first = "first gradients of the task applied";
+        self.last_of(&["got task", "reporting task", first]) == Some("got task")
+    }
+
     /// Which of `marks` its log shows last.
     fn last_of<'a>(&self, marks: &[&'a str]) -> Option<&'a str> {
         let err = self.stderr();
@@ -370,6 +379,12 @@ impl Proc {
     /// panics if it exits or is never caught within `timeout`.
     pub fn stop_mid_task(&mut self, timeout: Duration) {
         self.stop_when(timeout, Self::mid_task)
+    }
+
+    /// [`stop_mid_task`](Self::stop_mid_task), caught in the task's first
+    /// batch (see [`mid_task_unpushed`](Self::mid_task_unpushed)).
+    pub fn stop_mid_task_unpushed(&mut self, timeout: Duration) {
+        self.stop_when(timeout, Self::mid_task_unpushed)
     }
 
     /// [`stop_mid_task`](Self::stop_mid_task), caught once some of the
