@@ -233,6 +233,10 @@ impl Capture {
     }
 }
 
+/// A trainer's log line once the first push of the task in hand is
+/// acknowledged (`oar_trainer::worker`).
+const FIRST_APPLIED: &str = "first gradients of the task applied";
+
 impl Proc {
     /// Start `command` as the process called `name`.
     pub fn spawn(name: &str, mut command: Command) -> Proc {
@@ -355,8 +359,7 @@ impl Proc {
     /// Whether its log says it is in the middle of a task some of whose
     /// gradients the pservers acknowledged.
     pub fn mid_task_pushed(&self) -> bool {
-        let first = "first gradients of the task applied";
-        self.last_of(&["got task", "reporting task", first]) == Some(first)
+        self.last_of(&["got task", "reporting task", FIRST_APPLIED]) == Some(FIRST_APPLIED)
     }
 
     /// Whether its log says it is in a task's first batch: it got the task
@@ -364,8 +367,7 @@ impl Proc {
     /// batches has batches left then; a look that is merely
     /// [`mid_task`](Self::mid_task) may have caught its last one.
     pub fn mid_task_unpushed(&self) -> bool {
-        let first = "first gradients of the task applied";
-        self.last_of(&["got task", "reporting task", first]) == Some("got task")
+        self.last_of(&["got task", "reporting task", FIRST_APPLIED]) == Some("got task")
     }
 
     /// Which of `marks` its log shows last.
