@@ -44,12 +44,16 @@
 //!
 //! **Layout.** Rows live in an arena of chunks of up to 4096 rows, each an
 //! `Arc` holding its rows' floats (a row is `dim` parameters then each
-//! optimizer slot's `dim` values) and their metadata (id, step, count,
-//! last seen); an index maps id to arena slot, hashed with the SplitMix64
-//! mixer (two multiplies and three shifts) rather than SipHash, whose
-//! resistance to chosen keys is not needed for ids from the job's own
-//! trainers. Freed slots are reused, and an index whose removals have
-//! filled it with tombstones is rebuilt in place rather than doubled. A
+//! optimizer slot's `dim` values, the chunk's floats starting on a cache
+//! line) and their metadata (id, step, count, last seen: one 32-byte
+//! record per row, so a row costs the CPU few cache lines). An index of
+//! its own maps id to arena slot: linear probing over 16-byte entries,
+//! at most 3/4 full, hashed with the SplitMix64 mixer (two multiplies and
+//! three shifts) rather than SipHash, whose resistance to chosen keys is
+//! not needed for ids from the job's own trainers. An id's entry is
+//! almost always in the cache line its hash names, so a call's lookups
+//! prefetch their lines ahead, as they do the rows; a removal shifts its
+//! run back, leaving no tombstone. Freed slots are reused. A
 //! [`TableSnapshot`] clones the chunk list, no float copied; an update
 //! copies a chunk first only while a snapshot still shares it, as
 //! `ParamStore` does with its blocks (one copy-on-write check per row
@@ -103,13 +107,14 @@ const CHUNK_ROWS: usize = 4096;
 const CHUNK_FLOATS: usize = 1 << 20;
 
 /// Resident bytes of a row's metadata in its chunk: id, step, last seen
-/// (8 each) and count (4).
-const META_BYTES: usize = 28;
+/// (8 each) and count (4), in a record of 32 ([`RowMeta`]).
+const META_BYTES: usize = std::mem::size_of::<RowMeta>();
 
-/// Resident bytes of a row's index entry: a 16-byte (id, slot) bucket plus
-/// its control byte, at between 1.14 and 2.3 buckets per row (the index
-/// grows by doubling, or is reserved for `max_rows`); the estimate takes 1.5.
-const INDEX_BYTES: usize = 26;
+/// Resident bytes of a row's index entry: a 16-byte (id, slot) entry, at
+/// between 1.33 and 2.67 entries per row (the index is at most 3/4 full
+/// and grows by doubling, or is reserved for `max_rows`); the estimate
+/// takes 1.5.
+const INDEX_BYTES: usize = 24;
 
 const GOLDEN_GAMMA: u64 = 0x9E37_79B9_7F4A_7C15;
 
@@ -243,8 +248,8 @@ pub fn row_shard_hashed(table_hash: u64, id: u64, shards: u32) -> u32 {
 
 /// Resident bytes per row of a table of `dim` floats per row and
 /// `state_slots` optimizer slots: the floats (`4 * dim * (1 + state_slots)`),
-/// the row's metadata (28) and its index entry (26: a 17-byte bucket, at
-/// 1.5 buckets per row). Divide a shard's memory budget for a table by it
+/// the row's metadata (32) and its index entry (24: a 16-byte entry, at
+/// 1.5 entries per row). Divide a shard's memory budget for a table by it
 /// to get `max_rows`.
 ///
 /// Raw, a row is its floats and its 8-byte id, so the estimate is within
@@ -255,11 +260,9 @@ pub fn row_shard_hashed(table_hash: u64, id: u64, shards: u32) -> u32 {
 /// (rows, and slots freed by eviction or expiry that new rows reuse), so
 /// `max_rows * row_bytes` covers its arena. Not counted in it:
 /// - the index's actual size: reserved for `max_rows` up front, with the
-///   power-of-two bucket count at or above `max_rows * 8 / 7`, so 1.14 to
-///   2.3 buckets (19 to 39 bytes) per row of the cap, against the 26 taken
-///   here. Eviction does not grow it (it is rebuilt in place when removals
-///   have filled it with tombstones), unless `max_rows` is within 1/16 of
-///   what the reservation holds: then it may double, once;
+///   power-of-two entry count at or above `max_rows * 4 / 3`, so 1.33 to
+///   2.67 entries (21 to 43 bytes) per row of the cap, against the 24
+///   taken here. Eviction never grows it (a removal leaves no tombstone);
 /// - eviction's keys, kept for the next eviction: `2 * max(1, max_rows /
 ///   32)` of 32 bytes, so 2 bytes per row of the cap; and while a push
 ///   evicts, 16 bytes per expired row it drops;
@@ -269,8 +272,9 @@ pub fn row_shard_hashed(table_hash: u64, id: u64, shards: u32) -> u32 {
 /// - the allocator's own overhead, and memory it keeps after a free.
 ///
 /// Measured with dim 16 and Adam, a 400,000-row cap under a long Zipf
-/// stream (`bench/src/bin/bench_sparse.rs`): resident 1.00x `max_rows *
-/// row_bytes`.
+/// stream (`bench/src/bin/bench_sparse.rs`): resident 1.09x `max_rows *
+/// row_bytes`, the index being at the top of its range there (1,048,576
+/// entries for 400,000 rows, 42 bytes per row).
 pub fn row_bytes(dim: usize, state_slots: usize) -> usize {
     dim.saturating_mul(state_slots.saturating_add(1))
         .saturating_mul(4)
@@ -314,6 +318,9 @@ impl BuildHasher for IdHash {
 
 type IdMap<V> = HashMap<u64, V, IdHash>;
 
+mod slot_index;
+use slot_index::SlotIndex;
+
 /// How many ids ahead [`SparseTable::gather`] and [`SparseTable::apply`]
 /// prefetch a row: a row's lines are scattered over the arena, and its
 /// reads otherwise wait on memory one row at a time.
@@ -333,48 +340,85 @@ fn prefetch<T>(value: &T) {
     let _ = value;
 }
 
-/// Up to `chunk_rows` rows of the arena. Every vector holds one entry per
-/// slot in use or freed (`floats` `stride` per slot); a freed slot has
-/// count 0 (a held row has been pushed at least once).
+/// Up to `chunk_rows` rows of the arena: row `r`'s floats at `r * stride`
+/// in `lines`, its metadata at `meta[r]`. A freed row has count 0 (a held
+/// row has been pushed at least once).
+///
+/// The layout is for the cache: a row's metadata is one 32-byte record
+/// (never across two cache lines), and the floats start on a cache line,
+/// so a row whose stride is a multiple of 16 floats (dim 16 with Adam, say)
+/// spans exactly `stride / 16` lines. A push or pull of a row touches about
+/// 4 lines at dim 16 with Adam, where separate vectors per field and an
+/// unaligned arena touched 7.
 #[derive(Clone, Debug, Default)]
 struct Chunk {
-    floats: Vec<f32>,
-    ids: Vec<u64>,
-    steps: Vec<u64>,
-    seen: Vec<u64>,
-    counts: Vec<u32>,
+    lines: Vec<Line>,
+    meta: Vec<RowMeta>,
+}
+
+/// 16 floats, one 64-byte cache line: the unit a chunk's floats are held
+/// in, so that they start on a line.
+#[derive(Clone, Copy, Debug)]
+#[repr(C, align(64))]
+struct Line([f32; 16]);
+
+// SAFETY: `Line` is `repr(C)` over 16 `f32` (64 bytes) with alignment 64:
+// no padding, and any bit pattern (all zeros included) is a valid value.
+unsafe impl bytemuck::Zeroable for Line {}
+// SAFETY: as above; `Line` is `Copy` and `'static`.
+unsafe impl bytemuck::Pod for Line {}
+
+/// A row's metadata, together in one 32-byte record.
+#[derive(Clone, Copy, Debug, Default)]
+#[repr(C, align(32))]
+struct RowMeta {
+    id: u64,
+    /// The optimizer's updates of the row.
+    step: u64,
+    /// The store step of its last push.
+    seen: u64,
+    /// Pushes of its id; 0 for a freed row.
+    count: u32,
 }
 
 impl Chunk {
     fn with_capacity(rows: usize, stride: usize) -> Self {
         Self {
-            floats: Vec::with_capacity(rows.saturating_mul(stride)),
-            ids: Vec::with_capacity(rows),
-            steps: Vec::with_capacity(rows),
-            seen: Vec::with_capacity(rows),
-            counts: Vec::with_capacity(rows),
+            lines: Vec::with_capacity(rows.saturating_mul(stride).div_ceil(16)),
+            meta: Vec::with_capacity(rows),
         }
     }
 
     fn rows(&self) -> usize {
-        self.ids.len()
+        self.meta.len()
+    }
+
+    fn floats(&self) -> &[f32] {
+        bytemuck::cast_slice(&self.lines)
+    }
+
+    /// Row `r`'s `stride` floats.
+    fn row(&self, r: usize, stride: usize) -> &[f32] {
+        &self.floats()[r * stride..][..stride]
+    }
+
+    /// Row `r`'s `stride` floats and its metadata, to update together.
+    fn row_mut(&mut self, r: usize, stride: usize) -> (&mut [f32], &mut RowMeta) {
+        let floats: &mut [f32] = bytemuck::cast_slice_mut(&mut self.lines);
+        (&mut floats[r * stride..][..stride], &mut self.meta[r])
     }
 
     /// Make row `r` (a freed one, or the next one at the chunk's end) a row
     /// of `id` with this metadata; its `stride` floats are the caller's to
     /// write.
     fn put(&mut self, r: usize, id: u64, stride: usize, step: u64, count: u32, seen: u64) {
+        let meta = RowMeta { id, step, seen, count };
         if r == self.rows() {
-            self.floats.resize(self.floats.len() + stride, 0.0);
-            self.ids.push(id);
-            self.steps.push(step);
-            self.seen.push(seen);
-            self.counts.push(count);
+            let lines = (r + 1).saturating_mul(stride).div_ceil(16);
+            self.lines.resize(lines, Line([0.0; 16]));
+            self.meta.push(meta);
         } else {
-            self.ids[r] = id;
-            self.steps[r] = step;
-            self.seen[r] = seen;
-            self.counts[r] = count;
+            self.meta[r] = meta;
         }
     }
 }
@@ -447,11 +491,11 @@ pub struct SparseTable {
     chunks: Vec<Arc<Chunk>>,
     /// Freed slots, reused before the arena grows.
     free: Vec<u32>,
+    /// Rows freed over the table's life: `apply` trusts the slots it
+    /// looked up before a push only while this has not moved.
+    freed: u64,
     /// id -> arena slot (`chunk * chunk_rows + row`).
-    index: IdMap<u32>,
-    /// The most ids `index` has had room for without reallocating: what
-    /// its `capacity()` is back to once rebuilt (see `index_room_for_one`).
-    index_room: usize,
+    index: SlotIndex,
     /// id -> (count, last_seen).
     candidates: IdMap<(u32, u64)>,
     /// The life counters (`rows` and `candidates` unused).
@@ -492,14 +536,13 @@ impl SparseTable {
         let stride = spec.dim * (1 + state_slots);
         let chunk_rows = (CHUNK_FLOATS / stride).clamp(1, CHUNK_ROWS);
         let cap = spec.policy.cap();
-        let mut index = IdMap::default();
+        let mut index = SlotIndex::default();
         let mut chunks = Vec::new();
         if spec.policy.max_rows.is_some() {
             // A reservation that fails (address space) only means growing later.
             let _ = index.try_reserve(cap);
             let _ = chunks.try_reserve(cap.div_ceil(chunk_rows));
         }
-        let index_room = index.capacity();
         Ok(Self {
             base: table_base(seed, &spec.name),
             spec,
@@ -510,8 +553,8 @@ impl SparseTable {
             cap,
             chunks,
             free: Vec::new(),
+            freed: 0,
             index,
-            index_room,
             candidates: IdMap::default(),
             counters: TableStats::default(),
             scratch: Vec::new(),
@@ -573,7 +616,7 @@ impl SparseTable {
                 self.prefetch_row(ahead, dim);
             }
             match slot.and_then(|slot| self.live_at(slot, now)) {
-                Some((c, r)) => out.copy_from_slice(&self.chunks[c].floats[r * self.stride..][..dim]),
+                Some((c, r)) => out.copy_from_slice(&self.chunks[c].row(r, self.stride)[..dim]),
                 None => fill_row(&self.spec.init, self.base, id, out),
             }
         }
@@ -636,35 +679,48 @@ impl SparseTable {
                 self.next_sweep = now.saturating_add(after.max(SWEEP_EVERY));
             }
         }
-        // Slots as they are before this push, to prefetch rows ahead: an
-        // admission or eviction on the way may make one stale, which only
-        // makes its prefetch useless.
+        // The slots as they are before this push, looked up once: each id's
+        // row is prefetched by them ahead of its update, and updated by
+        // them while they still hold. Only freeing a row (an eviction, an
+        // expiry) takes an id off its slot, and only admitting one gives an
+        // absent id a slot (another id's, unless the ids repeat, which
+        // `check` refuses); after either, the kind of lookup it may have
+        // made stale is made again.
         let slots = self.slots_of(ids);
-        for (i, (&id, grad)) in ids.iter().zip(grads.chunks_exact(self.spec.dim)).enumerate() {
+        let (freed, admitted) = (self.freed, self.counters.admitted);
+        for (i, ((&id, grad), &slot)) in
+            ids.iter().zip(grads.chunks_exact(self.spec.dim)).zip(&slots).enumerate()
+        {
             if let Some(&Some(ahead)) = slots.get(i + PREFETCH_AHEAD) {
                 self.prefetch_row(ahead, self.stride);
             }
-            self.apply_one(id, grad, now, opt);
+            let stale = match slot {
+                Some(_) => self.freed != freed,
+                None => self.counters.admitted != admitted,
+            };
+            let slot = if stale { self.index.get(id) } else { slot };
+            self.apply_one(id, slot, grad, now, opt);
         }
     }
 
-    /// One id of [`apply`](Self::apply). Each row it writes is written
-    /// through a single `Arc::make_mut` of its chunk (a copy-on-write check,
-    /// an atomic operation): metadata, values and optimizer state together.
-    fn apply_one(&mut self, id: u64, grad: &[f32], now: u64, opt: &dyn Optimizer) {
+    /// One id of [`apply`](Self::apply), held at `slot` in the index, or
+    /// not held. Each row it writes is written through a single
+    /// `Arc::make_mut` of its chunk (a copy-on-write check, an atomic
+    /// operation): metadata, values and optimizer state together.
+    fn apply_one(&mut self, id: u64, slot: Option<u32>, grad: &[f32], now: u64, opt: &dyn Optimizer) {
         let (dim, stride) = (self.spec.dim, self.stride);
-        if let Some(&slot) = self.index.get(&id) {
+        if let Some(slot) = slot {
             let (c, r) = self.locate(slot);
-            if self.spec.policy.expired(self.chunks[c].seen[r], now) {
+            if self.spec.policy.expired(self.chunks[c].meta[r].seen, now) {
                 // Dropped: the id goes on below as one not held.
                 self.free_slot(id, slot);
                 self.counters.expired += 1;
             } else {
-                let chunk = Arc::make_mut(&mut self.chunks[c]);
-                chunk.counts[r] = chunk.counts[r].saturating_add(1);
-                chunk.seen[r] = now;
-                let (params, slots) = chunk.floats[r * stride..][..stride].split_at_mut(dim);
-                opt.apply_row(params, grad, &mut chunk.steps[r], slots);
+                let (row, meta) = Arc::make_mut(&mut self.chunks[c]).row_mut(r, stride);
+                meta.count = meta.count.saturating_add(1);
+                meta.seen = now;
+                let (params, slots) = row.split_at_mut(dim);
+                opt.apply_row(params, grad, &mut meta.step, slots);
                 return;
             }
         }
@@ -692,10 +748,11 @@ impl SparseTable {
         let (c, r) = self.take_slot(id);
         let chunk = Arc::make_mut(&mut self.chunks[c]);
         chunk.put(r, id, stride, 0, count, now);
-        let (params, slots) = chunk.floats[r * stride..][..stride].split_at_mut(dim);
+        let (row, meta) = chunk.row_mut(r, stride);
+        let (params, slots) = row.split_at_mut(dim);
         fill_row(&self.spec.init, self.base, id, params);
         slots.fill(0.0);
-        opt.apply_row(params, grad, &mut chunk.steps[r], slots);
+        opt.apply_row(params, grad, &mut meta.step, slots);
     }
 
     /// Drop the rows and candidates expired at `now`, for their memory
@@ -709,7 +766,7 @@ impl SparseTable {
         let policy = self.spec.policy.clone();
         let expired: Vec<(u64, u32)> = self
             .live_slots()
-            .filter(|&(_, c, r)| policy.expired(self.chunks[c].seen[r], now))
+            .filter(|&(_, c, r)| policy.expired(self.chunks[c].meta[r].seen, now))
             .map(|(id, c, r)| (id, self.slot_of(c, r)))
             .collect();
         self.counters.expired += expired.len() as u64;
@@ -806,8 +863,8 @@ impl SparseTable {
         if row.count == 0 {
             return Err(bad("count 0: a held row has been pushed at least once".into()));
         }
-        let (c, r) = match self.index.get(&row.id) {
-            Some(&slot) => self.locate(slot),
+        let (c, r) = match self.index.get(row.id) {
+            Some(slot) => self.locate(slot),
             None if self.index.len() >= self.cap => {
                 return Err(bad(format!("the table already holds its {} rows", self.cap)));
             }
@@ -818,7 +875,7 @@ impl SparseTable {
         };
         let chunk = Arc::make_mut(&mut self.chunks[c]);
         chunk.put(r, row.id, stride, row.step, row.count, row.last_seen);
-        let (params, slots) = chunk.floats[r * stride..][..stride].split_at_mut(dim);
+        let (params, slots) = chunk.row_mut(r, stride).0.split_at_mut(dim);
         params.copy_from_slice(row.params);
         slots.copy_from_slice(row.slots);
         Ok(())
@@ -835,7 +892,7 @@ impl SparseTable {
         if candidate.count == 0 {
             return Err(bad("count 0: a candidate has been pushed at least once"));
         }
-        if self.index.contains_key(&candidate.id) {
+        if self.index.contains_key(candidate.id) {
             return Err(bad("the id is a held row"));
         }
         if !self.candidates.contains_key(&candidate.id) && self.candidates.len() >= self.cap {
@@ -864,19 +921,30 @@ impl SparseTable {
 
     /// The chunk and row of `id` if held and not expired at `now`.
     fn live(&self, id: u64, now: u64) -> Option<(usize, usize)> {
-        self.live_at(*self.index.get(&id)?, now)
+        self.live_at(self.index.get(id)?, now)
     }
 
     /// The chunk and row of an indexed `slot` if not expired at `now`.
     fn live_at(&self, slot: u32, now: u64) -> Option<(usize, usize)> {
         let (c, r) = self.locate(slot);
-        (!self.spec.policy.expired(self.chunks[c].seen[r], now)).then_some((c, r))
+        (!self.spec.policy.expired(self.chunks[c].meta[r].seen, now)).then_some((c, r))
     }
 
     /// The index's slot of each of `ids`, if held. Probes without a
     /// dependency between them, which the CPU runs side by side.
     fn slots_of(&self, ids: &[u64]) -> Vec<Option<u32>> {
-        ids.iter().map(|id| self.index.get(id).copied()).collect()
+        for &id in ids.iter().take(PREFETCH_AHEAD) {
+            self.index.prefetch(id);
+        }
+        ids.iter()
+            .enumerate()
+            .map(|(i, &id)| {
+                if let Some(&ahead) = ids.get(i + PREFETCH_AHEAD) {
+                    self.index.prefetch(ahead);
+                }
+                self.index.get(id)
+            })
+            .collect()
     }
 
     /// Ask the CPU to fetch the row at `slot`: its metadata and its first
@@ -884,15 +952,9 @@ impl SparseTable {
     fn prefetch_row(&self, slot: u32, floats: usize) {
         let (c, r) = self.locate(slot);
         let Some(chunk) = self.chunks.get(c) else { return };
-        let (Some(seen), Some(count), Some(step)) =
-            (chunk.seen.get(r), chunk.counts.get(r), chunk.steps.get(r))
-        else {
-            return;
-        };
-        prefetch(seen);
-        prefetch(count);
-        prefetch(step);
-        if let Some(row) = chunk.floats.get(r * self.stride..r * self.stride + floats) {
+        let Some(meta) = chunk.meta.get(r) else { return };
+        prefetch(meta);
+        if let Some(row) = chunk.floats().get(r * self.stride..r * self.stride + floats) {
             // One prefetch per 64-byte cache line (16 floats), and the last.
             row.iter().step_by(16).chain(row.last()).for_each(prefetch);
         }
@@ -907,7 +969,6 @@ impl SparseTable {
     /// one at the arena's end (a chunk pushed if the last is full). The
     /// caller writes the row with [`Chunk::put`] before taking another.
     fn take_slot(&mut self, id: u64) -> (usize, usize) {
-        self.index_room_for_one();
         let slot = match self.free.pop() {
             Some(slot) => slot,
             None => {
@@ -920,39 +981,14 @@ impl SparseTable {
             }
         };
         self.index.insert(id, slot);
-        // An insert that grew the index (or rehashed it) left no tombstone.
-        self.index_room = self.index_room.max(self.index.capacity());
         self.locate(slot)
     }
 
-    /// Before an id goes into the index: if it is full only because
-    /// removals left tombstones in it (at least 1/16 of its room), rebuild
-    /// it in place, with no allocation: clear it (which keeps its buckets)
-    /// and insert every held row again. The index otherwise doubles: it
-    /// does not reuse tombstones in place while more than half full, so a
-    /// capped table under eviction would double the index reserved for its
-    /// cap. The 1/16 bounds the work: a rebuild of `n` rows makes room for
-    /// at least `room / 16` inserts.
-    fn index_room_for_one(&mut self) {
-        let (held, room) = (self.index.len(), self.index.capacity());
-        self.index_room = self.index_room.max(room);
-        let lost = self.index_room - held;
-        if held < room || lost == 0 || lost < self.index_room / 16 {
-            return;
-        }
-        self.index.clear();
-        let chunk_rows = self.chunk_rows;
-        for (id, c, r) in live_slots(&self.chunks) {
-            // As `slot_of`: held slots fit in a u32.
-            self.index.insert(id, (c * chunk_rows + r) as u32);
-        }
-        self.index_room = self.index_room.max(self.index.capacity());
-    }
-
     fn free_slot(&mut self, id: u64, slot: u32) {
-        self.index.remove(&id);
+        self.freed += 1;
+        self.index.remove(id);
         let (c, r) = self.locate(slot);
-        Arc::make_mut(&mut self.chunks[c]).counts[r] = 0;
+        Arc::make_mut(&mut self.chunks[c]).meta[r].count = 0;
         self.free.push(slot);
     }
 
@@ -972,7 +1008,7 @@ impl SparseTable {
         let chunk_rows = self.chunk_rows;
         let all = live_slots(&self.chunks).filter_map(|(id, c, r)| {
             let chunk = &self.chunks[c];
-            let (seen, count) = (chunk.seen[r], chunk.counts[r]);
+            let RowMeta { seen, count, .. } = chunk.meta[r];
             // As `slot_of`: held slots fit in a u32.
             let slot = (c * chunk_rows + r) as u32;
             if policy.expired(seen, now) {
@@ -1073,19 +1109,14 @@ fn batch_excess(held: usize, cap: usize) -> usize {
 
 fn live_slots(chunks: &[Arc<Chunk>]) -> impl Iterator<Item = (u64, usize, usize)> + '_ {
     chunks.iter().enumerate().flat_map(|(c, chunk)| {
-        chunk
-            .counts
-            .iter()
-            .zip(&chunk.ids)
-            .enumerate()
-            .filter(|(_, (&n, _))| n > 0)
-            .map(move |(r, (_, &id))| (id, c, r))
+        chunk.meta.iter().enumerate().filter(|(_, m)| m.count > 0).map(move |(r, m)| (m.id, c, r))
     })
 }
 
 fn record(chunk: &Chunk, r: usize, id: u64, dim: usize, stride: usize) -> RowRecord<'_> {
-    let (params, slots) = chunk.floats[r * stride..][..stride].split_at(dim);
-    RowRecord { id, params, step: chunk.steps[r], slots, count: chunk.counts[r], last_seen: chunk.seen[r] }
+    let (params, slots) = chunk.row(r, stride).split_at(dim);
+    let RowMeta { step, count, seen, .. } = chunk.meta[r];
+    RowRecord { id, params, step, slots, count, last_seen: seen }
 }
 
 /// A consistent copy of a [`SparseTable`] (see [`SparseTable::snapshot`]):
@@ -1434,7 +1465,7 @@ mod tests {
     }
 
     /// A capped table under a long stream of new ids: the index keeps the
-    /// buckets reserved for the cap (rebuilt in place, never grown), the
+    /// entries reserved for the cap (never grown), the
     /// eviction keys stay within `2 * max(1, cap / 32)`, and every held row
     /// is found by its id.
     #[test]
@@ -1462,15 +1493,41 @@ mod tests {
             }
             let stats = t.stats();
             assert!(stats.evicted > 10 * cap as u64, "{stats:?}");
-            // Tombstones aside (they take room), the index has its reserved buckets.
-            assert!(t.index.capacity() <= room, "{evict:?}: the index grew");
-            assert_eq!(t.index_room, room, "{evict:?}: the index grew");
+            // The index has the room reserved for the cap, no more.
+            assert_eq!(t.index.capacity(), room, "{evict:?}: the index grew");
             assert!(t.scratch.capacity() <= 2 * (cap / 32), "{}", t.scratch.capacity());
             let snap = t.snapshot();
             assert_eq!(snap.records().count(), t.len());
             for r in snap.records() {
                 assert_eq!(t.row(r.id, 399).map(|x| x.params), Some(r.params), "row {}", r.id);
             }
+        }
+    }
+
+    /// `apply` looks a push's slots up once, before the first update. A
+    /// row admitted on the way (a repeated id, which `check` refuses but
+    /// `apply` takes) or evicted on the way (an id later in the same push,
+    /// its slot then given to the new row) must not be updated by its stale
+    /// slot: each push gives what its ids applied one call at a time give.
+    #[test]
+    fn rows_admitted_or_evicted_within_a_push_are_looked_up_again() {
+        let sgd = Sgd { lr: 0.5 };
+        let capped = RowPolicy { max_rows: Some(4), evict: Eviction::Lru, ..RowPolicy::default() };
+        // id 1 is the least recent row; admitting 10 evicts it and reuses its slot.
+        let cases: [(RowPolicy, &[u64]); 3] =
+            [(RowPolicy::default(), &[4, 4, 5, 4]), (capped.clone(), &[10, 1]), (capped, &[10, 2, 1, 11, 3])];
+        for (policy, push) in cases {
+            let (mut whole, mut one_by_one) = (table(policy.clone()), table(policy));
+            for (now, id) in [(0, 1), (1, 2), (2, 3), (3, 4)] {
+                whole.apply(&[id], &[1.0; 4], now, &sgd);
+                one_by_one.apply(&[id], &[1.0; 4], now, &sgd);
+            }
+            let grads: Vec<f32> = (0..push.len() * 4).map(|i| i as f32 * 0.25).collect();
+            whole.apply(push, &grads, 9, &sgd);
+            for (&id, grad) in push.iter().zip(grads.chunks_exact(4)) {
+                one_by_one.apply(&[id], grad, 9, &sgd);
+            }
+            assert_eq!(everything(&whole), everything(&one_by_one), "push {push:?}");
         }
     }
 

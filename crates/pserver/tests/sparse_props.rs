@@ -17,8 +17,8 @@ const IDS: u64 = 12;
 /// Ids of the tables big enough to evict in batches (caps of 32 and more).
 const BIG_IDS: u64 = 120;
 /// Ids of the tables that churn: many times their cap, so rows are evicted
-/// again and again (up to 10 at once), and the index fills with tombstones
-/// and is rebuilt.
+/// again and again (up to 10 at once), and the index's runs are shifted
+/// back by removal after removal.
 const CHURN_IDS: u64 = 2000;
 const SEED: u64 = 11;
 const MAX_DIM: usize = 4;
