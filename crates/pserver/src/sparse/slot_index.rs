@@ -11,17 +11,30 @@
 
 use crate::rng::mix64;
 
-/// The slot of a vacant entry: a table's slots are below its cap, at most
-/// `u32::MAX`, so never this.
-const VACANT_SLOT: u32 = u32::MAX;
-
+/// An id and its slot, stored plus one so that a vacant entry is all
+/// zeros: a new index is then zeroed memory, which the kernel hands out
+/// untouched, and an index reserved for a large cap costs address space
+/// only until rows arrive. (A table's slots are below its cap, at most
+/// `u32::MAX`, so the sum fits.)
 #[derive(Clone, Copy, Debug)]
 struct Entry {
     id: u64,
-    slot: u32,
+    slot_plus_one: u32,
 }
 
-const VACANT: Entry = Entry { id: 0, slot: VACANT_SLOT };
+// SAFETY: two integers; all zeros is a valid `Entry` (the vacant one).
+unsafe impl bytemuck::Zeroable for Entry {}
+
+const VACANT: Entry = Entry { id: 0, slot_plus_one: 0 };
+
+/// The fewest entries of an index that has any.
+const MIN_ENTRIES: usize = 16;
+
+impl Entry {
+    fn vacant(&self) -> bool {
+        self.slot_plus_one == 0
+    }
+}
 
 /// Id → slot. Slots must be below `u32::MAX`.
 #[derive(Clone, Debug, Default)]
@@ -46,17 +59,25 @@ impl SlotIndex {
         self.entries.len() / 4 * 3
     }
 
-    /// Room for `ids` without growing, if the memory can be had.
-    pub(crate) fn try_reserve(&mut self, ids: usize) -> Result<(), std::collections::TryReserveError> {
+    /// Room for `ids` without growing, if the memory can be had; false
+    /// (the index as it was) if not. The new entries are zeroed memory.
+    pub(crate) fn try_reserve(&mut self, ids: usize) -> bool {
         if ids <= self.capacity() {
-            return Ok(());
+            return true;
         }
-        let want = ids.saturating_add(ids.div_ceil(3)).checked_next_power_of_two().unwrap_or(usize::MAX);
-        let mut entries = Vec::new();
-        entries.try_reserve_exact(want)?;
-        entries.resize(want, VACANT);
-        self.rehash_into(entries);
-        Ok(())
+        // A power of two of at least 16 (so divisible by 4) and at least
+        // 4/3 of `ids`: 3/4 of it holds `ids`.
+        let Some(want) = ids.checked_add(ids.div_ceil(3)).and_then(usize::checked_next_power_of_two) else {
+            return false;
+        };
+        let want = want.max(MIN_ENTRIES);
+        match bytemuck::allocation::try_zeroed_vec(want) {
+            Ok(entries) => {
+                self.rehash_into(entries);
+                true
+            }
+            Err(()) => false,
+        }
     }
 
     fn mask(&self) -> usize {
@@ -74,7 +95,7 @@ impl SlotIndex {
         let mut i = self.home(id);
         loop {
             let e = self.entries[i];
-            if e.slot == VACANT_SLOT {
+            if e.vacant() {
                 return (i, false);
             }
             if e.id == id {
@@ -90,7 +111,7 @@ impl SlotIndex {
             return None;
         }
         match self.find(id) {
-            (i, true) => Some(self.entries[i].slot),
+            (i, true) => Some(self.entries[i].slot_plus_one - 1),
             _ => None,
         }
     }
@@ -108,12 +129,12 @@ impl SlotIndex {
 
     /// Map `id` to `slot` (below `u32::MAX`), replacing what it had.
     pub(crate) fn insert(&mut self, id: u64, slot: u32) {
-        debug_assert_ne!(slot, VACANT_SLOT);
+        debug_assert_ne!(slot, u32::MAX);
         if self.len >= self.capacity() {
             self.grow();
         }
         let (i, held) = self.find(id);
-        self.entries[i] = Entry { id, slot };
+        self.entries[i] = Entry { id, slot_plus_one: slot.saturating_add(1) };
         if !held {
             self.len += 1;
         }
@@ -127,12 +148,12 @@ impl SlotIndex {
             return None;
         }
         let (mut hole, true) = self.find(id) else { return None };
-        let slot = self.entries[hole].slot;
+        let slot = self.entries[hole].slot_plus_one - 1;
         let mask = self.mask();
         let mut j = (hole + 1) & mask;
         loop {
             let e = self.entries[j];
-            if e.slot == VACANT_SLOT {
+            if e.vacant() {
                 break;
             }
             // `e` may fill the hole if the hole is on its probe, from its
@@ -152,18 +173,18 @@ impl SlotIndex {
     /// Every (id, slot), in no order.
     #[cfg(test)]
     fn iter(&self) -> impl Iterator<Item = (u64, u32)> + '_ {
-        self.entries.iter().filter(|e| e.slot != VACANT_SLOT).map(|e| (e.id, e.slot))
+        self.entries.iter().filter(|e| !e.vacant()).map(|e| (e.id, e.slot_plus_one - 1))
     }
 
     fn grow(&mut self) {
-        let size = (self.entries.len() * 2).max(16);
+        let size = (self.entries.len() * 2).max(MIN_ENTRIES);
         self.rehash_into(vec![VACANT; size]);
     }
 
     fn rehash_into(&mut self, entries: Vec<Entry>) {
         let old = std::mem::replace(&mut self.entries, entries);
         self.len = 0;
-        for e in old.into_iter().filter(|e| e.slot != VACANT_SLOT) {
+        for e in old.into_iter().filter(|e| !e.vacant()) {
             let (i, _) = self.find(e.id);
             self.entries[i] = e;
             self.len += 1;
@@ -213,7 +234,7 @@ mod tests {
                     Op::Remove(id) => prop_assert_eq!(index.remove(id), model.remove(&id)),
                     Op::Get(id) => prop_assert_eq!(index.get(id), model.get(&id).copied()),
                     Op::Reserve(n) => {
-                        prop_assert!(index.try_reserve(model.len() + n).is_ok());
+                        prop_assert!(index.try_reserve(model.len() + n));
                         prop_assert!(index.capacity() >= model.len() + n);
                     }
                 }
@@ -228,12 +249,36 @@ mod tests {
         }
     }
 
+    /// Resident memory of this process, from `/proc/self/status`.
+    #[cfg(target_os = "linux")]
+    fn resident_bytes() -> u64 {
+        let status = std::fs::read_to_string("/proc/self/status").unwrap();
+        let line = status.lines().find(|l| l.starts_with("VmRSS:")).unwrap();
+        line.split_whitespace().nth(1).unwrap().parse::<u64>().unwrap() * 1024
+    }
+
+    /// An index reserved for a large cap is zeroed memory the kernel has
+    /// not handed out yet: 512 MiB of entries reserved, far less resident
+    /// (other tests of this binary run alongside, hence the margin).
+    #[cfg(target_os = "linux")]
+    #[test]
+    fn a_reservation_is_address_space_until_used() {
+        let before = resident_bytes();
+        let mut index = SlotIndex::default();
+        assert!(index.try_reserve(1 << 24));
+        assert_eq!(index.entries.len() * std::mem::size_of::<Entry>(), 512 << 20);
+        index.insert(7, 70);
+        assert_eq!(index.get(7), Some(70));
+        let grown = resident_bytes().saturating_sub(before);
+        assert!(grown < 128 << 20, "{grown} bytes resident after reserving 512 MiB");
+    }
+
     /// Removals in a run that wraps past the end of the entries leave every
     /// other id findable (the backward shift across the wrap).
     #[test]
     fn removals_keep_wrapped_runs_whole() {
         let mut index = SlotIndex::default();
-        index.try_reserve(12).unwrap();
+        assert!(index.try_reserve(12));
         let last = index.mask();
         // Ids whose home is the last entry or the first: their run wraps.
         let ids: Vec<u64> =
