@@ -272,7 +272,7 @@ pub fn row_shard_hashed(table_hash: u64, id: u64, shards: u32) -> u32 {
 /// - the allocator's own overhead, and memory it keeps after a free.
 ///
 /// Measured with dim 16 and Adam, a 400,000-row cap under a long Zipf
-/// stream (`bench/src/bin/bench_sparse.rs`): resident 1.09x `max_rows *
+/// stream (`bench/src/bin/bench_sparse.rs`): resident 1.10x `max_rows *
 /// row_bytes`, the index being at the top of its range there (1,048,576
 /// entries for 400,000 rows, 42 bytes per row).
 pub fn row_bytes(dim: usize, state_slots: usize) -> usize {
