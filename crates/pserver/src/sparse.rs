@@ -931,7 +931,8 @@ impl SparseTable {
     }
 
     /// The index's slot of each of `ids`, if held. Probes without a
-    /// dependency between them, which the CPU runs side by side.
+    /// dependency between them, which the CPU runs side by side, each
+    /// id's index line prefetched [`PREFETCH_AHEAD`] ids before its probe.
     fn slots_of(&self, ids: &[u64]) -> Vec<Option<u32>> {
         for &id in ids.iter().take(PREFETCH_AHEAD) {
             self.index.prefetch(id);
