@@ -607,7 +607,7 @@ impl SparseTable {
     /// written.
     ///
     /// The ids' slots are looked up first, so the index probes overlap,
-    /// and each row is prefetched [`PREFETCH_AHEAD`] ids before it is read.
+    /// and each row is prefetched 8 ids (`PREFETCH_AHEAD`) before it is read.
     pub fn gather(&self, ids: &[u64], now: u64, out: &mut [f32]) {
         let dim = self.spec.dim;
         let slots = self.slots_of(ids);
