@@ -107,6 +107,16 @@ pub enum Error {
         /// This server's index.
         server: u32,
     },
+    /// A read, push or snapshot of a block whose values a store made to be
+    /// restored ([`ParamStore::new_to_restore`](crate::ParamStore::new_to_restore))
+    /// has not been given yet.
+    #[error("block {block} of server {server} has not been restored yet")]
+    BlockNotRestored {
+        /// The block.
+        block: BlockId,
+        /// This server's index.
+        server: u32,
+    },
     /// A push carries a gradient for a block this server does not hold.
     #[error("push from trainer {trainer:?}: block {block} is not held by server {server}")]
     PushBlockNotHeld {

@@ -464,7 +464,7 @@ impl CatchUp {
                     "snapshot part holds block {id}, not of shard {shard}"
                 )));
             }
-            let len = self.store.block(*id)?.len();
+            let len = self.store.block_len(*id)?;
             let slots = self.store.optimizer().state_slots() * len;
             if params.len() != len || state.slots.len() != slots {
                 return Err(Error::Replication(format!(

@@ -218,9 +218,20 @@ pub enum PushOutcome {
 #[derive(Debug)]
 struct Held {
     id: BlockId,
+    /// The block's length (placement's); its data is empty until restored
+    /// in a store made by [`ParamStore::new_to_restore`].
+    len: usize,
     /// Shared with the snapshots taken since its last update; an update
     /// copies it first if one still holds it (see [`ParamStore::block_mut`]).
     data: Arc<BlockData>,
+}
+
+impl Held {
+    /// Whether the block has its values: always, but in a store made to be
+    /// restored before [`ParamStore::restore_block`] gave them.
+    fn restored(&self) -> bool {
+        self.data.params.len() == self.len
+    }
 }
 
 /// A block's parameters and optimizer state.
@@ -407,6 +418,9 @@ pub struct ParamStore {
     fingerprint: u64,
     /// In `BlockId` order.
     held: Vec<Held>,
+    /// Blocks of `held` whose values are still to be restored (see
+    /// [`ParamStore::new_to_restore`]).
+    unrestored: usize,
     /// This shard's rows of each sparse table, in [`Placement::tables`] order.
     tables: Vec<SparseTable>,
     step: u64,
@@ -509,9 +523,16 @@ impl ParamStore {
     }
 
     /// [`new`](Self::new) for a replica that restores every block before it
-    /// serves (a catch-up from a snapshot): the blocks hold zeros, not
-    /// their initial values, which would only be overwritten (computing
-    /// them is most of a new store's cost). `seed` still gives the initial
+    /// serves (a catch-up from a snapshot): the blocks hold no values until
+    /// [`restore_block`](Self::restore_block) gives them theirs. Neither
+    /// initial values nor zeros are made, since both would only be
+    /// overwritten: for a 10M-float shard with Adam that was 120 MB
+    /// written, and faulted in, for nothing. Until every block is restored
+    /// ([`unrestored`](Self::unrestored) is 0), a push or step naming an
+    /// unrestored block, [`block`](Self::block) of one and
+    /// [`snapshot`](Self::snapshot) are refused with
+    /// [`Error::BlockNotRestored`]; [`blocks`](Self::blocks) shows an
+    /// unrestored block with no values. `seed` still gives the initial
     /// values of the sparse tables' rows not created yet.
     pub fn new_to_restore(
         placement: &Placement,
@@ -538,12 +559,17 @@ impl ParamStore {
         let held: Vec<Held> = placement
             .blocks_on(server)
             .map(|b| {
+                if !init {
+                    let empty = BlockData { params: Vec::new(), state: OptimizerState { step: 0, slots: Vec::new() } };
+                    return Held { id: b.id, len: b.len, data: Arc::new(empty) };
+                }
                 let mut params = vec![0.0; b.len];
                 // Placement only creates blocks of existing parameters.
-                if let (Some(spec), true) = (specs.get(b.id.param as usize), init) {
+                if let Some(spec) = specs.get(b.id.param as usize) {
                     init_values(spec, seed, b.offset, &mut params);
                 }
-                Held { id: b.id, data: Arc::new(BlockData { params, state: optimizer.new_state(b.len) }) }
+                let data = Arc::new(BlockData { params, state: optimizer.new_state(b.len) });
+                Held { id: b.id, len: b.len, data }
             })
             .collect();
         let tables = placement
@@ -552,6 +578,7 @@ impl ParamStore {
             .map(|spec| SparseTable::new(spec.clone(), seed, optimizer.state_slots()))
             .collect::<Result<Vec<_>>>()?;
         let blocks = held.len();
+        let unrestored = held.iter().filter(|h| !h.restored()).count();
         let units = blocks + usize::from(!tables.is_empty());
         Ok(Self {
             server,
@@ -560,6 +587,7 @@ impl ParamStore {
             optimizer,
             fingerprint: placement.fingerprint(),
             held,
+            unrestored,
             tables,
             step: 0,
             pushes: 0,
@@ -663,6 +691,9 @@ impl ParamStore {
     /// trainer that leaves drops its half-taken push, so a dead trainer
     /// cannot hold checkpoints back.
     pub fn snapshot(&self) -> Result<StoreSnapshot> {
+        if let Some(h) = self.held.iter().find(|h| !h.restored()) {
+            return Err(Error::BlockNotRestored { block: h.id, server: self.server });
+        }
         if self.step_underway() || self.push_in_parts_underway() {
             return Err(Error::CheckpointStepUnderway { step: self.step });
         }
@@ -935,9 +966,23 @@ impl ParamStore {
 
     /// The parameters of a held block.
     pub fn block(&self, id: BlockId) -> Result<&[f32]> {
-        self.index(id)
-            .map(|i| self.held[i].data.params.as_slice())
-            .ok_or(Error::BlockNotHeld { block: id, server: self.server })
+        let server = self.server;
+        let held = self.index(id).map(|i| &self.held[i]).ok_or(Error::BlockNotHeld { block: id, server })?;
+        match held.restored() {
+            true => Ok(held.data.params.as_slice()),
+            false => Err(Error::BlockNotRestored { block: id, server }),
+        }
+    }
+
+    /// A held block's length (its values, restored or not).
+    pub fn block_len(&self, id: BlockId) -> Result<usize> {
+        self.index(id).map(|i| self.held[i].len).ok_or(Error::BlockNotHeld { block: id, server: self.server })
+    }
+
+    /// How many blocks of a store made by [`new_to_restore`](Self::new_to_restore)
+    /// are still without their values (0 for any other store).
+    pub fn unrestored(&self) -> usize {
+        self.unrestored
     }
 
     /// The held blocks, in [`BlockId`] order.
@@ -945,7 +990,8 @@ impl ParamStore {
         self.held.iter().map(|h| h.id)
     }
 
-    /// Every held block with its parameters and optimizer state (for checkpoints).
+    /// Every held block with its parameters and optimizer state (for
+    /// checkpoints); a block still to be restored has neither.
     pub fn blocks(&self) -> impl Iterator<Item = (BlockId, &[f32], &OptimizerState)> + '_ {
         self.held.iter().map(|h| (h.id, h.data.params.as_slice(), &h.data.state))
     }
@@ -956,7 +1002,7 @@ impl ParamStore {
     pub fn restore_block(&mut self, id: BlockId, params: Vec<f32>, state: OptimizerState) -> Result<()> {
         let server = self.server;
         let i = self.index(id).ok_or(Error::BlockNotHeld { block: id, server })?;
-        let len = self.held[i].data.params.len();
+        let len = self.held[i].len;
         let slots = self.optimizer.state_slots().saturating_mul(len);
         for (what, values, expected) in
             [("parameters", &params, len), ("optimizer slots", &state.slots, slots)]
@@ -968,6 +1014,7 @@ impl ParamStore {
                 return Err(Error::RestoreNonFinite { block: id, what, index, value: values[index] });
             }
         }
+        self.unrestored -= usize::from(!self.held[i].restored());
         self.held[i].data = Arc::new(BlockData { params, state });
         Ok(())
     }
@@ -1093,7 +1140,10 @@ impl ParamStore {
                     server: self.server,
                 });
             };
-            let expected = self.held[i].data.params.len();
+            if !self.held[i].restored() {
+                return Err(Error::BlockNotRestored { block: id, server: self.server });
+            }
+            let expected = self.held[i].len;
             if g.len() != expected || !g.whole() {
                 return Err(Error::GradLength {
                     trainer: trainer.to_string(),
@@ -1908,6 +1958,53 @@ mod tests {
         assert!(st.snapshot().is_err());
         st.leave("u");
         assert!(!st.push_in_parts_underway() && st.snapshot().is_ok(), "u is gone: nothing to wait for");
+    }
+
+    /// A store made to be restored holds no values (nothing allocated for
+    /// them) and refuses to be read, pushed to or snapshotted until every
+    /// block has its values.
+    #[test]
+    fn a_store_to_restore_serves_nothing_until_every_block_is_restored() {
+        let pl = Placement::new(&specs(), 1, 4).unwrap();
+        let opt = Adam { lr: 0.1, beta1: 0.9, beta2: 0.99, eps: 1e-8 };
+        let full = ParamStore::new(&pl, 0, 1, Box::new(opt.clone()), Mode::Async).unwrap();
+        let mut st = ParamStore::new_to_restore(&pl, 0, 1, Box::new(opt), Mode::Async).unwrap();
+        let ids: Vec<BlockId> = st.block_ids().collect();
+        assert!(ids.len() > 1);
+        assert_eq!(st.unrestored(), ids.len());
+        assert!(st.blocks().all(|(_, p, s)| p.is_empty() && s.slots.is_empty()), "no values made");
+        for &id in &ids {
+            assert_eq!(st.block_len(id).unwrap(), full.block(id).unwrap().len());
+            assert!(matches!(st.block(id), Err(Error::BlockNotRestored { block, .. }) if block == id));
+        }
+        assert!(matches!(st.snapshot(), Err(Error::BlockNotRestored { .. })));
+        let pushed = push_for(&full, "t", 0, 0, 1.0, |_, _| 1.0);
+        assert!(matches!(st.push(pushed.clone()), Err(Error::BlockNotRestored { .. })));
+        assert_eq!(st.step(), 0, "the refused push changed nothing");
+
+        let (last, first) = ids.split_last().unwrap();
+        for &id in first {
+            let len = st.block_len(id).unwrap();
+            st.restore_block(id, vec![2.0; len], OptimizerState { step: 3, slots: vec![0.0; 2 * len] }).unwrap();
+        }
+        assert_eq!(st.unrestored(), 1);
+        assert!(st.block(first[0]).is_ok() && st.block(*last).is_err());
+        assert!(matches!(st.push(pushed.clone()), Err(Error::BlockNotRestored { block, .. }) if block == *last));
+        // A restored block restored again counts once.
+        let len = st.block_len(first[0]).unwrap();
+        st.restore_block(first[0], vec![2.0; len], OptimizerState { step: 3, slots: vec![0.0; 2 * len] }).unwrap();
+        assert_eq!(st.unrestored(), 1);
+        // Wrong lengths are refused against the placement's, not the empty values.
+        assert!(matches!(
+            st.restore_block(*last, Vec::new(), OptimizerState { step: 0, slots: Vec::new() }),
+            Err(Error::RestoreLength { what: "parameters", got: 0, .. })
+        ));
+        let len = st.block_len(*last).unwrap();
+        st.restore_block(*last, vec![2.0; len], OptimizerState { step: 3, slots: vec![0.0; 2 * len] }).unwrap();
+        assert_eq!(st.unrestored(), 0);
+        assert!(st.snapshot().is_ok());
+        st.push(pushed).unwrap();
+        assert!(ids.iter().all(|&id| st.block(id).unwrap().iter().all(|&v| v < 2.0)), "the push applied");
     }
 
     #[test]

@@ -327,7 +327,8 @@ async fn catch_up(
     // The primary cuts its snapshot's blocks into parts by the same rule
     // (`part_ranges`) over the same blocks, so each block part's layout is
     // known before it comes and its values go straight into fresh blocks.
-    let layout: Vec<(BlockId, usize)> = store.blocks().map(|(id, params, _)| (id, params.len())).collect();
+    let layout: Vec<(BlockId, usize)> =
+        store.block_ids().map(|id| store.block_len(id).map(|len| (id, len))).collect::<Result<_, _>>()?;
     let block_parts = cut_parts(layout.iter().map(|(_, len)| len * (1 + state_slots)));
     {
         let mut state = slot.state.lock().unwrap_or_else(PoisonError::into_inner);
