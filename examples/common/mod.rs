@@ -3,6 +3,9 @@
 //! part of it. The end-to-end benchmarks (`bench/src/bin/`) include it by
 //! path, so that they parse a job's flags as the examples do.
 #![allow(dead_code)]
+// The flags' doc comments are their `--help` text, where `<job>` and
+// `<role>-<hostname>-<pid>` read as placeholders; rustdoc reads them as HTML.
+#![allow(rustdoc::invalid_html_tags)]
 
 use clap::{Args, ValueEnum};
 use oar::{
