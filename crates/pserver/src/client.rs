@@ -977,7 +977,7 @@ impl PserverClient {
         parts: &[Part],
         requests: Vec<PsRequest>,
         payloads: &[Vec<std::borrow::Cow<'_, [u8]>>],
-        sinks: &mut [ShardSink<'_>],
+        sinks: &mut [ShardSink<Borrowed<'_>>],
         riders: &mut Riders,
     ) -> Vec<(usize, Result<PsReply>, bool)> {
         // Calls grouped by the pserver their shard's primary is now; a
@@ -1272,33 +1272,105 @@ impl oar_transport::PayloadSink for Collected {
     }
 }
 
-/// Where one shard's reply payload goes: the shard's blocks of the
-/// trainer's parameters, in the placement's order, written as the bytes
-/// arrive. Accepts exactly those blocks' bytes, or none (a pull that is not
-/// ready, or a reply that carries no parameters).
-pub(crate) struct ShardSink<'a> {
-    blocks: Vec<&'a mut [f32]>,
+/// Where one shard's reply payload goes, value by value as the bytes
+/// arrive: the shard's blocks of the trainer's parameters ([`Borrowed`]), or
+/// a catch-up's fresh blocks ([`Fresh`]). Accepts exactly those blocks'
+/// bytes, or none (a pull that is not ready, or a reply that carries no
+/// parameters).
+pub(crate) struct ShardSink<B> {
+    blocks: B,
     expected: u64,
     received: u64,
-    /// Where the next value goes: block, element.
-    at: (usize, usize),
     /// Bytes of a value split across two writes.
     carry: ([u8; 4], usize),
 }
 
-impl<'a> ShardSink<'a> {
-    fn empty() -> ShardSink<'a> {
-        ShardSink { blocks: Vec::new(), expected: 0, received: 0, at: (0, 0), carry: ([0; 4], 0) }
+/// The blocks a [`ShardSink`] fills, in order.
+pub(crate) trait SinkBlocks {
+    /// Start again from the first value of the first block.
+    fn restart(&mut self);
+    /// Write the values of `bytes` (whole little-endian `f32`s) that fit
+    /// in the current block; how many, 0 once every block is full.
+    fn put(&mut self, bytes: &[u8]) -> usize;
+}
+
+/// A sink's blocks as slices of values there already (a pull into the
+/// trainer's parameters), overwritten.
+pub(crate) struct Borrowed<'a> {
+    blocks: Vec<&'a mut [f32]>,
+    /// Where the next value goes: block, element.
+    at: (usize, usize),
+}
+
+impl SinkBlocks for Borrowed<'_> {
+    fn restart(&mut self) {
+        self.at = (0, 0);
     }
 
-    /// A sink that fills `blocks`, in order (a catch-up's fresh blocks).
-    pub(crate) fn over(blocks: Vec<&'a mut [f32]>) -> ShardSink<'a> {
-        let expected = blocks.iter().map(|b| b.len() as u64 * 4).sum();
-        ShardSink { blocks, expected, ..ShardSink::empty() }
+    fn put(&mut self, bytes: &[u8]) -> usize {
+        while self.at.0 < self.blocks.len() && self.at.1 == self.blocks[self.at.0].len() {
+            self.at = (self.at.0 + 1, 0);
+        }
+        let (at, start) = self.at;
+        let Some(block) = self.blocks.get_mut(at) else { return 0 };
+        let n = (block.len() - start).min(bytes.len() / 4);
+        // Lengths match by construction: `n` values, `4n` bytes.
+        let _ = oar_transport::copy_f32s_from_bytes(&mut block[start..start + n], &bytes[..n * 4]);
+        self.at.1 += n;
+        n
+    }
+}
+
+/// A sink's blocks as new vectors of the given lengths, filled by
+/// appending: nothing is zeroed first, which on a heap whose memory was
+/// used before cost a pass over every byte of a catch-up (`calloc` clears
+/// recycled memory).
+pub(crate) struct Fresh {
+    /// Each block and the length it is filled to.
+    blocks: Vec<(Vec<f32>, usize)>,
+    at: usize,
+}
+
+impl Fresh {
+    /// Empty blocks of `lens` values each (reserved, not written).
+    pub(crate) fn new(lens: impl IntoIterator<Item = usize>) -> Fresh {
+        Fresh { blocks: lens.into_iter().map(|len| (Vec::with_capacity(len), len)).collect(), at: 0 }
+    }
+
+    /// The blocks, as far as they were filled.
+    pub(crate) fn into_blocks(self) -> impl Iterator<Item = Vec<f32>> {
+        self.blocks.into_iter().map(|(block, _)| block)
+    }
+}
+
+impl SinkBlocks for Fresh {
+    fn restart(&mut self) {
+        self.blocks.iter_mut().for_each(|(block, _)| block.clear());
+        self.at = 0;
+    }
+
+    fn put(&mut self, bytes: &[u8]) -> usize {
+        while self.blocks.get(self.at).is_some_and(|(block, len)| block.len() == *len) {
+            self.at += 1;
+        }
+        let Some((block, len)) = self.blocks.get_mut(self.at) else { return 0 };
+        let n = (*len - block.len()).min(bytes.len() / 4);
+        block.extend(bytes[..n * 4].chunks_exact(4).map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]])));
+        n
+    }
+}
+
+impl<'a> ShardSink<Borrowed<'a>> {
+    fn empty() -> ShardSink<Borrowed<'a>> {
+        ShardSink::over(Borrowed { blocks: Vec::new(), at: (0, 0) }, 0)
     }
 
     /// One sink per part of `parts`, over disjoint pieces of `params`.
-    fn split(placement: &Placement, parts: &[Part], params: &'a mut ParamBuf) -> Result<Vec<ShardSink<'a>>> {
+    fn split(
+        placement: &Placement,
+        parts: &[Part],
+        params: &'a mut ParamBuf,
+    ) -> Result<Vec<ShardSink<Borrowed<'a>>>> {
         // (flat offset, len, position of the part in `parts`), carved in
         // offset order, then handed to each part in its block order.
         let mut ranges = Vec::new();
@@ -1325,13 +1397,20 @@ impl<'a> ShardSink<'a> {
             rest = after;
             base = start + len;
         }
-        let mut sinks: Vec<ShardSink<'a>> = parts.iter().map(|_| ShardSink::empty()).collect();
+        let mut sinks: Vec<ShardSink<Borrowed<'a>>> = parts.iter().map(|_| ShardSink::empty()).collect();
         for ((_, len, k), block) in ranges.into_iter().zip(carved) {
             let sink = &mut sinks[k];
             sink.expected += len as u64 * 4;
-            sink.blocks.extend(block);
+            sink.blocks.blocks.extend(block);
         }
         Ok(sinks)
+    }
+}
+
+impl<B: SinkBlocks> ShardSink<B> {
+    /// A sink that fills `blocks`, which hold `values` values in all.
+    pub(crate) fn over(blocks: B, values: usize) -> ShardSink<B> {
+        ShardSink { blocks, expected: values as u64 * 4, received: 0, carry: ([0; 4], 0) }
     }
 
     /// Whether all the expected bytes arrived.
@@ -1339,18 +1418,13 @@ impl<'a> ShardSink<'a> {
         self.received == self.expected
     }
 
-    /// The rest of the block the next value goes into (past full blocks);
-    /// `None` once every block is full.
-    fn room(&mut self) -> Option<&mut [f32]> {
-        while self.at.0 < self.blocks.len() && self.at.1 == self.blocks[self.at.0].len() {
-            self.at = (self.at.0 + 1, 0);
-        }
-        let at = self.at.1;
-        self.blocks.get_mut(self.at.0).map(|block| &mut block[at..])
+    /// The blocks.
+    pub(crate) fn into_blocks(self) -> B {
+        self.blocks
     }
 }
 
-impl oar_transport::PayloadSink for ShardSink<'_> {
+impl<B: SinkBlocks + Send> oar_transport::PayloadSink for ShardSink<B> {
     fn start(&mut self, len: u64) -> oar_transport::Result<()> {
         if len != self.expected && len != 0 {
             return Err(oar_transport::Error::PayloadLength {
@@ -1359,7 +1433,7 @@ impl oar_transport::PayloadSink for ShardSink<'_> {
             });
         }
         self.received = 0;
-        self.at = (0, 0);
+        self.blocks.restart();
         self.carry.1 = 0;
         Ok(())
     }
@@ -1375,20 +1449,15 @@ impl oar_transport::PayloadSink for ShardSink<'_> {
                 return;
             }
             self.carry.1 = 0;
-            let value = f32::from_le_bytes(self.carry.0);
-            if let Some(room) = self.room() {
-                room[0] = value;
-                self.at.1 += 1;
-            }
+            let value = self.carry.0;
+            self.blocks.put(&value);
         }
         while bytes.len() >= 4 {
-            let Some(room) = self.room() else { return };
-            let n = room.len().min(bytes.len() / 4);
-            let (values, rest) = bytes.split_at(n * 4);
-            // Lengths match by construction: `n` values, `4n` bytes.
-            let _ = oar_transport::copy_f32s_from_bytes(&mut room[..n], values);
-            self.at.1 += n;
-            bytes = rest;
+            let n = self.blocks.put(bytes);
+            if n == 0 {
+                return;
+            }
+            bytes = &bytes[n * 4..];
         }
         self.carry.0[..bytes.len()].copy_from_slice(bytes);
         self.carry.1 = bytes.len();
@@ -1672,6 +1741,40 @@ mod tests {
             }
             drop(sinks);
             prop_assert_eq!(got.as_slice(), want.as_slice());
+        }
+    }
+
+    proptest! {
+        /// A catch-up's fresh blocks take the same bytes, however they are
+        /// cut, block after block; a reply that starts again refills them,
+        /// and bytes past the blocks are not taken.
+        #[test]
+        fn fresh_blocks_are_filled_in_order(
+            lens in prop::collection::vec(0usize..40, 1..6),
+            cuts in prop::collection::vec(0usize..200, 0..12),
+            restart_at in 0usize..300,
+        ) {
+            let total: usize = lens.iter().sum();
+            let values: Vec<f32> = (0..total).map(|i| i as f32 * 0.25 - 3.0).collect();
+            let bytes = f32s_as_le(&values);
+            let mut sink = ShardSink::over(Fresh::new(lens.iter().copied()), total);
+            prop_assert!(sink.start(bytes.len() as u64 + 4).is_err(), "a wrong length is refused");
+            // A first attempt cut off somewhere, then the whole reply.
+            sink.start(bytes.len() as u64).unwrap();
+            sink.write(&f32s_as_le(&vec![9.0; total])[..restart_at.min(bytes.len())]);
+            sink.start(bytes.len() as u64).unwrap();
+            let mut at = 0;
+            for &cut in &cuts {
+                let end = (at + cut).min(bytes.len());
+                sink.write(&bytes[at..end]);
+                at = end;
+            }
+            sink.write(&bytes[at..]);
+            prop_assert!(sink.is_complete());
+            sink.write(&[1, 2, 3, 4, 5]);
+            let blocks: Vec<Vec<f32>> = sink.into_blocks().into_blocks().collect();
+            prop_assert_eq!(blocks.iter().map(Vec::len).collect::<Vec<_>>(), lens);
+            prop_assert_eq!(blocks.concat(), values);
         }
     }
 

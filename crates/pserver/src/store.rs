@@ -560,7 +560,10 @@ impl ParamStore {
             .blocks_on(server)
             .map(|b| {
                 if !init {
-                    let empty = BlockData { params: Vec::new(), state: OptimizerState { step: 0, slots: Vec::new() } };
+                    let empty = BlockData {
+                        params: Vec::new(),
+                        state: OptimizerState { step: 0, slots: Vec::new() },
+                    };
                     return Held { id: b.id, len: b.len, data: Arc::new(empty) };
                 }
                 let mut params = vec![0.0; b.len];
@@ -1982,25 +1985,27 @@ mod tests {
         assert!(matches!(st.push(pushed.clone()), Err(Error::BlockNotRestored { .. })));
         assert_eq!(st.step(), 0, "the refused push changed nothing");
 
+        let restore = |st: &mut ParamStore, id: BlockId| {
+            let len = st.block_len(id).unwrap();
+            st.restore_block(id, vec![2.0; len], OptimizerState { step: 3, slots: vec![0.0; 2 * len] })
+        };
         let (last, first) = ids.split_last().unwrap();
         for &id in first {
-            let len = st.block_len(id).unwrap();
-            st.restore_block(id, vec![2.0; len], OptimizerState { step: 3, slots: vec![0.0; 2 * len] }).unwrap();
+            restore(&mut st, id).unwrap();
         }
         assert_eq!(st.unrestored(), 1);
         assert!(st.block(first[0]).is_ok() && st.block(*last).is_err());
-        assert!(matches!(st.push(pushed.clone()), Err(Error::BlockNotRestored { block, .. }) if block == *last));
+        let refused = st.push(pushed.clone());
+        assert!(matches!(refused, Err(Error::BlockNotRestored { block, .. }) if block == *last));
         // A restored block restored again counts once.
-        let len = st.block_len(first[0]).unwrap();
-        st.restore_block(first[0], vec![2.0; len], OptimizerState { step: 3, slots: vec![0.0; 2 * len] }).unwrap();
+        restore(&mut st, first[0]).unwrap();
         assert_eq!(st.unrestored(), 1);
         // Wrong lengths are refused against the placement's, not the empty values.
         assert!(matches!(
             st.restore_block(*last, Vec::new(), OptimizerState { step: 0, slots: Vec::new() }),
             Err(Error::RestoreLength { what: "parameters", got: 0, .. })
         ));
-        let len = st.block_len(*last).unwrap();
-        st.restore_block(*last, vec![2.0; len], OptimizerState { step: 3, slots: vec![0.0; 2 * len] }).unwrap();
+        restore(&mut st, *last).unwrap();
         assert_eq!(st.unrestored(), 0);
         assert!(st.snapshot().is_ok());
         st.push(pushed).unwrap();

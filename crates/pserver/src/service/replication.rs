@@ -5,6 +5,7 @@
 
 use super::{metrics, Shared, Slot, SlotState};
 use crate::{
+    client::{Fresh, ShardSink},
     error::{ServiceError, ServiceResult},
     protocol::{PsReply, PsRequest, RowsPart, TableRows, UpdateKind, UpdateMeta, PSERVER_METHOD},
     replica::{CatchUp, Forwarded, RowChunk, SnapshotPart, Update},
@@ -434,18 +435,21 @@ impl PartFetch {
             let part = decode_part(&shared.placement, shard, version, upto, state_slots, reply, payload)?;
             return Ok((part, bytes));
         };
-        let mut blocks: Vec<(BlockId, Vec<f32>, Vec<f32>)> =
-            blocks.into_iter().map(|(id, len)| (id, vec![0.0; len], vec![0.0; len * state_slots])).collect();
-        let mut sink = crate::client::ShardSink::over(
-            blocks.iter_mut().flat_map(|(_, p, s)| [p.as_mut_slice(), s.as_mut_slice()]).collect(),
-        );
+        let lens = blocks.iter().flat_map(|&(_, len)| [len, len * state_slots]);
+        let values = lens.clone().sum();
+        let mut sink = ShardSink::over(Fresh::new(lens), values);
         let reply = call_into(&shared, &primary, &request, &[], &mut sink).await?;
         if !sink.is_complete() {
             return Err(ServiceError::Protocol(format!(
                 "shard {shard}: snapshot part {part} came without its blocks' values"
             )));
         }
-        let bytes = blocks.iter().map(|(_, p, s)| (p.len() + s.len()) as u64 * 4).sum();
+        let mut filled = sink.into_blocks().into_blocks();
+        let blocks: Vec<(BlockId, Vec<f32>, Vec<f32>)> = blocks
+            .into_iter()
+            .map(|(id, _)| (id, filled.next().unwrap_or_default(), filled.next().unwrap_or_default()))
+            .collect();
+        let bytes = values as u64 * 4;
         Ok((block_part(shard, version, upto, reply, blocks)?, bytes))
     }
 }
