@@ -46,10 +46,18 @@ fn median(v: &mut [f64]) -> f64 {
 struct Counting;
 
 static LIVE: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
+/// The most `LIVE` has been since [`reset_peak`].
+static PEAK: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
+
+/// Count `bytes` more live, and the peak.
+fn grow(bytes: usize) {
+    let now = LIVE.fetch_add(bytes, std::sync::atomic::Ordering::Relaxed) + bytes;
+    PEAK.fetch_max(now, std::sync::atomic::Ordering::Relaxed);
+}
 
 unsafe impl std::alloc::GlobalAlloc for Counting {
     unsafe fn alloc(&self, layout: std::alloc::Layout) -> *mut u8 {
-        LIVE.fetch_add(layout.size(), std::sync::atomic::Ordering::Relaxed);
+        grow(layout.size());
         unsafe { std::alloc::System.alloc(layout) }
     }
     unsafe fn dealloc(&self, ptr: *mut u8, layout: std::alloc::Layout) {
@@ -57,7 +65,7 @@ unsafe impl std::alloc::GlobalAlloc for Counting {
         unsafe { std::alloc::System.dealloc(ptr, layout) }
     }
     unsafe fn realloc(&self, ptr: *mut u8, layout: std::alloc::Layout, new_size: usize) -> *mut u8 {
-        LIVE.fetch_add(new_size, std::sync::atomic::Ordering::Relaxed);
+        grow(new_size);
         LIVE.fetch_sub(layout.size(), std::sync::atomic::Ordering::Relaxed);
         unsafe { std::alloc::System.realloc(ptr, layout, new_size) }
     }
@@ -69,6 +77,16 @@ static ALLOCATOR: Counting = Counting;
 /// Bytes live on the heap now.
 fn live() -> u64 {
     LIVE.load(std::sync::atomic::Ordering::Relaxed) as u64
+}
+
+/// Start a new peak at what is live now.
+fn reset_peak() {
+    PEAK.store(LIVE.load(std::sync::atomic::Ordering::Relaxed), std::sync::atomic::Ordering::Relaxed);
+}
+
+/// The most bytes live since [`reset_peak`].
+fn peak() -> u64 {
+    PEAK.load(std::sync::atomic::Ordering::Relaxed) as u64
 }
 
 /// Wait until the cluster status in `discovery` says OK.
@@ -268,23 +286,27 @@ async fn main() {
     drop(idle);
     tokio::time::sleep(Duration::from_millis(200)).await;
     let before = live();
+    reset_peak();
     let newcomer = Pserver::start(discovery.clone(), transport.clone(), "127.0.0.1:0", options).await;
     let newcomer = newcomer.expect("pserver");
     wait_ok(discovery.as_ref()).await;
     tokio::time::sleep(Duration::from_millis(200)).await;
     let grown = live().saturating_sub(before);
+    let peaked = peak().saturating_sub(before);
     let held = grown.saturating_sub(empty);
     let must_hold = (n * 4 * 3) as u64; // parameters and Adam's two slots
     let mib = |b: u64| b as f64 / (1 << 20) as f64;
     println!(
         "follower memory: a new pserver caught up as follower: heap +{:.1} MiB, of which {:.1} MiB any pserver \
          holding nothing takes; the follower's state: {:.1} MiB for {:.1} MiB of parameters + Adam state: \
-         {:.2}x (target <= 1.1x)",
+         {:.2}x (target <= 1.1x); at most +{:.1} MiB during the catch-up ({:.2}x the state)",
         mib(grown),
         mib(empty),
         mib(held),
         mib(must_hold),
-        held as f64 / must_hold as f64
+        held as f64 / must_hold as f64,
+        mib(peaked),
+        peaked as f64 / must_hold as f64
     );
     drop(newcomer);
 }
