@@ -1287,10 +1287,13 @@ pub(crate) struct ShardSink<B> {
 
 /// The blocks a [`ShardSink`] fills, in order.
 pub(crate) trait SinkBlocks {
+    /// The values all the blocks take.
+    fn values(&self) -> usize;
     /// Start again from the first value of the first block.
     fn restart(&mut self);
     /// Write the values of `bytes` (whole little-endian `f32`s) that fit
-    /// in the current block; how many, 0 once every block is full.
+    /// in the current block; how many: 0 once every block is full (or for
+    /// fewer than 4 bytes).
     fn put(&mut self, bytes: &[u8]) -> usize;
 }
 
@@ -1303,6 +1306,10 @@ pub(crate) struct Borrowed<'a> {
 }
 
 impl SinkBlocks for Borrowed<'_> {
+    fn values(&self) -> usize {
+        self.blocks.iter().map(|b| b.len()).sum()
+    }
+
     fn restart(&mut self) {
         self.at = (0, 0);
     }
@@ -1344,6 +1351,10 @@ impl Fresh {
 }
 
 impl SinkBlocks for Fresh {
+    fn values(&self) -> usize {
+        self.blocks.iter().map(|(_, len)| len).sum()
+    }
+
     fn restart(&mut self) {
         self.blocks.iter_mut().for_each(|(block, _)| block.clear());
         self.at = 0;
@@ -1362,7 +1373,7 @@ impl SinkBlocks for Fresh {
 
 impl<'a> ShardSink<Borrowed<'a>> {
     fn empty() -> ShardSink<Borrowed<'a>> {
-        ShardSink::over(Borrowed { blocks: Vec::new(), at: (0, 0) }, 0)
+        ShardSink::over(Borrowed { blocks: Vec::new(), at: (0, 0) })
     }
 
     /// One sink per part of `parts`, over disjoint pieces of `params`.
@@ -1408,9 +1419,15 @@ impl<'a> ShardSink<Borrowed<'a>> {
 }
 
 impl<B: SinkBlocks> ShardSink<B> {
-    /// A sink that fills `blocks`, which hold `values` values in all.
-    pub(crate) fn over(blocks: B, values: usize) -> ShardSink<B> {
-        ShardSink { blocks, expected: values as u64 * 4, received: 0, carry: ([0; 4], 0) }
+    /// A sink that fills `blocks`.
+    pub(crate) fn over(blocks: B) -> ShardSink<B> {
+        let expected = blocks.values() as u64 * 4;
+        ShardSink { blocks, expected, received: 0, carry: ([0; 4], 0) }
+    }
+
+    /// The bytes the blocks take.
+    pub(crate) fn expected_bytes(&self) -> u64 {
+        self.expected
     }
 
     /// Whether all the expected bytes arrived.
@@ -1730,13 +1747,7 @@ mod tests {
                 }
                 prop_assert!(sink.start(bytes.len() as u64 + 4).is_err(), "a wrong length is refused");
                 sink.start(bytes.len() as u64).unwrap();
-                let mut at = 0;
-                for &cut in &cuts {
-                    let end = (at + cut).min(bytes.len());
-                    sink.write(&bytes[at..end]);
-                    at = end;
-                }
-                sink.write(&bytes[at..]);
+                write_in_cuts(sink, &bytes, &cuts);
                 prop_assert!(sink.is_complete());
             }
             drop(sinks);
@@ -1757,25 +1768,31 @@ mod tests {
             let total: usize = lens.iter().sum();
             let values: Vec<f32> = (0..total).map(|i| i as f32 * 0.25 - 3.0).collect();
             let bytes = f32s_as_le(&values);
-            let mut sink = ShardSink::over(Fresh::new(lens.iter().copied()), total);
+            let mut sink = ShardSink::over(Fresh::new(lens.iter().copied()));
             prop_assert!(sink.start(bytes.len() as u64 + 4).is_err(), "a wrong length is refused");
             // A first attempt cut off somewhere, then the whole reply.
             sink.start(bytes.len() as u64).unwrap();
             sink.write(&f32s_as_le(&vec![9.0; total])[..restart_at.min(bytes.len())]);
             sink.start(bytes.len() as u64).unwrap();
-            let mut at = 0;
-            for &cut in &cuts {
-                let end = (at + cut).min(bytes.len());
-                sink.write(&bytes[at..end]);
-                at = end;
-            }
-            sink.write(&bytes[at..]);
+            write_in_cuts(&mut sink, &bytes, &cuts);
             prop_assert!(sink.is_complete());
             sink.write(&[1, 2, 3, 4, 5]);
             let blocks: Vec<Vec<f32>> = sink.into_blocks().into_blocks().collect();
             prop_assert_eq!(blocks.iter().map(Vec::len).collect::<Vec<_>>(), lens);
             prop_assert_eq!(blocks.concat(), values);
         }
+    }
+
+    /// Write `bytes` into `sink` in writes of the lengths `cuts` (as far as
+    /// they go), then the rest.
+    fn write_in_cuts(sink: &mut dyn PayloadSink, bytes: &[u8], cuts: &[usize]) {
+        let mut at = 0;
+        for &cut in cuts {
+            let end = (at + cut).min(bytes.len());
+            sink.write(&bytes[at..end]);
+            at = end;
+        }
+        sink.write(&bytes[at..]);
     }
 
     fn f32s_as_le(values: &[f32]) -> Vec<u8> {

@@ -532,7 +532,8 @@ impl ParamStore {
     /// unrestored block, [`block`](Self::block) of one and
     /// [`snapshot`](Self::snapshot) are refused with
     /// [`Error::BlockNotRestored`]; [`blocks`](Self::blocks) shows an
-    /// unrestored block with no values. `seed` still gives the initial
+    /// unrestored block with no values. A checkpoint may be loaded into it
+    /// ([`crate::checkpoint::load_file`]): that restores every block. `seed` still gives the initial
     /// values of the sparse tables' rows not created yet.
     pub fn new_to_restore(
         placement: &Placement,
@@ -694,8 +695,9 @@ impl ParamStore {
     /// trainer that leaves drops its half-taken push, so a dead trainer
     /// cannot hold checkpoints back.
     pub fn snapshot(&self) -> Result<StoreSnapshot> {
-        if let Some(h) = self.held.iter().find(|h| !h.restored()) {
-            return Err(Error::BlockNotRestored { block: h.id, server: self.server });
+        if self.unrestored > 0 {
+            let block = self.held.iter().find(|h| !h.restored()).map_or(BlockId::new(0, 0), |h| h.id);
+            return Err(Error::BlockNotRestored { block, server: self.server });
         }
         if self.step_underway() || self.push_in_parts_underway() {
             return Err(Error::CheckpointStepUnderway { step: self.step });
@@ -798,8 +800,9 @@ impl ParamStore {
     /// last accepted, or the last one's blocks all taken:
     /// [`PushOutcome::Duplicate`], even for a stale step, so a retried push
     /// whose answer was lost is still acknowledged); then the weight and the
-    /// gradients (blocks of this server, at least one, each once, right
-    /// length, all finite, none already taken under this seq); then, in sync
+    /// gradients (blocks of this server, at least one, each once, restored
+    /// in a store made to be restored, right length, all finite, none
+    /// already taken under this seq); then, in sync
     /// mode, the step, a second push for the same step, and a newcomer
     /// while the step is underway. Any error leaves the store unchanged.
     pub fn push(&mut self, push: Push) -> Result<PushOutcome> {
@@ -928,8 +931,9 @@ impl ParamStore {
 
     /// Sync, on a follower: apply a step its primary completed, block by
     /// block, and move to the next step. The step must be the store's, no
-    /// step may be underway, and every gradient must be for a held block,
-    /// once, of the right length and finite; else nothing changes.
+    /// step may be underway, and every gradient must be for a held block
+    /// (restored, in a store made to be restored), once, of the right length
+    /// and finite; else nothing changes.
     pub fn apply_step(&mut self, completed: CompletedStep) -> Result<()> {
         let CompletedStep { step, grads, seqs, rows, origins } = completed;
         if self.mode != Mode::Sync {
@@ -1975,7 +1979,9 @@ mod tests {
         let ids: Vec<BlockId> = st.block_ids().collect();
         assert!(ids.len() > 1);
         assert_eq!(st.unrestored(), ids.len());
-        assert!(st.blocks().all(|(_, p, s)| p.is_empty() && s.slots.is_empty()), "no values made");
+        let nothing = |(_, p, s): (BlockId, &[f32], &OptimizerState)| p.is_empty() && s.slots.capacity() == 0;
+        assert!(st.blocks().all(nothing), "no values made");
+        assert!(st.held.iter().all(|h| h.data.params.capacity() == 0), "nor room for them");
         for &id in &ids {
             assert_eq!(st.block_len(id).unwrap(), full.block(id).unwrap().len());
             assert!(matches!(st.block(id), Err(Error::BlockNotRestored { block, .. }) if block == id));
@@ -2010,6 +2016,44 @@ mod tests {
         assert!(st.snapshot().is_ok());
         st.push(pushed).unwrap();
         assert!(ids.iter().all(|&id| st.block(id).unwrap().iter().all(|&v| v < 2.0)), "the push applied");
+    }
+
+    /// A sync follower's store made to be restored refuses a completed
+    /// step for a block it has no values for, and changes nothing.
+    #[test]
+    fn a_step_for_an_unrestored_block_is_refused() {
+        let pl = Placement::new(&specs(), 1, 4).unwrap();
+        let mut st = ParamStore::new_to_restore(&pl, 0, 1, Box::new(Sgd { lr: 0.5 }), Mode::Sync).unwrap();
+        let id = st.block_ids().next().unwrap();
+        let len = st.block_len(id).unwrap();
+        let step = CompletedStep {
+            step: 0,
+            grads: vec![(id, vec![1.0; len])],
+            rows: Vec::new(),
+            seqs: vec![("t".into(), 0)],
+            origins: Vec::new(),
+        };
+        assert!(matches!(st.apply_step(step), Err(Error::BlockNotRestored { block, .. }) if block == id));
+        assert_eq!((st.step(), st.pushes()), (0, 0));
+        assert!(st.last_seqs().next().is_none());
+    }
+
+    /// A checkpoint loads into a store made to be restored (its blocks get
+    /// their lengths from the placement, not from values it has not got).
+    #[test]
+    fn a_checkpoint_loads_into_a_store_made_to_be_restored() {
+        let pl = Placement::new(&specs(), 1, 4).unwrap();
+        let mut st = ParamStore::new(&pl, 0, 1, Box::new(Sgd { lr: 0.5 }), Mode::Async).unwrap();
+        st.push(push_for(&st, "t", 0, 0, 1.0, |_, i| i as f32)).unwrap();
+        let dir = tempfile::tempdir().unwrap();
+        let checkpoints = crate::checkpoint::CheckpointDir::new(dir.path(), 0);
+        checkpoints.save(&st.snapshot().unwrap(), 2).unwrap();
+        let mut restored =
+            ParamStore::new_to_restore(&pl, 0, 1, Box::new(Sgd { lr: 0.5 }), Mode::Async).unwrap();
+        assert!(checkpoints.load_latest(&mut restored).unwrap().is_some());
+        assert_eq!(restored.unrestored(), 0);
+        assert_eq!(snapshot(&restored), snapshot(&st));
+        assert_eq!(restored.step(), 1);
     }
 
     #[test]

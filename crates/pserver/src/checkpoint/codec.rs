@@ -240,7 +240,11 @@ impl Expect {
             fingerprint: store.fingerprint(),
             optimizer: store.optimizer().name().to_string(),
             slots: store.optimizer().state_slots() as u64,
-            blocks: store.blocks().map(|(id, p, _)| (id, p.len())).collect(),
+            // By length, not values: a store made to be restored has none yet.
+            blocks: store
+                .block_ids()
+                .filter_map(|id| store.block_len(id).ok().map(|len| (id, len)))
+                .collect(),
             tables: store.tables().iter().map(|t| (t.spec().name.clone(), t.spec().dim as u64)).collect(),
             table_caps: store.tables().iter().map(|t| t.spec().policy.cap() as u64).collect(),
         }

@@ -565,9 +565,9 @@ impl Shared {
         })
     }
 
-    /// A fresh store of `shard`: initial values, fresh optimizer state.
-    /// A store of `shard` with its initial values, or (`to_restore`) one
-    /// whose every block a catch-up is about to overwrite.
+    /// A store of `shard` with its initial values and fresh optimizer
+    /// state, or (`to_restore`) one whose blocks hold no values until a
+    /// catch-up fills them ([`ParamStore::new_to_restore`]).
     fn new_store(&self, shard: u32, to_restore: bool) -> ServiceResult<ParamStore> {
         let optimizer = match &self.options.custom_optimizer {
             Some(factory) => factory.build(),

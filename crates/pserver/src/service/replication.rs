@@ -435,9 +435,9 @@ impl PartFetch {
             let part = decode_part(&shared.placement, shard, version, upto, state_slots, reply, payload)?;
             return Ok((part, bytes));
         };
-        let lens = blocks.iter().flat_map(|&(_, len)| [len, len * state_slots]);
-        let values = lens.clone().sum();
-        let mut sink = ShardSink::over(Fresh::new(lens), values);
+        let mut sink =
+            ShardSink::over(Fresh::new(blocks.iter().flat_map(|&(_, len)| [len, len * state_slots])));
+        let bytes = sink.expected_bytes();
         let reply = call_into(&shared, &primary, &request, &[], &mut sink).await?;
         if !sink.is_complete() {
             return Err(ServiceError::Protocol(format!(
@@ -449,7 +449,6 @@ impl PartFetch {
             .into_iter()
             .map(|(id, _)| (id, filled.next().unwrap_or_default(), filled.next().unwrap_or_default()))
             .collect();
-        let bytes = values as u64 * 4;
         Ok((block_part(shard, version, upto, reply, blocks)?, bytes))
     }
 }
