@@ -51,12 +51,21 @@
 //! little on a busy machine. At the end the trainer completes the push it
 //! is in, so that the pserver's shutdown finds no half-taken push to wait
 //! for.
+//!
+//! Last, a restart: a new pserver on the same checkpoint directory takes
+//! the shard (no replica survived) and restores it from the newest
+//! checkpoint. Timed from `Pserver::start` until it serves, against
+//! reading that file alone (`std::fs::read`, from the page cache as the
+//! restore reads it) in the same run. The parameters start from a normal
+//! distribution, as a model's do, so a restart that computed the initial
+//! values before overwriting them would show it.
 
 use oar_bench::pserver as common;
 
 use bytes::Bytes;
 use oar_discovery::MemDiscovery;
 use oar_pserver::{
+    checkpoint::CheckpointDir,
     protocol::{BlockSpan, PsReply, PsRequest, PSERVER_METHOD},
     Init, Mode, OptimizerConfig, ParamSpec, Placement, Pserver, PserverOptions,
 };
@@ -227,7 +236,7 @@ async fn main() {
     let transport = Arc::new(QuicTransport::new(ca.tls_config("bench").expect("tls")).expect("quic"));
     let discovery: Arc<dyn oar_discovery::Discovery> = Arc::new(MemDiscovery::new());
     let _coordinator = common::coordinator(discovery.clone(), transport.clone(), 1, 1, 1).await;
-    let specs = vec![ParamSpec::new("w", vec![n], Init::Zeros)];
+    let specs = vec![ParamSpec::new("w", vec![n], Init::Normal { mean: 0.0, std: 0.01 })];
     let options = PserverOptions {
         keys: common::keys(),
         specs: specs.clone(),
@@ -241,7 +250,9 @@ async fn main() {
         checkpoint_keep: 2,
         ..Default::default()
     };
-    let ps = Pserver::start(discovery, transport.clone(), "127.0.0.1:0", options).await.expect("pserver");
+    let ps = Pserver::start(discovery.clone(), transport.clone(), "127.0.0.1:0", options.clone())
+        .await
+        .expect("pserver");
     let step0 = loop {
         match ps.step(0) {
             Some(step) => break step,
@@ -379,5 +390,40 @@ async fn main() {
     );
     // No half-taken push for the shutdown's last checkpoint to wait for.
     pusher.finish_push().await;
+    let _ = ps.shutdown().await;
+    restart(discovery, transport, options, tmp.path().to_path_buf()).await;
+}
+
+/// A new pserver restores the shard from the newest checkpoint in `dir`:
+/// its time until it serves, against reading the file.
+async fn restart(
+    discovery: Arc<dyn oar_discovery::Discovery>,
+    transport: Arc<QuicTransport>,
+    options: PserverOptions,
+    dir: PathBuf,
+) {
+    let files = CheckpointDir::new(dir, 0).list().unwrap_or_else(|e| fail(format!("list checkpoints: {e}")));
+    let Some(newest) = files.first() else { fail("no checkpoint to restart from".into()) };
+    let t = Instant::now();
+    let bytes = std::fs::read(newest).unwrap_or_else(|e| fail(format!("read {}: {e}", newest.display())));
+    let read = t.elapsed();
+    let size = bytes.len();
+    drop(bytes);
+    let t = Instant::now();
+    let ps = Pserver::start(discovery, transport, "127.0.0.1:0", options).await.expect("pserver");
+    while ps.step(0).is_none() {
+        if t.elapsed() > Duration::from_secs(300) {
+            fail("the restarted pserver did not serve within 300 s".into());
+        }
+        tokio::time::sleep(Duration::from_millis(1)).await;
+    }
+    let serving = t.elapsed();
+    println!(
+        "restart from the newest checkpoint ({:.0} MB): serving after {:.0} ms; reading the file alone {:.0} ms: {:.1}x",
+        size as f64 / 1e6,
+        serving.as_secs_f64() * 1e3,
+        read.as_secs_f64() * 1e3,
+        serving.as_secs_f64() / read.as_secs_f64()
+    );
     let _ = ps.shutdown().await;
 }

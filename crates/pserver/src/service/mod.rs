@@ -1123,36 +1123,49 @@ enum Action {
 /// the initial values): no replica that could take over survived.
 async fn restore_primary(shared: &Arc<Shared>, slot: &Arc<Slot>, epoch: u64, followers: &[String]) {
     let shard = slot.shard;
-    let mut store = match shared.new_store(shard, false) {
+    let checkpoints = shared.options.checkpoint_dir.clone();
+    // With checkpoints, the store's values come from one: it is built
+    // without them, and with its initial values only if there is none
+    // (computing them took 0.34 s per 10M floats).
+    let built = shared.new_store(shard, checkpoints.is_some());
+    let mut store = match built {
         Ok(store) => store,
         Err(e) => return shared.fail(format!("cannot build shard {shard}'s store: {e}")),
     };
-    if let Some(root) = shared.options.checkpoint_dir.clone() {
+    if let Some(root) = checkpoints {
         let dir = CheckpointDir::new(root, shard);
         let loaded =
             tokio::task::spawn_blocking(move || dir.load_latest(&mut store).map(|l| (l, store))).await;
         match loaded {
-            Ok(Ok((loaded, restored))) => {
+            Ok(Ok((Some(loaded), restored))) => {
                 store = restored;
-                match loaded {
-                    Some(loaded) => {
-                        for (path, why) in &loaded.skipped {
-                            tracing::warn!(shard, path = %path.display(), %why, "skipped a checkpoint");
-                        }
-                        tracing::info!(
-                            shard,
-                            step = loaded.info.step,
-                            path = loaded.info.path,
-                            "restored checkpoint"
-                        );
-                    }
-                    None => tracing::info!(shard, "no checkpoint; starting fresh"),
+                for (path, why) in &loaded.skipped {
+                    tracing::warn!(shard, path = %path.display(), %why, "skipped a checkpoint");
                 }
+                tracing::info!(
+                    shard,
+                    step = loaded.info.step,
+                    path = loaded.info.path,
+                    "restored checkpoint"
+                );
+            }
+            Ok(Ok((None, _))) => {
+                tracing::info!(shard, "no checkpoint; starting fresh");
+                store = match shared.new_store(shard, false) {
+                    Ok(store) => store,
+                    Err(e) => return shared.fail(format!("cannot build shard {shard}'s store: {e}")),
+                };
             }
             // Every checkpoint corrupt: serving fresh values would throw the training away.
             Ok(Err(e)) => return shared.fail(format!("cannot restore shard {shard}: {e}")),
             Err(e) => return shared.fail(format!("cannot restore shard {shard}: {e}")),
         }
+    }
+    if store.unrestored() > 0 {
+        return shared.fail(format!(
+            "shard {shard}: the checkpoint left {} blocks without values",
+            store.unrestored()
+        ));
     }
     // Recording follows the map now, not when the store was built.
     shared.set_recording(&mut store, shard);
