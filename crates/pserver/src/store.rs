@@ -533,8 +533,9 @@ impl ParamStore {
     /// [`snapshot`](Self::snapshot) are refused with
     /// [`Error::BlockNotRestored`]; [`blocks`](Self::blocks) shows an
     /// unrestored block with no values. A checkpoint may be loaded into it
-    /// ([`crate::checkpoint::load_file`]): that restores every block. `seed` still gives the initial
-    /// values of the sparse tables' rows not created yet.
+    /// ([`crate::checkpoint::load_file`]): that restores every block.
+    /// `seed` still gives the initial values of the sparse tables' rows not
+    /// created yet.
     pub fn new_to_restore(
         placement: &Placement,
         server: u32,
@@ -695,9 +696,10 @@ impl ParamStore {
     /// trainer that leaves drops its half-taken push, so a dead trainer
     /// cannot hold checkpoints back.
     pub fn snapshot(&self) -> Result<StoreSnapshot> {
-        if self.unrestored > 0 {
-            let block = self.held.iter().find(|h| !h.restored()).map_or(BlockId::new(0, 0), |h| h.id);
-            return Err(Error::BlockNotRestored { block, server: self.server });
+        // The count first: looking costs a pass over the blocks.
+        let unrestored = (self.unrestored > 0).then(|| self.held.iter().find(|h| !h.restored())).flatten();
+        if let Some(h) = unrestored {
+            return Err(Error::BlockNotRestored { block: h.id, server: self.server });
         }
         if self.step_underway() || self.push_in_parts_underway() {
             return Err(Error::CheckpointStepUnderway { step: self.step });
