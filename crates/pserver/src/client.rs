@@ -1435,8 +1435,8 @@ impl<B: SinkBlocks> ShardSink<B> {
         self.received == self.expected
     }
 
-    /// The blocks.
-    pub(crate) fn into_blocks(self) -> B {
+    /// The blocks it filled.
+    pub(crate) fn into_inner(self) -> B {
         self.blocks
     }
 }
@@ -1777,7 +1777,7 @@ mod tests {
             write_in_cuts(&mut sink, &bytes, &cuts);
             prop_assert!(sink.is_complete());
             sink.write(&[1, 2, 3, 4, 5]);
-            let blocks: Vec<Vec<f32>> = sink.into_blocks().into_blocks().collect();
+            let blocks: Vec<Vec<f32>> = sink.into_inner().into_blocks().collect();
             prop_assert_eq!(blocks.iter().map(Vec::len).collect::<Vec<_>>(), lens);
             prop_assert_eq!(blocks.concat(), values);
         }

@@ -444,7 +444,7 @@ impl PartFetch {
                 "shard {shard}: snapshot part {part} came without its blocks' values"
             )));
         }
-        let mut filled = sink.into_blocks().into_blocks();
+        let mut filled = sink.into_inner().into_blocks();
         let blocks: Vec<(BlockId, Vec<f32>, Vec<f32>)> = blocks
             .into_iter()
             .map(|(id, _)| (id, filled.next().unwrap_or_default(), filled.next().unwrap_or_default()))

@@ -178,7 +178,8 @@ impl SlotIndex {
 
     fn grow(&mut self) {
         let size = (self.entries.len() * 2).max(MIN_ENTRIES);
-        self.rehash_into(vec![VACANT; size]);
+        // Zeroed memory, as a reservation's: vacant entries need no writes.
+        self.rehash_into(bytemuck::allocation::zeroed_vec(size));
     }
 
     fn rehash_into(&mut self, entries: Vec<Entry>) {
