@@ -177,4 +177,6 @@ pub use sparse::{
     TableSpec, TableStats,
 };
 pub use spec::{init_values, validate_specs, Init, ParamBuf, ParamSpec};
-pub use store::{CompletedStep, Grad, Mode, ParamStore, Push, PushOutcome, RowGrads, StoreSnapshot};
+pub use store::{
+    CompletedStep, Grad, Mode, ParamStore, Push, PushOutcome, RowGrads, SharedValues, StoreSnapshot,
+};

@@ -234,6 +234,25 @@ impl Held {
     }
 }
 
+/// A snapshot block's parameters or its optimizer slots
+/// ([`StoreSnapshot::shared_blocks`]): cheap to clone, and the values stay
+/// as they are while any handle lives.
+#[derive(Clone, Debug)]
+pub struct SharedValues {
+    data: Arc<BlockData>,
+    /// The optimizer slots, not the parameters.
+    slots: bool,
+}
+
+impl AsRef<[f32]> for SharedValues {
+    fn as_ref(&self) -> &[f32] {
+        match self.slots {
+            false => &self.data.params,
+            true => &self.data.state.slots,
+        }
+    }
+}
+
 /// A block's parameters and optimizer state.
 #[derive(Clone, Debug)]
 struct BlockData {
@@ -349,6 +368,21 @@ impl StoreSnapshot {
     /// [`BlockId`] order, as they were when the snapshot was taken.
     pub fn blocks(&self) -> impl ExactSizeIterator<Item = (BlockId, &[f32], &OptimizerState)> + '_ {
         self.blocks.iter().map(|(id, d)| (*id, d.params.as_slice(), &d.state))
+    }
+
+    /// As [`blocks`](Self::blocks), each block's parameters and optimizer
+    /// slots as handles that share them with the snapshot and outlive it:
+    /// for a reply made of views of the values instead of a copy. (While a
+    /// handle lives, the store's next update of that block copies it, as
+    /// for a live snapshot.)
+    pub fn shared_blocks(&self) -> impl ExactSizeIterator<Item = (BlockId, SharedValues, SharedValues)> + '_ {
+        self.blocks.iter().map(|(id, d)| {
+            (
+                *id,
+                SharedValues { data: d.clone(), slots: false },
+                SharedValues { data: d.clone(), slots: true },
+            )
+        })
     }
 
     /// The last accepted seq of every trainer seen, sorted by trainer.
@@ -2098,6 +2132,32 @@ mod tests {
         st.restore_last_seq("q", 4);
         let p = push_for(&st, "q", 4, 10, 1.0, |_, _| 1.0);
         assert_eq!(st.push(p).unwrap(), PushOutcome::Duplicate);
+    }
+
+    #[test]
+    fn shared_values_outlive_their_snapshot_and_keep_its_values() {
+        let pl = Placement::new(&specs(), 1, 4).unwrap();
+        let opt = Adam { lr: 0.1, beta1: 0.9, beta2: 0.99, eps: 1e-8 };
+        let mut st = ParamStore::new(&pl, 0, 1, Box::new(opt), Mode::Async).unwrap();
+        st.push(push_for(&st, "t", 1, 0, 1.0, |_, i| i as f32)).unwrap();
+        let snap = st.snapshot().unwrap();
+        let frozen: Vec<(Vec<f32>, Vec<f32>)> =
+            snap.blocks().map(|(_, p, s)| (p.to_vec(), s.slots.clone())).collect();
+        let shared: Vec<_> = snap.shared_blocks().collect();
+        let ids: Vec<BlockId> = shared.iter().map(|(id, _, _)| *id).collect();
+        assert_eq!(ids, snap.blocks().map(|(id, _, _)| id).collect::<Vec<_>>());
+        // Views of the snapshot's own values, not copies.
+        for ((_, params, slots), (_, p, s)) in shared.iter().zip(snap.blocks()) {
+            assert_eq!(params.as_ref().as_ptr(), p.as_ptr());
+            assert_eq!(slots.as_ref().as_ptr(), s.slots.as_ptr());
+        }
+        drop(snap);
+        // The store updates every block: the handles still hold the old values.
+        st.push(push_for(&st, "t", 2, 0, 1.0, |_, _| 1.0)).unwrap();
+        let held: Vec<(Vec<f32>, Vec<f32>)> =
+            shared.iter().map(|(_, p, s)| (p.as_ref().to_vec(), s.as_ref().to_vec())).collect();
+        assert_eq!(held, frozen);
+        assert_ne!(st.blocks().next().unwrap().1, frozen[0].0.as_slice());
     }
 
     #[test]

@@ -39,6 +39,68 @@ impl Frame {
     }
 }
 
+/// A frame to send whose payload is in several buffers, sent one after
+/// another as one payload: a reply made of views of data the handler
+/// holds elsewhere (e.g. shared parameter blocks) goes out without being
+/// joined into one buffer first. The receiver sees an ordinary [`Frame`].
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct FrameParts {
+    /// Which operation of the service this is.
+    pub method: u16,
+    /// Control metadata, postcard-encoded.
+    pub meta: Bytes,
+    /// The payload, in order.
+    pub payload: Vec<Bytes>,
+}
+
+impl FrameParts {
+    /// The payload's length in bytes.
+    pub fn payload_len(&self) -> u64 {
+        self.payload.iter().map(|p| p.len() as u64).sum()
+    }
+
+    /// One [`Frame`] with the payload joined (one copy, unless it is in one
+    /// part or none): for a transport that hands over whole frames in memory.
+    pub fn join(self) -> Frame {
+        let FrameParts { method, meta, mut payload } = self;
+        let payload = match payload.len() {
+            0 => Bytes::new(),
+            1 => payload.swap_remove(0),
+            _ => Bytes::from(payload.concat()),
+        };
+        Frame { method, meta, payload }
+    }
+}
+
+impl From<Frame> for FrameParts {
+    fn from(frame: Frame) -> FrameParts {
+        let Frame { method, meta, payload } = frame;
+        let payload = if payload.is_empty() { Vec::new() } else { vec![payload] };
+        FrameParts { method, meta, payload }
+    }
+}
+
+/// The little-endian bytes of the `f32`s `owner` holds, as [`Bytes`] that
+/// keep `owner` alive: no copy on a little-endian machine (one elsewhere).
+/// For a payload part that is a view of values held elsewhere, e.g. an
+/// `Arc` shared with a store.
+pub fn f32s_shared<T: AsRef<[f32]> + Send + 'static>(owner: T) -> Bytes {
+    if cfg!(target_endian = "little") {
+        Bytes::from_owner(F32Bytes(owner))
+    } else {
+        f32s_to_bytes(owner.as_ref())
+    }
+}
+
+/// An owner of `f32`s seen as their bytes (little-endian machines only).
+struct F32Bytes<T>(T);
+
+impl<T: AsRef<[f32]>> AsRef<[u8]> for F32Bytes<T> {
+    fn as_ref(&self) -> &[u8] {
+        bytemuck::cast_slice(self.0.as_ref())
+    }
+}
+
 /// Little-endian bytes of `values`, in one bulk copy.
 pub fn f32s_to_bytes(values: &[f32]) -> Bytes {
     Bytes::copy_from_slice(&f32s_as_le_bytes(values))
@@ -111,6 +173,37 @@ mod tests {
         let err = copy_f32s_from_bytes(&mut dst, &[0u8; 7]).unwrap_err();
         assert_eq!(err.to_string(), "payload of 7 bytes, expected 8");
         assert!(bytes_to_f32s(&[0u8; 5]).is_err());
+    }
+
+    #[test]
+    fn frame_parts_join_in_order_and_a_frame_is_one_part() {
+        let parts = FrameParts {
+            method: 4,
+            meta: Bytes::from_static(b"m"),
+            payload: vec![Bytes::from_static(b"ab"), Bytes::new(), Bytes::from_static(b"c")],
+        };
+        assert_eq!(parts.payload_len(), 3);
+        let frame = parts.join();
+        assert_eq!((frame.method, &frame.meta[..], &frame.payload[..]), (4, &b"m"[..], &b"abc"[..]));
+        let one = Bytes::from_static(b"xyz");
+        let back = FrameParts::from(Frame { method: 1, meta: Bytes::new(), payload: one.clone() });
+        assert_eq!(back.payload, vec![one.clone()]);
+        // One part is handed back as it is, not copied.
+        assert_eq!(back.join().payload.as_ptr(), one.as_ptr());
+        assert!(FrameParts::from(Frame::default()).payload.is_empty());
+    }
+
+    #[test]
+    fn shared_f32s_are_their_little_endian_bytes_and_keep_their_owner() {
+        let values: std::sync::Arc<[f32]> = vec![1.0f32, -2.5, 3.25].into();
+        let bytes = f32s_shared(values.clone());
+        assert_eq!(bytes, f32s_to_bytes(&values));
+        assert_eq!(std::sync::Arc::strong_count(&values), 2, "the bytes hold the owner");
+        if cfg!(target_endian = "little") {
+            assert_eq!(bytes.as_ptr(), values.as_ptr().cast::<u8>(), "a view, not a copy");
+        }
+        drop(bytes);
+        assert_eq!(std::sync::Arc::strong_count(&values), 1);
     }
 
     #[test]

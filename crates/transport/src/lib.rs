@@ -145,7 +145,8 @@ pub mod wire;
 pub use dev_ca::{DevCa, Issued};
 pub use error::{Error, RemoteError, RemoteErrorKind, Result};
 pub use frame::{
-    bytes_to_f32s, copy_f32s_from_bytes, f32s_as_le_bytes, f32s_to_bytes, f32s_view, put_f32s, Frame,
+    bytes_to_f32s, copy_f32s_from_bytes, f32s_as_le_bytes, f32s_shared, f32s_to_bytes, f32s_view, put_f32s,
+    Frame, FrameParts,
 };
 pub use mem::{MemNetwork, MemTransport};
 pub use quic::{PathTuning, QuicListener, QuicOptions, QuicTransport};
@@ -165,6 +166,16 @@ use std::{sync::Arc, time::Duration};
 pub trait Handler: Send + Sync + 'static {
     /// Answer one request.
     async fn handle(&self, request: Frame) -> std::result::Result<Frame, RemoteError>;
+
+    /// As [`handle`](Self::handle), with the reply's payload in parts that
+    /// a transport sends one after another without joining them (the QUIC
+    /// transport calls this one). The default answers with `handle`'s
+    /// payload as its one part; a handler whose replies are views of data
+    /// it holds in several buffers overrides it (and makes `handle` join).
+    /// A handler that wraps another forwards both methods.
+    async fn handle_parts(&self, request: Frame) -> std::result::Result<FrameParts, RemoteError> {
+        self.handle(request).await.map(FrameParts::from)
+    }
 }
 
 /// Where the payload of a reply goes when a call does not keep it

@@ -1,4 +1,4 @@
-use crate::{Connection, Error, Frame, Handler, Listener, Result, Transport};
+use crate::{Connection, Error, Frame, FrameParts, Handler, Listener, Result, Transport};
 use async_trait::async_trait;
 use std::{
     collections::HashMap,
@@ -63,7 +63,7 @@ impl Connection for MemConnection {
         // Look the handler up on every call: a restarted endpoint is found again.
         let handler =
             self.network.handler(&self.addr).ok_or_else(|| Error::Unreachable { addr: self.addr.clone() })?;
-        let task = tokio::spawn(async move { handler.handle(request).await });
+        let task = tokio::spawn(async move { handler.handle_parts(request).await.map(FrameParts::join) });
         match tokio::time::timeout(timeout, task).await {
             Err(_) => Err(Error::Timeout { addr: self.addr.clone(), after: timeout }),
             Ok(Err(_join_error)) => Err(Error::Closed { addr: self.addr.clone() }),
@@ -157,6 +157,16 @@ mod tests {
                 m => Err(RemoteError::bad_request(format!("unknown method {m}"))),
             }
         }
+
+        async fn handle_parts(&self, request: Frame) -> std::result::Result<FrameParts, RemoteError> {
+            if request.method != 3 {
+                return self.handle(request).await.map(FrameParts::from);
+            }
+            // Method 3: the payload echoed in two parts, the second first.
+            let half = request.payload.len() / 2;
+            let payload = vec![request.payload.slice(half..), request.payload.slice(..half)];
+            Ok(FrameParts { method: 3, meta: request.meta, payload })
+        }
     }
 
     async fn echo_endpoint() -> (MemTransport, Box<dyn Listener>) {
@@ -173,6 +183,15 @@ mod tests {
             call(c.as_ref(), 1, "hi", Bytes::from_static(b"abcd"), Duration::from_secs(1)).await.unwrap();
         assert_eq!(meta, "hi");
         assert_eq!(payload.as_ref(), b"abcd");
+    }
+
+    #[tokio::test]
+    async fn a_reply_in_parts_arrives_joined() {
+        let (t, l) = echo_endpoint().await;
+        let c = t.connect(l.local_addr()).await.unwrap();
+        let (_, payload): ((), Bytes) =
+            call(c.as_ref(), 3, &(), Bytes::from_static(b"abcdef"), Duration::from_secs(1)).await.unwrap();
+        assert_eq!(payload.as_ref(), b"defabc");
     }
 
     #[tokio::test]

@@ -5,7 +5,7 @@ use crate::{
     gso,
     tls::TlsConfig,
     wire::{self, Expect, Kind},
-    Connection, Error, Frame, Handler, Listener, PayloadSink, RemoteError, Result, Transport,
+    Connection, Error, Frame, FrameParts, Handler, Listener, PayloadSink, RemoteError, Result, Transport,
 };
 use async_trait::async_trait;
 use bytes::Bytes;
@@ -1038,23 +1038,25 @@ async fn answer(
     let (kind, reply) = match request {
         Ok((_, request)) => {
             let method = request.method;
-            match std::panic::AssertUnwindSafe(handler.handle(request)).catch_unwind().await {
+            match std::panic::AssertUnwindSafe(handler.handle_parts(request)).catch_unwind().await {
                 Ok(Ok(reply)) => (Kind::Response, reply),
-                Ok(Err(error)) => (Kind::Error, error_frame(method, &error)),
-                Err(_) => (Kind::Error, error_frame(method, &RemoteError::internal("the handler panicked"))),
+                Ok(Err(error)) => (Kind::Error, error_frame(method, &error).into()),
+                Err(_) => {
+                    (Kind::Error, error_frame(method, &RemoteError::internal("the handler panicked")).into())
+                }
             }
         }
         Err(e) => {
             tracing::debug!(%peer, "bad request: {e}");
             let _ = recv.stop(VarInt::from_u32(CODE_BAD_FRAME));
-            (Kind::Error, error_frame(0, &RemoteError::from(e)))
+            (Kind::Error, error_frame(0, &RemoteError::from(e)).into())
         }
     };
-    let mut bufs = match wire::encode(kind, &reply) {
+    let mut bufs = match encode_parts(kind, reply) {
         Ok(bufs) => bufs,
-        Err(e) => {
+        Err((method, e)) => {
             let error = RemoteError::internal(format!("cannot encode the reply: {e}"));
-            wire::encode(Kind::Error, &error_frame(reply.method, &error)).ok()?
+            wire::encode(Kind::Error, &error_frame(method, &error)).ok()?.to_vec()
         }
     };
     let piece = piece_len(config.options.send_window);
@@ -1069,6 +1071,20 @@ async fn answer(
             None
         }
     }
+}
+
+/// The buffers to send for `frame` as `kind`: the header and metadata,
+/// then the payload's parts as they are. On error, the frame's method too.
+fn encode_parts(kind: Kind, frame: FrameParts) -> std::result::Result<Vec<Bytes>, (u16, Error)> {
+    let FrameParts { method, meta, payload } = frame;
+    let payload_len = payload.iter().map(|p| p.len() as u64).sum();
+    let head = Frame { method, meta, payload: Bytes::new() };
+    let header = wire::Header::of(kind, &head).map_err(|e| (method, e))?;
+    let [head, _] = wire::encode_with(wire::Header { payload_len, ..header }, &head);
+    let mut bufs = Vec::with_capacity(1 + payload.len());
+    bufs.push(head);
+    bufs.extend(payload.into_iter().filter(|p| !p.is_empty()));
+    Ok(bufs)
 }
 
 /// Wait until the peer has acknowledged the whole reply on `send` (or is

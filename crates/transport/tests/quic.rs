@@ -51,6 +51,24 @@ async fn a_large_payload_arrives_intact() {
 }
 
 #[tokio::test]
+async fn a_reply_in_parts_arrives_as_one_payload() {
+    let ca = DevCa::new().unwrap();
+    let server = start_server(&ca).await;
+    let client = client(&ca, "c");
+    let conn = client.connect(&server.addr()).await.unwrap();
+    for len in [0usize, 5, 3_000_000] {
+        let payload: Vec<u8> = (0..len).map(|i| (i % 251) as u8).collect();
+        let reply = conn
+            .call(Frame::new(PARTS, "parts", payload.clone().into()).unwrap(), Duration::from_secs(30))
+            .await
+            .unwrap();
+        assert_eq!(reply.meta::<String>().unwrap(), "parts");
+        assert_eq!(reply.payload.len(), len);
+        assert!(reply.payload[..] == payload[..], "the parts arrive in order, whole ({len} bytes)");
+    }
+}
+
+#[tokio::test]
 async fn a_large_fixed_mtu_with_segmentation_offload_moves_large_payloads() {
     // quinn batches up to 10 datagrams per GSO send; at 8952 bytes a batch
     // of 10 is over the 65,507 a UDP send may carry, the kernel refused it

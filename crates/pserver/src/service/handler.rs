@@ -13,7 +13,7 @@ use crate::{
 };
 use async_trait::async_trait;
 use bytes::{Bytes, BytesMut};
-use oar_transport::{Frame, Handler, RemoteError};
+use oar_transport::{Frame, FrameParts, Handler, RemoteError};
 use std::{
     sync::{Arc, MutexGuard, PoisonError},
     time::Duration,
@@ -711,8 +711,9 @@ impl PsHandler {
         Ok(reply)
     }
 
-    /// Primary side: part of a held snapshot.
-    fn snapshot_part(&self, request: PsRequest) -> Reply<Answer> {
+    /// Primary side: part of a held snapshot, its payload in parts (views
+    /// of the snapshot's blocks).
+    fn snapshot_part(&self, request: PsRequest) -> Reply<(PsReply, Vec<Bytes>)> {
         let PsRequest::SnapshotPart { shard, follower, upto, part } = request else {
             return Err(RemoteError::internal("not a snapshot part"));
         };
@@ -725,13 +726,7 @@ impl PsHandler {
         })?;
         let row_parts = snapshot.row_parts.len() as u32;
         match snapshot.parts.get(part as usize) {
-            Some(range) => replication::encode_part(
-                &snapshot.snapshot,
-                range.clone(),
-                row_parts,
-                &self.shared.reply_pool,
-            )
-            .map_err(RemoteError::internal),
+            Some(range) => Ok(replication::encode_part(&snapshot.snapshot, range.clone(), row_parts)),
             None => {
                 let index = (part as usize).saturating_sub(snapshot.parts.len());
                 let rows = snapshot.row_parts.get(index).cloned().ok_or_else(|| {
@@ -740,7 +735,9 @@ impl PsHandler {
                         snapshot.parts.len() + snapshot.row_parts.len()
                     ))
                 })?;
-                Ok(replication::encode_row_part(&snapshot.snapshot, row_parts, index as u32, rows))
+                let (reply, payload) =
+                    replication::encode_row_part(&snapshot.snapshot, row_parts, index as u32, rows);
+                Ok((reply, vec![payload]))
             }
         }
     }
@@ -785,14 +782,24 @@ impl PsHandler {
 #[async_trait]
 impl Handler for PsHandler {
     async fn handle(&self, request: Frame) -> Reply<Frame> {
+        self.handle_parts(request).await.map(FrameParts::join)
+    }
+
+    /// A snapshot part's reply is views of the snapshot's blocks, in parts;
+    /// every other reply's payload is one buffer.
+    async fn handle_parts(&self, request: Frame) -> Reply<FrameParts> {
         if request.method != PSERVER_METHOD {
             return Err(RemoteError::bad_request(format!("unknown pserver method {:#x}", request.method)));
         }
+        let one_part = |(reply, payload): Answer| (reply, vec![payload]);
         let (reply, payload) = match request.meta::<PsRequest>()? {
-            PsRequest::Batch { calls } => self.batch(calls, request.payload).await?,
-            one => self.handle_one(one, request.payload).await?,
+            PsRequest::Batch { calls } => one_part(self.batch(calls, request.payload).await?),
+            part @ PsRequest::SnapshotPart { .. } => self.snapshot_part(part)?,
+            one => one_part(self.handle_one(one, request.payload).await?),
         };
-        Frame::new(PSERVER_METHOD, &reply, payload).map_err(RemoteError::internal)
+        let Frame { method, meta, .. } =
+            Frame::new(PSERVER_METHOD, &reply, Bytes::new()).map_err(RemoteError::internal)?;
+        Ok(FrameParts { method, meta, payload })
     }
 }
 
@@ -907,7 +914,10 @@ impl PsHandler {
             }
             replicate @ PsRequest::Replicate { .. } => self.replicate(replicate, payload)?,
             sync @ PsRequest::Sync { .. } => self.sync(sync)?,
-            part @ PsRequest::SnapshotPart { .. } => return self.snapshot_part(part),
+            part @ PsRequest::SnapshotPart { .. } => {
+                let (reply, payload) = self.snapshot_part(part)?;
+                return Ok((reply, payload.concat().into()));
+            }
             caught @ PsRequest::Caught { .. } => self.caught(caught)?,
             PsRequest::SyncNeeded { shard, map_version } => {
                 self.check_map(shard, map_version)?;

@@ -423,16 +423,17 @@ struct Shared {
     released: AtomicBool,
     /// Held while a checkpoint file is written.
     saving: Mutex<()>,
-    /// Buffers for pull replies and snapshot parts, kept once the peer
-    /// has acknowledged them, so that a reply of several MiB is written
-    /// into memory already faulted in (see [`REPLY_POOL_BYTES`]).
+    /// Buffers for pull replies, kept once the peer has acknowledged them,
+    /// so that a reply of several MiB is written into memory already
+    /// faulted in (see [`REPLY_POOL_BYTES`]).
     reply_pool: oar_transport::wire::BufferPool,
 }
 
 /// The most idle memory a pserver keeps for replies: eight of the
-/// client's largest pull parts or of a snapshot's parts (8 MiB each).
-/// Replies under the pool's threshold
-/// ([`oar_transport::wire::DEFAULT_POOLED_FROM`]) are not kept.
+/// client's largest pull parts (8 MiB each); a snapshot part's reply is
+/// views of the snapshot's blocks, with no buffer of its own. Replies
+/// under the pool's threshold ([`oar_transport::wire::DEFAULT_POOLED_FROM`])
+/// are not kept.
 const REPLY_POOL_BYTES: usize = 64 << 20;
 
 impl Shared {

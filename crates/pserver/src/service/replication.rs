@@ -12,7 +12,6 @@ use crate::{
     BlockId, CompletedStep, Grad, OptimizerState, Placement, Push, RowGrads, StoreSnapshot,
 };
 use bytes::{Bytes, BytesMut};
-use oar_transport::wire::BufferPool;
 use std::{
     borrow::Cow,
     ops::Range,
@@ -720,22 +719,23 @@ pub(super) fn encode_row_part(
 }
 
 /// Part `range` of `snapshot`: per block its parameters then its state's
-/// slots, written into a buffer of `pool`.
+/// slots, as views of the snapshot's blocks (a payload in parts, nothing
+/// copied; the parts keep the blocks alive until quinn has sent them).
 pub(super) fn encode_part(
     snapshot: &StoreSnapshot,
     range: Range<usize>,
     row_parts: u32,
-    pool: &BufferPool,
-) -> Result<(PsReply, Bytes), oar_transport::Error> {
-    let blocks: Vec<_> = snapshot.blocks().skip(range.start).take(range.len()).collect();
-    let floats: usize = blocks.iter().map(|(_, p, s)| p.len() + s.slots.len()).sum();
-    let mut payload = pool.writer(floats * 4)?;
-    for (_, params, state) in &blocks {
-        payload.extend_from_slice(&oar_transport::f32s_as_le_bytes(params));
-        payload.extend_from_slice(&oar_transport::f32s_as_le_bytes(&state.slots));
+) -> (PsReply, Vec<Bytes>) {
+    let shared = snapshot.shared_blocks().skip(range.start).take(range.len());
+    let steps = snapshot.blocks().skip(range.start).take(range.len()).map(|(_, _, state)| state.step);
+    let mut payload = Vec::with_capacity(2 * range.len());
+    let mut named = Vec::with_capacity(range.len());
+    for ((id, params, slots), step) in shared.zip(steps) {
+        payload.push(oar_transport::f32s_shared(params));
+        payload.push(oar_transport::f32s_shared(slots));
+        named.push((id, step));
     }
-    let named = blocks.iter().map(|(id, _, state)| (*id, state.step)).collect();
-    Ok((part_reply(snapshot, named, row_parts, None), payload.freeze()))
+    (part_reply(snapshot, named, row_parts, None), payload)
 }
 
 /// A snapshot part's metadata: the store's state in `snapshot`, the
@@ -882,4 +882,32 @@ fn decode_part(
         }
         Ok((out, rows))
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::{optimizer::Adam, Init, Mode, ParamSpec, ParamStore, Placement};
+
+    #[test]
+    fn a_snapshot_part_is_views_of_its_blocks_params_then_slots() {
+        let specs = vec![ParamSpec::new("w", vec![10], Init::Normal { mean: 0.0, std: 1.0 })];
+        let pl = Placement::new(&specs, 1, 4).unwrap();
+        let opt = Adam { lr: 0.1, beta1: 0.9, beta2: 0.99, eps: 1e-8 };
+        let store = ParamStore::new(&pl, 0, 1, Box::new(opt), Mode::Async).unwrap();
+        let snapshot = store.snapshot().unwrap();
+        let (reply, payload) = encode_part(&snapshot, 1..3, 0);
+        let PsReply::SnapshotPart { blocks, .. } = reply else { panic!("{reply:?}") };
+        let wanted: Vec<_> = snapshot.blocks().skip(1).take(2).collect();
+        assert_eq!(blocks, wanted.iter().map(|(id, _, s)| (*id, s.step)).collect::<Vec<_>>());
+        assert_eq!(payload.len(), 4);
+        for (pair, (_, params, state)) in payload.chunks(2).zip(&wanted) {
+            assert_eq!(pair[0], oar_transport::f32s_to_bytes(params));
+            assert_eq!(pair[1], oar_transport::f32s_to_bytes(&state.slots));
+            if cfg!(target_endian = "little") {
+                assert_eq!(pair[0].as_ptr(), params.as_ptr().cast::<u8>(), "a view, not a copy");
+                assert_eq!(pair[1].as_ptr(), state.slots.as_ptr().cast::<u8>());
+            }
+        }
+    }
 }

@@ -9,7 +9,7 @@ use oar_pserver::{
     protocol::{BlockSpan, PsRequest, ReplicaRole},
     Coordinator, CoordinatorOptions, Pserver, PserverKeys, ShardMap,
 };
-use oar_transport::{Connection, Frame, Handler, Listener, RemoteError, Transport};
+use oar_transport::{Connection, Frame, FrameParts, Handler, Listener, RemoteError, Transport};
 use std::{
     sync::{
         atomic::{AtomicU64, Ordering},
@@ -177,6 +177,11 @@ impl Handler for CountingHandler {
     async fn handle(&self, request: Frame) -> Result<Frame, RemoteError> {
         self.calls.fetch_add(1, Ordering::SeqCst);
         self.inner.handle(request).await
+    }
+
+    async fn handle_parts(&self, request: Frame) -> Result<FrameParts, RemoteError> {
+        self.calls.fetch_add(1, Ordering::SeqCst);
+        self.inner.handle_parts(request).await
     }
 }
 

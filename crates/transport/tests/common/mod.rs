@@ -5,7 +5,7 @@
 use async_trait::async_trait;
 use bytes::Bytes;
 use oar_transport::{
-    f32s_to_bytes, Connection, DevCa, Error, Frame, Handler, Listener, QuicListener, QuicOptions,
+    f32s_to_bytes, Connection, DevCa, Error, Frame, FrameParts, Handler, Listener, QuicListener, QuicOptions,
     QuicTransport, RemoteError, TlsConfig, Transport,
 };
 use std::{
@@ -32,6 +32,24 @@ pub const SLOW: u16 = 7;
 pub const ADDRESS: u16 = 8;
 /// As BIG_REPLY, and notifies `replied` once the reply is made.
 pub const BIG_THEN_NOTIFY: u16 = 9;
+/// Echoes the payload as a reply in parts ([`parts_of`]); answered by
+/// `handle_parts` only (`handle` refuses it).
+pub const PARTS: u16 = 10;
+
+/// `payload` cut into parts of 0, 1, 7 and 4093 bytes, then the rest,
+/// then an empty one: views of `payload`, not copies.
+pub fn parts_of(payload: &Bytes) -> Vec<Bytes> {
+    let mut parts = Vec::new();
+    let mut at = 0;
+    for len in [0, 1, 7, 4093] {
+        let end = (at + len).min(payload.len());
+        parts.push(payload.slice(at..end));
+        at = end;
+    }
+    parts.push(payload.slice(at..));
+    parts.push(Bytes::new());
+    parts
+}
 
 /// The test service. Counts the calls it answered.
 #[derive(Default)]
@@ -75,10 +93,20 @@ impl Handler for TestService {
             }
             ADDRESS => Frame::new(ADDRESS, &(request.payload.as_ptr() as u64), Bytes::new())
                 .map_err(RemoteError::internal),
+            PARTS => Err(RemoteError::bad_request("method 10 is answered by handle_parts only")),
             m => Err(RemoteError::bad_request(format!("unknown method {m}"))),
         };
         self.answered.fetch_add(1, Ordering::SeqCst);
         reply
+    }
+
+    async fn handle_parts(&self, request: Frame) -> Result<FrameParts, RemoteError> {
+        if request.method != PARTS {
+            return self.handle(request).await.map(FrameParts::from);
+        }
+        self.entered.fetch_add(1, Ordering::SeqCst);
+        self.answered.fetch_add(1, Ordering::SeqCst);
+        Ok(FrameParts { method: PARTS, meta: request.meta, payload: parts_of(&request.payload) })
     }
 }
 
