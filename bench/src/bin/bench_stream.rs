@@ -128,7 +128,9 @@ use oar::{
         reader::{read_glob, Format, ReaderOptions},
         ModelConfig,
     },
-    transport::{self as tr, Connection, DevCa, Frame, Handler, Listener, QuicTransport, RemoteError},
+    transport::{
+        self as tr, Connection, DevCa, Frame, FrameParts, Handler, Listener, QuicTransport, RemoteError,
+    },
 };
 use std::{
     collections::{BTreeSet, HashMap},
@@ -405,21 +407,31 @@ impl Handler for ProbeHandler {
         'a: 'f,
         Self: 'f,
     {
+        Box::pin(async move { self.handle_parts(request).await.map(FrameParts::join) })
+    }
+
+    fn handle_parts<'a, 'f>(&'a self, request: Frame) -> BoxFuture<'f, Result<FrameParts, RemoteError>>
+    where
+        'a: 'f,
+        Self: 'f,
+    {
         Box::pin(async move {
             let kind = kind(&request);
             let begin = Instant::now();
-            let reply = self.inner.handle(request).await;
+            let reply = self.inner.handle_parts(request).await;
             let end = Instant::now();
             let mut seen = self.seen.lock().unwrap_or_else(PoisonError::into_inner);
             match (kind, &reply) {
                 (Kind::Push { shard }, Ok(_)) => seen.pushes.entry(shard).or_default().push((begin, end)),
-                (Kind::GetTask, Ok(frame)) => match frame.meta::<TaskReply>() {
-                    Ok(TaskReply::Assigned { task, .. }) => {
-                        seen.assigned.push(Assigned { at: end, task: task.id.0, chunks: task.chunks })
+                (Kind::GetTask, Ok(parts)) => {
+                    match (Frame { meta: parts.meta.clone(), ..Frame::default() }).meta() {
+                        Ok(TaskReply::Assigned { task, .. }) => {
+                            seen.assigned.push(Assigned { at: end, task: task.id.0, chunks: task.chunks })
+                        }
+                        Ok(TaskReply::Wait { .. }) => seen.waits += 1,
+                        _ => {}
                     }
-                    Ok(TaskReply::Wait { .. }) => seen.waits += 1,
-                    _ => {}
-                },
+                }
                 _ => {}
             }
             drop(seen);

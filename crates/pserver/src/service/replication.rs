@@ -718,9 +718,19 @@ pub(super) fn encode_row_part(
     (part_reply(snapshot, Vec::new(), row_parts, Some(part)), payload.freeze())
 }
 
+/// A snapshot part's blocks are sent from where they are (views) from
+/// this many bytes on; smaller ones are copied together into one buffer
+/// with their small neighbours, because quinn walks its list of buffers
+/// not yet acknowledged for every packet: thousands of tiny ones would
+/// cost more than the copy.
+const SEND_IN_PLACE_FROM: usize = 64 << 10;
+
 /// Part `range` of `snapshot`: per block its parameters then its state's
-/// slots, as views of the snapshot's blocks (a payload in parts, nothing
-/// copied; the parts keep the blocks alive until quinn has sent them).
+/// slots, as views of the snapshot's blocks (a payload in parts; only
+/// blocks under [`SEND_IN_PLACE_FROM`] are copied). The views keep their
+/// blocks alive until the follower has acknowledged them, after the
+/// snapshot itself is gone if need be: such a block is then freed rather
+/// than kept as the store's spare.
 pub(super) fn encode_part(
     snapshot: &StoreSnapshot,
     range: Range<usize>,
@@ -729,11 +739,23 @@ pub(super) fn encode_part(
     let shared = snapshot.shared_blocks().skip(range.start).take(range.len());
     let steps = snapshot.blocks().skip(range.start).take(range.len()).map(|(_, _, state)| state.step);
     let mut payload = Vec::with_capacity(2 * range.len());
+    let mut small = BytesMut::new();
     let mut named = Vec::with_capacity(range.len());
     for ((id, params, slots), step) in shared.zip(steps) {
-        payload.push(oar_transport::f32s_shared(params));
-        payload.push(oar_transport::f32s_shared(slots));
+        for values in [params, slots] {
+            if values.as_ref().len() * 4 < SEND_IN_PLACE_FROM {
+                oar_transport::put_f32s(&mut small, values.as_ref());
+                continue;
+            }
+            if !small.is_empty() {
+                payload.push(small.split().freeze());
+            }
+            payload.push(oar_transport::f32s_shared(values));
+        }
         named.push((id, step));
+    }
+    if !small.is_empty() {
+        payload.push(small.freeze());
     }
     (part_reply(snapshot, named, row_parts, None), payload)
 }
@@ -890,23 +912,35 @@ mod tests {
     use crate::{optimizer::Adam, Init, Mode, ParamSpec, ParamStore, Placement};
 
     #[test]
-    fn a_snapshot_part_is_views_of_its_blocks_params_then_slots() {
-        let specs = vec![ParamSpec::new("w", vec![10], Init::Normal { mean: 0.0, std: 1.0 })];
-        let pl = Placement::new(&specs, 1, 4).unwrap();
+    fn a_snapshot_part_is_views_of_its_large_blocks_and_one_copy_of_the_small_ones() {
+        // Blocks of 20,000 floats (80 KB: sent in place) and one of 10 (copied).
+        let specs = vec![
+            ParamSpec::new("w", vec![40_000], Init::Normal { mean: 0.0, std: 1.0 }),
+            ParamSpec::new("b", vec![10], Init::Constant(0.5)),
+        ];
+        let pl = Placement::new(&specs, 1, 20_000).unwrap();
         let opt = Adam { lr: 0.1, beta1: 0.9, beta2: 0.99, eps: 1e-8 };
         let store = ParamStore::new(&pl, 0, 1, Box::new(opt), Mode::Async).unwrap();
         let snapshot = store.snapshot().unwrap();
-        let (reply, payload) = encode_part(&snapshot, 1..3, 0);
+        let all = 0..snapshot.blocks().len();
+        assert_eq!(all.len(), 3);
+        let (reply, payload) = encode_part(&snapshot, all, 0);
         let PsReply::SnapshotPart { blocks, .. } = reply else { panic!("{reply:?}") };
-        let wanted: Vec<_> = snapshot.blocks().skip(1).take(2).collect();
+        let wanted: Vec<_> = snapshot.blocks().collect();
         assert_eq!(blocks, wanted.iter().map(|(id, _, s)| (*id, s.step)).collect::<Vec<_>>());
-        assert_eq!(payload.len(), 4);
-        for (pair, (_, params, state)) in payload.chunks(2).zip(&wanted) {
-            assert_eq!(pair[0], oar_transport::f32s_to_bytes(params));
-            assert_eq!(pair[1], oar_transport::f32s_to_bytes(&state.slots));
-            if cfg!(target_endian = "little") {
-                assert_eq!(pair[0].as_ptr(), params.as_ptr().cast::<u8>(), "a view, not a copy");
-                assert_eq!(pair[1].as_ptr(), state.slots.as_ptr().cast::<u8>());
+        let expected: Vec<u8> = wanted
+            .iter()
+            .flat_map(|(_, p, s)| [oar_transport::f32s_to_bytes(p), oar_transport::f32s_to_bytes(&s.slots)])
+            .flat_map(|b| b.to_vec())
+            .collect();
+        assert_eq!(payload.concat(), expected, "params then slots, block by block");
+        // w's two blocks, params and slots in place; b's both in one buffer.
+        let lens: Vec<usize> = payload.iter().map(Bytes::len).collect();
+        assert_eq!(lens, vec![80_000, 160_000, 80_000, 160_000, 40 + 80]);
+        if cfg!(target_endian = "little") {
+            for (i, (_, params, state)) in wanted.iter().take(2).enumerate() {
+                assert_eq!(payload[2 * i].as_ptr(), params.as_ptr().cast::<u8>(), "a view, not a copy");
+                assert_eq!(payload[2 * i + 1].as_ptr(), state.slots.as_ptr().cast::<u8>());
             }
         }
     }
