@@ -58,7 +58,9 @@
 //! reading that file alone (`std::fs::read`, from the page cache as the
 //! restore reads it) in the same run. The parameters start from a normal
 //! distribution, as a model's do, so a restart that computed the initial
-//! values before overwriting them would show it.
+//! values before overwriting them would show it. And the first start's
+//! time until serving (no checkpoint: initial values for every block),
+//! against `ParamStore::new` building the same store on one thread.
 
 use oar_bench::pserver as common;
 
@@ -67,7 +69,7 @@ use oar_discovery::MemDiscovery;
 use oar_pserver::{
     checkpoint::CheckpointDir,
     protocol::{BlockSpan, PsReply, PsRequest, PSERVER_METHOD},
-    Init, Mode, OptimizerConfig, ParamSpec, Placement, Pserver, PserverOptions,
+    Init, Mode, OptimizerConfig, ParamSpec, ParamStore, Placement, Pserver, PserverOptions,
 };
 use oar_transport::{call, Connection, DevCa, QuicTransport, Transport};
 use std::{
@@ -250,15 +252,17 @@ async fn main() {
         checkpoint_keep: 2,
         ..Default::default()
     };
+    let started = Instant::now();
     let ps = Pserver::start(discovery.clone(), transport.clone(), "127.0.0.1:0", options.clone())
         .await
         .expect("pserver");
     let step0 = loop {
         match ps.step(0) {
             Some(step) => break step,
-            None => tokio::time::sleep(Duration::from_millis(5)).await,
+            None => tokio::time::sleep(Duration::from_millis(1)).await,
         }
     };
+    let first_start = started.elapsed();
     let placement = Placement::new(&specs, 1, block).expect("placement");
     let lens: Vec<usize> = placement.blocks_on(0).map(|b| b.len).collect();
     let blocks = lens.len();
@@ -391,7 +395,35 @@ async fn main() {
     // No half-taken push for the shutdown's last checkpoint to wait for.
     pusher.finish_push().await;
     let _ = ps.shutdown().await;
-    restart(discovery, transport, options, tmp.path().to_path_buf()).await;
+    restart(discovery, transport, options.clone(), tmp.path().to_path_buf()).await;
+    first_start_against_one_thread(first_start, placement, &options).await;
+}
+
+/// The first start's time until serving (no checkpoint yet: every block
+/// gets its initial values) against building the same store with
+/// `ParamStore::new`, which computes them on one thread.
+async fn first_start_against_one_thread(
+    first_start: Duration,
+    placement: Placement,
+    options: &PserverOptions,
+) {
+    let (seed, optimizer) = (options.seed, options.optimizer.clone());
+    let one_thread = tokio::task::spawn_blocking(move || {
+        let optimizer = optimizer.build().expect("optimizer");
+        let t = Instant::now();
+        let store = ParamStore::new(&placement, 0, seed, optimizer, Mode::Async).expect("store");
+        let took = t.elapsed();
+        drop(store);
+        took
+    })
+    .await
+    .expect("ParamStore::new");
+    println!(
+        "first start (initial values, no checkpoint): serving after {:.0} ms; ParamStore::new on one thread {:.0} ms: {:.2}x",
+        first_start.as_secs_f64() * 1e3,
+        one_thread.as_secs_f64() * 1e3,
+        first_start.as_secs_f64() / one_thread.as_secs_f64()
+    );
 }
 
 /// A new pserver restores the shard from the newest checkpoint in `dir`:

@@ -505,6 +505,10 @@ pub enum ServiceError {
     /// updating its store): it writes no more checkpoints.
     #[error("pserver stopped serving: {0}")]
     Stopped(String),
+    /// Work the pserver ran on a thread of its own panicked or was
+    /// cancelled (say what it was).
+    #[error("{0} did not finish: a panic or a cancelled task")]
+    Unfinished(String),
     /// A discovery operation failed.
     #[error(transparent)]
     Discovery(#[from] oar_discovery::Error),

@@ -61,7 +61,8 @@ impl ParamSpec {
 
 /// Check a model's specs: at least one parameter, unique non-empty names, no
 /// zero dimension, an element count that fits in `usize`, and initialisers
-/// with finite values, `std >= 0` and `low <= high`.
+/// with finite values, `std >= 0` and `low <= high`, whose every draw is a
+/// finite `f32` (a normal's `|mean| + 8.6 std` within `f32::MAX`).
 pub fn validate_specs(specs: &[ParamSpec]) -> Result<()> {
     if specs.is_empty() {
         return Err(Error::NoParams);
@@ -86,6 +87,10 @@ pub fn validate_specs(specs: &[ParamSpec]) -> Result<()> {
     Ok(())
 }
 
+/// Above the largest standard normal [`SplitMix64::next_normal`] draws:
+/// `sqrt(-2 ln 2^-53)` = 8.57.
+const NORMAL_MAX_DRAW: f64 = 8.6;
+
 fn validate_init(s: &ParamSpec) -> Result<()> {
     let bad = |reason: String| Error::BadInit { name: s.name.clone(), reason };
     match s.init {
@@ -106,6 +111,12 @@ fn validate_init(s: &ParamSpec) -> Result<()> {
                 Err(bad(format!("normal mean {mean} / std {std} not finite")))
             } else if std < 0.0 {
                 Err(bad(format!("normal std {std} < 0")))
+            } else if f64::from(mean).abs() + f64::from(std) * NORMAL_MAX_DRAW > f64::from(f32::MAX) {
+                Err(bad(format!(
+                    "normal mean {mean} / std {std} can draw values beyond f32's range \
+                     (|mean| + {NORMAL_MAX_DRAW} std must stay within {:e})",
+                    f32::MAX
+                )))
             } else {
                 Ok(())
             }
@@ -284,6 +295,8 @@ mod tests {
             Init::Uniform { low: -3e38, high: 3e38 },
             Init::Normal { mean: 0.0, std: -1.0 },
             Init::Normal { mean: f32::NAN, std: 1.0 },
+            Init::Normal { mean: 0.0, std: 4e37 },
+            Init::Normal { mean: -3.3e38, std: 1e37 },
         ] {
             let r = validate_specs(&[spec("w", &[2], init.clone())]);
             assert!(matches!(r, Err(Error::BadInit { .. })), "{init:?}: {r:?}");
@@ -292,6 +305,12 @@ mod tests {
             .unwrap_err()
             .to_string();
         assert!(msg.contains("layer1.w") && msg.contains("-1"), "{msg}");
+        // The widest normal accepted draws only finite values.
+        let widest = Init::Normal { mean: 0.0, std: 3.9e37 };
+        assert!(validate_specs(&[spec("w", &[2], widest.clone())]).is_ok());
+        let mut out = vec![0f32; 100_000];
+        init_values(&spec("w", &[100_000], widest), 3, 0, &mut out);
+        assert!(out.iter().all(|v| v.is_finite()));
     }
 
     #[test]

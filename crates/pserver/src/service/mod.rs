@@ -568,19 +568,30 @@ impl Shared {
 
     /// A store of `shard` with its initial values and fresh optimizer
     /// state, or (`to_restore`) one whose blocks hold no values until a
-    /// catch-up fills them ([`ParamStore::new_to_restore`]).
+    /// catch-up fills them ([`ParamStore::new_to_restore`]). The initial
+    /// values take seconds for a large shard: call it where blocking is
+    /// allowed (`spawn_blocking`), not on a runtime worker.
     fn new_store(&self, shard: u32, to_restore: bool) -> ServiceResult<ParamStore> {
         let optimizer = match &self.options.custom_optimizer {
             Some(factory) => factory.build(),
             None => self.options.optimizer.build()?,
         };
         let (placement, mode) = (&self.placement, self.options.mode);
-        let mut store = match to_restore {
-            true => ParamStore::new_to_restore(placement, shard, self.options.seed, optimizer, mode)?,
-            false => ParamStore::new(placement, shard, self.options.seed, optimizer, mode)?,
-        };
+        let mut store = ParamStore::new_to_restore(placement, shard, self.options.seed, optimizer, mode)?;
+        if !to_restore {
+            let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
+            initialize(&mut store, placement, self.options.seed, cores)?;
+        }
         self.set_recording(&mut store, shard);
         Ok(store)
+    }
+
+    /// [`new_store`](Self::new_store) on the blocking pool.
+    async fn new_store_blocking(self: &Arc<Self>, shard: u32, to_restore: bool) -> ServiceResult<ParamStore> {
+        let shared = self.clone();
+        tokio::task::spawn_blocking(move || shared.new_store(shard, to_restore))
+            .await
+            .map_err(|_| ServiceError::Unfinished(format!("building shard {shard}'s store")))?
     }
 
     /// A connection to pserver `name` (looked up in the registrations).
@@ -1120,6 +1131,52 @@ enum Action {
     Sync,
 }
 
+/// Below this many floats a store's initial values are computed on the
+/// calling thread: starting threads would cost more than it saves.
+const INIT_ON_THREADS_FROM: usize = 1 << 20;
+
+/// Give every block of `store` (made to be restored) its initial values
+/// ([`crate::init_values`]) and fresh optimizer state, the same as
+/// [`ParamStore::new`] gives them, computed on up to `threads` threads
+/// (the machine's cores): on one, a normal initialiser takes 34–47 ns a
+/// float (4.1–4.7 s for a 100M-float shard, BENCHMARKS.md "A first start").
+fn initialize(store: &mut ParamStore, placement: &Placement, seed: u64, threads: usize) -> ServiceResult<()> {
+    let blocks: Vec<_> = placement.blocks_on(store.server()).collect();
+    let floats: usize = blocks.iter().map(|b| b.len).sum();
+    let threads = match floats >= INIT_ON_THREADS_FROM {
+        true => threads.min(blocks.len()),
+        false => 1,
+    };
+    let (specs, optimizer) = (placement.specs(), store.optimizer());
+    let make = |t: usize| {
+        blocks
+            .iter()
+            .skip(t)
+            .step_by(threads)
+            .map(|b| {
+                let mut params = vec![0.0; b.len];
+                // Placement only creates blocks of existing parameters.
+                if let Some(spec) = specs.get(b.id.param as usize) {
+                    crate::init_values(spec, seed, b.offset, &mut params);
+                }
+                (b.id, params, optimizer.new_state(b.len))
+            })
+            .collect::<Vec<_>>()
+    };
+    let made: Vec<_> = match threads {
+        0 | 1 => vec![make(0)],
+        _ => std::thread::scope(|scope| {
+            let running: Vec<_> = (0..threads).map(|t| scope.spawn(move || make(t))).collect();
+            running.into_iter().map(|r| r.join()).collect::<Result<Vec<_>, _>>()
+        })
+        .map_err(|_| ServiceError::Unfinished("computing the initial values".into()))?,
+    };
+    for (id, params, state) in made.into_iter().flatten() {
+        store.restore_block(id, params, state)?;
+    }
+    Ok(())
+}
+
 /// Serve `slot` as primary of `epoch` from its last checkpoint (or from
 /// the initial values): no replica that could take over survived.
 async fn restore_primary(shared: &Arc<Shared>, slot: &Arc<Slot>, epoch: u64, followers: &[String]) {
@@ -1127,8 +1184,8 @@ async fn restore_primary(shared: &Arc<Shared>, slot: &Arc<Slot>, epoch: u64, fol
     let checkpoints = shared.options.checkpoint_dir.clone();
     // With checkpoints, the store's values come from one: it is built
     // without them, and with its initial values only if there is none
-    // (computing them took 0.34 s per 10M floats).
-    let built = shared.new_store(shard, checkpoints.is_some());
+    // (computing them on one thread takes 0.34–0.47 s per 10M floats).
+    let built = shared.new_store_blocking(shard, checkpoints.is_some()).await;
     let mut store = match built {
         Ok(store) => store,
         Err(e) => return shared.fail(format!("cannot build shard {shard}'s store: {e}")),
@@ -1152,7 +1209,7 @@ async fn restore_primary(shared: &Arc<Shared>, slot: &Arc<Slot>, epoch: u64, fol
             }
             Ok(Ok((None, _))) => {
                 tracing::info!(shard, "no checkpoint; starting fresh");
-                store = match shared.new_store(shard, false) {
+                store = match shared.new_store_blocking(shard, false).await {
                     Ok(store) => store,
                     Err(e) => return shared.fail(format!("cannot build shard {shard}'s store: {e}")),
                 };
@@ -1460,4 +1517,31 @@ async fn save_and_record(shared: &Arc<Shared>, slot: &Slot) -> ServiceResult<Opt
         Err(e) => tracing::warn!(error = %e, "could not encode the checkpoint record"),
     }
     Ok(Some(info))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::{optimizer::Adam, Init};
+
+    #[test]
+    fn a_store_initialized_on_threads_equals_one_made_by_new() {
+        // One shard large enough to be computed on threads; blocks of
+        // uneven lengths, more blocks than threads.
+        let specs = vec![
+            ParamSpec::new("w", vec![1000, 1100], Init::Normal { mean: 0.5, std: 2.0 }),
+            ParamSpec::new("b", vec![1000], Init::Uniform { low: -1.0, high: 1.0 }),
+        ];
+        const { assert!(1000 * 1101 >= INIT_ON_THREADS_FROM) };
+        let placement = Placement::new(&specs, 1, 70_000).unwrap();
+        let adam = || Box::new(Adam { lr: 0.1, beta1: 0.9, beta2: 0.99, eps: 1e-8 });
+        let reference = ParamStore::new(&placement, 0, 7, adam(), Mode::Async).unwrap();
+        for threads in [1, 3, 100] {
+            let mut store = ParamStore::new_to_restore(&placement, 0, 7, adam(), Mode::Async).unwrap();
+            assert!(store.unrestored() > 3);
+            initialize(&mut store, &placement, 7, threads).unwrap();
+            assert_eq!(store.unrestored(), 0);
+            assert!(store.blocks().eq(reference.blocks()), "{threads} threads");
+        }
+    }
 }
