@@ -1144,7 +1144,7 @@ fn initialize(store: &mut ParamStore, placement: &Placement, seed: u64, threads:
     let blocks: Vec<_> = placement.blocks_on(store.server()).collect();
     let floats: usize = blocks.iter().map(|b| b.len).sum();
     let threads = match floats >= INIT_ON_THREADS_FROM {
-        true => threads.min(blocks.len()),
+        true => threads.min(blocks.len()).max(1),
         false => 1,
     };
     let (specs, optimizer) = (placement.specs(), store.optimizer());
@@ -1164,7 +1164,7 @@ fn initialize(store: &mut ParamStore, placement: &Placement, seed: u64, threads:
             .collect::<Vec<_>>()
     };
     let made: Vec<_> = match threads {
-        0 | 1 => vec![make(0)],
+        1 => vec![make(0)],
         _ => std::thread::scope(|scope| {
             let running: Vec<_> = (0..threads).map(|t| scope.spawn(move || make(t))).collect();
             running.into_iter().map(|r| r.join()).collect::<Result<Vec<_>, _>>()
@@ -1536,7 +1536,7 @@ mod tests {
         let placement = Placement::new(&specs, 1, 70_000).unwrap();
         let adam = || Box::new(Adam { lr: 0.1, beta1: 0.9, beta2: 0.99, eps: 1e-8 });
         let reference = ParamStore::new(&placement, 0, 7, adam(), Mode::Async).unwrap();
-        for threads in [1, 3, 100] {
+        for threads in [0, 1, 3, 100] {
             let mut store = ParamStore::new_to_restore(&placement, 0, 7, adam(), Mode::Async).unwrap();
             assert!(store.unrestored() > 3);
             initialize(&mut store, &placement, 7, threads).unwrap();
