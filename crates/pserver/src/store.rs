@@ -234,6 +234,22 @@ impl Held {
     }
 }
 
+/// Block `b`'s initial values ([`init_values`] for `seed`) and fresh
+/// optimizer state: what [`ParamStore::new`] gives each block.
+pub(crate) fn initial_block(
+    specs: &[crate::ParamSpec],
+    b: &crate::BlockInfo,
+    seed: u64,
+    optimizer: &dyn Optimizer,
+) -> (Vec<f32>, OptimizerState) {
+    let mut params = vec![0.0; b.len];
+    // Placement only creates blocks of existing parameters.
+    if let Some(spec) = specs.get(b.id.param as usize) {
+        init_values(spec, seed, b.offset, &mut params);
+    }
+    (params, optimizer.new_state(b.len))
+}
+
 /// A snapshot block's parameters or its optimizer slots
 /// ([`StoreSnapshot::shared_blocks`]): cheap to clone, and the values stay
 /// as they are while any handle lives.
@@ -608,13 +624,8 @@ impl ParamStore {
                     };
                     return Held { id: b.id, len: b.len, data: Arc::new(empty) };
                 }
-                let mut params = vec![0.0; b.len];
-                // Placement only creates blocks of existing parameters.
-                if let Some(spec) = specs.get(b.id.param as usize) {
-                    init_values(spec, seed, b.offset, &mut params);
-                }
-                let data = Arc::new(BlockData { params, state: optimizer.new_state(b.len) });
-                Held { id: b.id, len: b.len, data }
+                let (params, state) = initial_block(specs, b, seed, optimizer.as_ref());
+                Held { id: b.id, len: b.len, data: Arc::new(BlockData { params, state }) }
             })
             .collect();
         let tables = placement

@@ -1154,12 +1154,8 @@ fn initialize(store: &mut ParamStore, placement: &Placement, seed: u64, threads:
             .skip(t)
             .step_by(threads)
             .map(|b| {
-                let mut params = vec![0.0; b.len];
-                // Placement only creates blocks of existing parameters.
-                if let Some(spec) = specs.get(b.id.param as usize) {
-                    crate::init_values(spec, seed, b.offset, &mut params);
-                }
-                (b.id, params, optimizer.new_state(b.len))
+                let (params, state) = crate::store::initial_block(specs, b, seed, optimizer);
+                (b.id, params, state)
             })
             .collect::<Vec<_>>()
     };
