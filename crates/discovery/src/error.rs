@@ -9,6 +9,7 @@ use crate::{LeaseId, Revision};
 /// It is `Clone` so that one failure can be delivered to several waiters
 /// (for instance through a [`WatchStream`](crate::WatchStream)).
 #[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+#[non_exhaustive]
 pub enum Error {
     /// The lease was never granted, has expired, or was revoked.
     #[error("lease {0} not found (never granted, expired or revoked)")]

@@ -3,6 +3,7 @@
 /// Everything that can go wrong running a job's roles; each message names
 /// what was wrong.
 #[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
 pub enum Error {
     /// An invalid job option or role option, named.
     #[error("bad config: {0}")]

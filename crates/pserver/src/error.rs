@@ -464,6 +464,7 @@ pub type Result<T> = std::result::Result<T, Error>;
 /// talking to other processes. Each message names what was wrong.
 #[cfg(feature = "service")]
 #[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
 pub enum ServiceError {
     /// From the core: the store, the placement, the optimizer, checkpoints.
     #[error(transparent)]

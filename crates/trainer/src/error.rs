@@ -2,6 +2,7 @@
 
 /// Everything that can go wrong in `oar-trainer`; each message names what was wrong.
 #[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
 pub enum Error {
     /// A data line that does not parse; `line` is 1-based (0 if it could not be determined).
     #[error("{path}:{line}: {reason}")]

@@ -5,6 +5,7 @@ pub type Result<T> = std::result::Result<T, Error>;
 
 /// What went wrong with a call or an endpoint.
 #[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
 pub enum Error {
     /// Nothing listens at the address (or the peer is down).
     #[error("no endpoint at {addr}")]
