@@ -216,8 +216,9 @@ impl Config {
         Ok(config)
     }
 
-    /// An endpoint on `socket` whose GSO sends fit in one UDP send
-    /// ([`EndpointSocket`](endpoint_socket::EndpointSocket)): the bound comes from the largest MTU of
+    /// An endpoint on `socket`, made an
+    /// [`EndpointSocket`](endpoint_socket::EndpointSocket) so that its GSO
+    /// sends fit in one UDP send: the bound comes from the largest MTU of
     /// the paths that use GSO (1472 bytes where MTU discovery is on: a
     /// safe overestimate, as discovery stops at 1452 by default).
     fn endpoint(
