@@ -130,9 +130,9 @@
 
 #[cfg(feature = "dev-ca")]
 mod dev_ca;
-mod endpoint_socket;
 mod error;
 mod frame;
+mod gso;
 mod malloc;
 mod mem;
 mod pool;

@@ -2,7 +2,7 @@
 //! call, one connection per peer address.
 
 use crate::{
-    endpoint_socket,
+    gso,
     tls::TlsConfig,
     wire::{self, Expect, Kind},
     Connection, Error, Frame, FrameParts, Handler, Listener, PayloadSink, RemoteError, Result, Transport,
@@ -216,9 +216,8 @@ impl Config {
         Ok(config)
     }
 
-    /// An endpoint on `socket`, made an
-    /// [`EndpointSocket`](endpoint_socket::EndpointSocket) so that its GSO
-    /// sends fit in one UDP send: the bound comes from the largest MTU of
+    /// An endpoint on `socket` whose GSO sends fit in one UDP send
+    /// ([`gso::BoundedSegments`]): the bound comes from the largest MTU of
     /// the paths that use GSO (1472 bytes where MTU discovery is on: a
     /// safe overestimate, as discovery stops at 1452 by default).
     fn endpoint(
@@ -228,6 +227,7 @@ impl Config {
         socket: std::net::UdpSocket,
     ) -> std::io::Result<quinn::Endpoint> {
         let runtime = Arc::new(quinn::TokioRuntime);
+        let socket = quinn::Runtime::wrap_udp_socket(&*runtime, socket)?;
         let largest_segment = [&self.options.loopback, &self.options.network]
             .into_iter()
             .filter(|path| path.segmentation_offload)
@@ -236,8 +236,7 @@ impl Config {
             .unwrap_or(1472);
         let unit = (endpoint_config.get_max_udp_payload_size() as usize).min(64 << 10);
         let network_datagram = self.options.network.mtu.map_or(1472, usize::from);
-        let socket =
-            Arc::new(endpoint_socket::EndpointSocket::new(socket, largest_segment, unit, network_datagram)?);
+        let socket = Arc::new(gso::BoundedSegments::new(socket, largest_segment, unit, network_datagram));
         quinn::Endpoint::new_with_abstract_socket(endpoint_config, server_config, socket, runtime)
     }
 }

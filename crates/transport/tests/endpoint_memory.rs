@@ -3,7 +3,7 @@
 //! slots: with loopback's 65,000-byte datagrams and Linux's 64 GRO
 //! segments, 127 MiB per endpoint, of which no receive fills more than a
 //! 64 KiB slot. The transport reports the segment count a slot needs
-//! (`endpoint_socket::receive_segments`), so a server and a client take a few MiB.
+//! (`gso::receive_segments`), so a server and a client take a few MiB.
 //!
 //! The one test of this binary: the counting allocator sees every thread
 //! of the process.
