@@ -481,7 +481,7 @@ impl Run {
     ) -> HashMap<(u32, String), u64> {
         let shards: Vec<u32> = (0..map.shard_count()).filter(|&s| map.primary(s) == Some(gone)).collect();
         let mut asked: Vec<String> = shards.iter().flat_map(|&s| map.replica_set(s)[1..].to_vec()).collect();
-        let deadline = tokio::time::Instant::now() + self.options.election_wait;
+        let deadline = oar_transport::deadline_in(self.options.election_wait);
         let mut applied = HashMap::new();
         loop {
             let (states, pending) = self.states_under(topology, map, asked).await;

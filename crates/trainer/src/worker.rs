@@ -371,6 +371,9 @@ pub const STOP_CALLS_FOR: Duration = Duration::from_secs(5);
 /// large one would break the trainer's memory bound (1.3x its model).
 pub const OVERLAP_MAX_BYTES: usize = 64 << 20;
 
+/// Thirty years: the end of a wait whose limit is past the clock's range.
+const FAR_FUTURE: Duration = Duration::from_secs(30 * 365 * 24 * 3600);
+
 struct Loop {
     model: AnyModel,
     options: TrainerOptions,
@@ -482,7 +485,7 @@ impl Loop {
     /// is away would otherwise hold it for as long as the client retries).
     async fn run(&mut self, master: &Arc<MasterClient>) -> Result<()> {
         let stop = self.stop.clone();
-        let at_most = self.options.stop_grace + 3 * STOP_CALLS_FOR;
+        let at_most = self.options.stop_grace.saturating_add(3 * STOP_CALLS_FOR);
         let ran = tokio::select! {
             ran = self.run_tasks(master) => Some(ran),
             () = async { stop.cancelled().await; tokio::time::sleep(at_most).await } => None,
@@ -603,7 +606,9 @@ impl Loop {
     /// hand gets [`TrainerOptions::stop_grace`] to finish.
     fn stopping(&mut self) -> bool {
         if self.stop_by.is_none() && self.stop.is_cancelled() {
-            self.stop_by = Some(Instant::now() + self.options.stop_grace);
+            // A grace beyond the clock's range is as good as no limit.
+            let now = Instant::now();
+            self.stop_by = Some(now.checked_add(self.options.stop_grace).unwrap_or(now + FAR_FUTURE));
         }
         self.stop_by.is_some()
     }

@@ -634,7 +634,7 @@ impl QuicTransport {
         let connecting = endpoint
             .connect_with(client_config, peer.addr, config.tls.server_name())
             .map_err(|e| Error::Protocol { addr: peer.addr_text.clone(), reason: e.to_string() })?;
-        let limit = deadline.min(Instant::now() + config.options.connect_timeout);
+        let limit = deadline.min(crate::deadline_in(config.options.connect_timeout));
         let conn = match timeout_at(limit, connecting).await {
             Err(_) => return Err(unreachable()),
             Ok(Err(e)) => return Err(connection_error(&peer.addr_text, &e)),
@@ -760,7 +760,9 @@ impl QuicConnection {
     /// Make one call: open a stream (dialing again once if the cached
     /// connection is dead), exchange, and clean up on a timeout.
     async fn run(&self, exchange: Exchange<'_>, call_timeout: Duration) -> Result<Frame> {
-        let deadline = Instant::now() + call_timeout;
+        // A timeout too long for the clock's range (Duration::MAX) is a
+        // deadline decades away, not a panic.
+        let deadline = crate::deadline_in(call_timeout);
         let addr = &self.peer.addr_text;
         // A cached connection found dead when opening the stream is replaced
         // once: nothing was sent on it, so dialing again is safe.

@@ -37,6 +37,21 @@ async fn calls_round_trip_and_share_one_connection() {
 }
 
 #[tokio::test]
+async fn a_timeout_past_the_clock_s_range_is_no_limit_not_a_panic() {
+    // `Instant::now() + Duration::MAX` panics; a caller that means "no
+    // limit" gets a deadline decades away.
+    let ca = DevCa::new().unwrap();
+    let server = start_server(&ca).await;
+    let options = QuicOptions { connect_timeout: Duration::MAX, ..test_options() };
+    let client = QuicTransport::with_options(ca.tls_config("c").unwrap(), options).unwrap();
+    let conn = client.connect(&server.addr()).await.unwrap();
+    let (note, payload): (String, _) =
+        call(conn.as_ref(), ECHO, "forever", f32s_to_bytes(&[7.0]), Duration::MAX).await.unwrap();
+    assert_eq!(note, "forever");
+    assert_eq!(bytes_to_f32s(&payload).unwrap(), vec![7.0]);
+}
+
+#[tokio::test]
 async fn a_large_payload_arrives_intact() {
     let ca = DevCa::new().unwrap();
     let server = start_server(&ca).await;
