@@ -54,7 +54,7 @@ use crate::{
 use oar_discovery::{ChangeSignal, Discovery, Fence};
 use oar_transport::Transport;
 use std::{
-    collections::{BTreeMap, HashMap},
+    collections::{BTreeMap, HashMap, HashSet},
     sync::Arc,
     time::Duration,
 };
@@ -470,9 +470,9 @@ impl Run {
     }
 
     /// The replicas that can take over the shards `gone` was primary of,
-    /// with their applied updates: those that answer as caught-up followers
-    /// under the current map. Asked again (briefly) while some have not
-    /// seen the current map or did not answer.
+    /// with their applied updates: those that answer as followers under the
+    /// current map (see [`takeover_candidates`]). Asked again (briefly)
+    /// while some have not seen the current map or did not answer.
     async fn candidates(
         &self,
         topology: &Topology,
@@ -482,14 +482,10 @@ impl Run {
         let shards: Vec<u32> = (0..map.shard_count()).filter(|&s| map.primary(s) == Some(gone)).collect();
         let mut asked: Vec<String> = shards.iter().flat_map(|&s| map.replica_set(s)[1..].to_vec()).collect();
         let deadline = oar_transport::deadline_in(self.options.election_wait);
-        let mut applied = HashMap::new();
+        let mut answered = Vec::new();
         loop {
             let (states, pending) = self.states_under(topology, map, asked).await;
-            for (p, shard, role, at) in states {
-                if shards.contains(&shard) && role == ReplicaRole::Follower {
-                    applied.insert((shard, p), at);
-                }
-            }
+            answered.extend(states.into_iter().filter(|(_, shard, _, _)| shards.contains(shard)));
             if pending.is_empty() || tokio::time::Instant::now() >= deadline {
                 if !pending.is_empty() {
                     tracing::warn!(
@@ -498,7 +494,7 @@ impl Run {
                         "some followers did not answer as such in time: they cannot take over"
                     );
                 }
-                return applied;
+                return takeover_candidates(&answered);
             }
             asked = pending;
             tokio::time::sleep(Duration::from_millis(50)).await;
@@ -699,4 +695,57 @@ fn sorted<'a>(names: impl Iterator<Item = &'a String>) -> Vec<String> {
     let mut names: Vec<String> = names.cloned().collect();
     names.sort();
     names
+}
+
+/// Which of the replicas that answered (`(pserver, shard, role, applied)`)
+/// may take over their shard, with their applied updates: the caught-up
+/// followers, and a shard's followers due to sync only when it has no
+/// caught-up one. Either holds every update the old primary acknowledged
+/// (an acknowledgement waits for every follower in the map, synced or
+/// not), so passing over the second kind would restore the shard from its
+/// checkpoint and lose what came after it; a caught-up follower is
+/// preferred as the one more surely current.
+fn takeover_candidates(answered: &[(String, u32, ReplicaRole, u64)]) -> HashMap<(u32, String), u64> {
+    let caught_up: HashSet<u32> = answered
+        .iter()
+        .filter(|(_, _, role, _)| *role == ReplicaRole::Follower)
+        .map(|(_, s, _, _)| *s)
+        .collect();
+    answered
+        .iter()
+        .filter(|(_, shard, role, _)| match role {
+            ReplicaRole::Follower => true,
+            ReplicaRole::DueToSync => !caught_up.contains(shard),
+            ReplicaRole::Primary | ReplicaRole::Syncing => false,
+        })
+        .map(|(p, shard, _, at)| ((*shard, p.clone()), *at))
+        .collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn answer(p: &str, shard: u32, role: ReplicaRole, applied: u64) -> (String, u32, ReplicaRole, u64) {
+        (p.to_string(), shard, role, applied)
+    }
+
+    #[test]
+    fn a_follower_due_to_sync_takes_over_only_a_shard_without_a_caught_up_one() {
+        let answered = [
+            // Shard 0: one of each; the caught-up follower is the candidate.
+            answer("a", 0, ReplicaRole::Follower, 10),
+            answer("b", 0, ReplicaRole::DueToSync, 12),
+            // Shard 1: only a follower due to sync is left; it holds every
+            // acknowledged update and must not be passed over.
+            answer("c", 1, ReplicaRole::DueToSync, 7),
+            answer("d", 1, ReplicaRole::Syncing, 0),
+            // Shard 2: nothing that holds the shard.
+            answer("e", 2, ReplicaRole::Syncing, 0),
+        ];
+        let got = takeover_candidates(&answered);
+        let want: HashMap<(u32, String), u64> =
+            [((0, "a".to_string()), 10), ((1, "c".to_string()), 7)].into_iter().collect();
+        assert_eq!(got, want);
+    }
 }

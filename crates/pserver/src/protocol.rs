@@ -462,6 +462,12 @@ pub enum ReplicaRole {
     Follower,
     /// Catching up (or waiting to): holds nothing to serve yet.
     Syncing,
+    /// A follower due to sync again (a new primary was elected, or its
+    /// link overflowed) that has not yet: it still holds every update its
+    /// primary acknowledged, since acknowledgements wait for every
+    /// follower in the map, so it can take over if no caught-up follower
+    /// is left.
+    DueToSync,
 }
 
 impl std::fmt::Display for ReplicaRole {
@@ -469,7 +475,10 @@ impl std::fmt::Display for ReplicaRole {
         f.write_str(match self {
             ReplicaRole::Primary => "primary",
             ReplicaRole::Follower => "follower",
-            ReplicaRole::Syncing => "syncing",
+            // Not caught up, as the replica keys' layout says
+            // (`primary|follower|syncing`, docs/DESIGN.md): only the
+            // coordinator's failover tells the two apart.
+            ReplicaRole::Syncing | ReplicaRole::DueToSync => "syncing",
         })
     }
 }

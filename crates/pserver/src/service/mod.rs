@@ -362,6 +362,7 @@ impl SlotState {
         match self {
             SlotState::Primary { .. } => ReplicaRole::Primary,
             SlotState::Follower { must_sync: false, .. } => ReplicaRole::Follower,
+            SlotState::Follower { must_sync: true, .. } => ReplicaRole::DueToSync,
             _ => ReplicaRole::Syncing,
         }
     }
