@@ -71,7 +71,9 @@
 //! [`Coordinator`] (the master runs it, under the master's fence) writes
 //! the map: when a primary's registration (its lease) goes, the follower
 //! that has applied the most and knows the current map becomes primary in
-//! a new epoch; a dead follower is dropped, and the
+//! a new epoch (one due to sync again only when no caught-up follower is
+//! left: acknowledgements wait for it, so it holds every acknowledged
+//! update); a dead follower is dropped, and the
 //! cluster status (`pserver_cluster_status`) says UNHEALTHY until a
 //! replacement has caught up (a snapshot streamed in parts while pushes go
 //! on, then the tail). A primary that is paused or cut off past its lease
