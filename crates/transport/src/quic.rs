@@ -601,6 +601,13 @@ impl QuicTransport {
 
     fn peer(&self, addr: SocketAddr) -> Arc<Peer> {
         let mut peers = self.inner.peers.lock().unwrap_or_else(PoisonError::into_inner);
+        if !peers.contains_key(&addr) {
+            // A new address: forget those no handle uses any more whose
+            // connection is closed (a restarted peer comes back on a new
+            // port, so a long job would otherwise keep one per restart,
+            // each holding its closed connection's state).
+            peers.retain(|_, peer| Arc::strong_count(peer) > 1 || peer.live().is_some());
+        }
         peers
             .entry(addr)
             .or_insert_with(|| {
@@ -1108,6 +1115,22 @@ fn error_frame(method: u16, error: &RemoteError) -> Frame {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_new_peer_address_prunes_those_unused_and_not_connected() {
+        let ca = crate::DevCa::new().expect("dev CA");
+        let transport = QuicTransport::new(ca.tls_config("client").expect("tls")).expect("transport");
+        let addr = |port: u16| SocketAddr::from(([127, 0, 0, 1], port));
+        let held = transport.peer(addr(1));
+        drop(transport.peer(addr(2)));
+        drop(transport.peer(addr(2))); // a known address: nothing is pruned
+        let _new = transport.peer(addr(3));
+        let mut known: Vec<SocketAddr> =
+            transport.inner.peers.lock().unwrap_or_else(PoisonError::into_inner).keys().copied().collect();
+        known.sort();
+        assert_eq!(known, [addr(1), addr(3)], "the unused, unconnected address 2 is forgotten");
+        drop(held);
+    }
 
     #[test]
     fn pieces_are_a_sixteenth_of_the_send_window_and_at_least_64_kib() {
