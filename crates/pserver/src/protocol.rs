@@ -600,6 +600,8 @@ pub enum PsReply {
         row_parts: u32,
         /// In a row part: its rows (values after any blocks' in the payload).
         rows: Option<RowsPart>,
+        /// Pushes in parts half taken: (trainer, which units came).
+        half_pushes: Vec<(String, Vec<bool>)>,
     },
     /// Answer to [`PsRequest::Batch`]: each call's answer, in call
     /// order, their payloads one after another in the payload.

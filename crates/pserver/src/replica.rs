@@ -301,6 +301,9 @@ pub struct SnapshotPart {
     pub row_parts: u32,
     /// A row part's rows of one sparse table.
     pub rows: Option<RowChunk>,
+    /// Pushes in parts half taken ([`StoreSnapshot::half_pushes`]): every
+    /// part carries them.
+    pub half_pushes: Vec<(String, Vec<bool>)>,
 }
 
 /// A sparse table's row as a snapshot part carries it: (id, values,
@@ -344,6 +347,7 @@ pub fn snapshot_parts(
         origins: snapshot.origins().clone(),
         row_parts: 0,
         rows: None,
+        half_pushes: snapshot.half_pushes().to_vec(),
     };
     let (mut parts, mut blocks, mut floats) = (Vec::new(), Vec::new(), 0usize);
     for (id, params, state) in snapshot.blocks() {
@@ -443,6 +447,7 @@ impl CatchUp {
             origins,
             row_parts,
             rows,
+            half_pushes,
         } = part;
         if shard != self.shard || upto != self.upto || map_version != self.snapshot_map {
             return Err(Error::Replication(format!(
@@ -458,6 +463,21 @@ impl CatchUp {
             )));
         }
         // Checked whole before any block is restored.
+        let half_pushes = half_pushes
+            .into_iter()
+            .map(|(trainer, taken)| {
+                let seq = last_seqs.iter().find(|(t, _)| *t == trainer).map(|(_, s)| *s);
+                match seq {
+                    Some(seq) if taken.len() == self.store.units() => Ok((trainer, seq, taken)),
+                    _ => Err(Error::Replication(format!(
+                        "shard {shard}: a snapshot part's half-taken push of {trainer} has {} flags for {} \
+                         units, and seq {seq:?}",
+                        taken.len(),
+                        self.store.units()
+                    ))),
+                }
+            })
+            .collect::<Result<Vec<_>>>()?;
         for (id, params, state) in &blocks {
             if !self.store.block_ids().any(|b| b == *id) {
                 return Err(Error::Replication(format!(
@@ -512,8 +532,12 @@ impl CatchUp {
             }
             self.rows_seen.insert(chunk.index);
         }
-        for (trainer, seq) in last_seqs {
-            self.store.restore_last_seq(&trainer, seq);
+        for (trainer, seq) in &last_seqs {
+            self.store.restore_last_seq(trainer, *seq);
+        }
+        // After the dedup table, which counts a restored seq as whole.
+        for (trainer, seq, taken) in half_pushes {
+            self.store.restore_half_push(&trainer, seq, taken)?;
         }
         self.store.restore_origins(&origins);
         if self.step.is_none() {

@@ -327,6 +327,9 @@ pub struct StoreSnapshot {
     last_seqs: Vec<(String, u64)>,
     /// The origins applied (see [`crate::origin`]).
     origins: AppliedOrigins,
+    /// Pushes in parts half taken, with the parts that came (a catch-up
+    /// snapshot's only; sorted by trainer).
+    half_pushes: Vec<(String, Vec<bool>)>,
     /// Where the blocks only this snapshot holds go when it is dropped.
     spares: Spares,
 }
@@ -411,6 +414,14 @@ impl StoreSnapshot {
     /// The origins applied, as the parameters hold them.
     pub fn origins(&self) -> &AppliedOrigins {
         &self.origins
+    }
+
+    /// The pushes in parts half taken when the snapshot was taken, each
+    /// with which of the store's units (blocks, then the rows) came: empty
+    /// but for a [`ParamStore::catch_up_snapshot`]. Each is its trainer's
+    /// last seq in [`last_seqs`](Self::last_seqs).
+    pub fn half_pushes(&self) -> &[(String, Vec<bool>)] {
+        &self.half_pushes
     }
 
     /// The sparse tables' rows and statistics, in [`Placement::tables`] order.
@@ -747,14 +758,40 @@ impl ParamStore {
     /// trainer that leaves drops its half-taken push, so a dead trainer
     /// cannot hold checkpoints back.
     pub fn snapshot(&self) -> Result<StoreSnapshot> {
+        self.snapshot_with(false)
+    }
+
+    /// A snapshot for a follower's catch-up: as [`snapshot`](Self::snapshot),
+    /// but an async push in parts half taken does not stop it; the snapshot
+    /// says which of its parts came ([`StoreSnapshot::half_pushes`]), so a
+    /// replica made from it takes the other parts as the primary does.
+    /// (Waiting instead could last for ever: a trainer sends a push's later
+    /// parts once its first ones are answered, and an answer waits until
+    /// every follower holds the part, the one catching up too.) In sync
+    /// mode it is [`snapshot`](Self::snapshot): a step underway or a push
+    /// half taken refuses it, and ends, since a sync push's parts are
+    /// answered before the step is replicated.
+    pub fn catch_up_snapshot(&self) -> Result<StoreSnapshot> {
+        self.snapshot_with(true)
+    }
+
+    fn snapshot_with(&self, half_pushes: bool) -> Result<StoreSnapshot> {
         // The count first: looking costs a pass over the blocks.
         let unrestored = (self.unrestored > 0).then(|| self.held.iter().find(|h| !h.restored())).flatten();
         if let Some(h) = unrestored {
             return Err(Error::BlockNotRestored { block: h.id, server: self.server });
         }
-        if self.step_underway() || self.push_in_parts_underway() {
+        // Sync pushes wait in their step, so a half-taken one is not in
+        // the parameters: only an async one can be carried.
+        let half_pushes = half_pushes && self.mode == Mode::Async;
+        if self.step_underway() || (!half_pushes && self.push_in_parts_underway()) {
             return Err(Error::CheckpointStepUnderway { step: self.step });
         }
+        let mut half: Vec<(String, Vec<bool>)> = match half_pushes {
+            true => self.partial.iter().map(|(t, taken)| (t.clone(), taken.clone())).collect(),
+            false => Vec::new(),
+        };
+        half.sort_unstable();
         // Pushes buffered for the current sync step (no block updated yet)
         // are not in the parameters: nor in the dedup table, or a replica
         // or restore from this snapshot would call their retries duplicates.
@@ -779,6 +816,7 @@ impl ParamStore {
             tables: self.tables.iter().map(SparseTable::snapshot).collect(),
             last_seqs,
             origins: self.origins.clone(),
+            half_pushes: half,
             spares: self.spares.clone(),
         })
     }
@@ -1153,6 +1191,32 @@ impl ParamStore {
         }
     }
 
+    /// Restore `trainer`'s push `seq` as half taken, `taken` saying which
+    /// units came (from a catch-up snapshot, after its
+    /// [`restore_last_seq`](Self::restore_last_seq)): its other parts are
+    /// then taken as they come, not dropped as retries. Errors if `seq` is
+    /// not the trainer's last seq, or `taken` is not one flag per unit with
+    /// some, not all, set.
+    pub fn restore_half_push(&mut self, trainer: &str, seq: u64, taken: Vec<bool>) -> Result<()> {
+        let whole_or_none = taken.iter().all(|&t| t) || !taken.iter().any(|&t| t);
+        if taken.len() != self.units() || whole_or_none {
+            return Err(Error::Replication(format!(
+                "a half-taken push of {trainer} with {} of {} parts' flags set, for a store of {} units",
+                taken.iter().filter(|&&t| t).count(),
+                taken.len(),
+                self.units()
+            )));
+        }
+        if self.last_seq.get(trainer) != Some(&seq) {
+            return Err(Error::Replication(format!(
+                "a half-taken push {seq} of {trainer}, whose last seq is {:?}",
+                self.last_seq.get(trainer)
+            )));
+        }
+        self.partial.insert(trainer.to_string(), taken);
+        Ok(())
+    }
+
     /// Held block `i`'s values, to update. If a snapshot still shares
     /// them they are copied first, into a spare buffer when there is one,
     /// and the snapshot keeps the old ones.
@@ -1266,7 +1330,7 @@ impl ParamStore {
 
     /// Units of the sync barrier and of a push: the held blocks, then the
     /// rows if the shard has sparse tables.
-    fn units(&self) -> usize {
+    pub(crate) fn units(&self) -> usize {
         self.held.len() + usize::from(!self.tables.is_empty())
     }
 

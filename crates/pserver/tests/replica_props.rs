@@ -309,7 +309,9 @@ impl Job {
                 if !matches!(self.replicas[r], Replica::Absent) {
                     return Ok(());
                 }
-                let snapshot = match self.primary.snapshot() {
+                // A catch-up snapshot: a push in parts may be half taken
+                // (its other parts then come as forwarded updates).
+                let snapshot = match self.primary.catch_up_snapshot() {
                     Ok(snapshot) => snapshot,
                     Err(Error::CheckpointStepUnderway { .. }) => return Ok(()),
                     Err(e) => return Err(fail(e)),

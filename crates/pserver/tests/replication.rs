@@ -874,3 +874,65 @@ async fn a_sync_push_whose_primary_dies_between_its_parts_is_sent_again_whole() 
     assert_eq!(primary.step(0), Some(1));
     assert_replicas_agree(&map, &pservers.iter().collect::<Vec<_>>(), &env.placement());
 }
+
+/// Async, a push in parts half taken when a new follower asks to sync: the
+/// snapshot holds the parts that came and says which, so the follower
+/// catches up at once and takes the other parts as they are forwarded.
+/// (The snapshot used to wait until the push was whole; but a trainer
+/// sends a push's later parts only once its first ones are answered, and
+/// an answer waits for every follower, the one catching up too: with three
+/// parts or more per shard, the shard stalled until the trainer gave up.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_new_follower_catches_up_while_a_push_in_parts_is_half_taken() {
+    let len = 16; // 4 blocks of 4
+    let env = Env::new(1, 2, 2, len, Mode::Async).await;
+    let (a, b) = (env.pserver().await, env.pserver().await);
+    let map = env.cluster.wait_serving(&[&a, &b]).await;
+    env.wait_status("OK").await;
+    let (primary, follower) = if map.primary(0) == Some(a.name()) { (a, b) } else { (b, a) };
+    let fingerprint = env.placement().fingerprint();
+    let epoch = map.epoch(0);
+    let half = |first: u32| PsRequest::Push {
+        shard: 0,
+        fingerprint,
+        blocks: oar_pserver::protocol::BlockSpan::new(first, first + 2),
+        trainer: "t".into(),
+        seq: 1,
+        step: 0,
+        weight: 1.0,
+        rows: Vec::new(),
+        origin: None,
+        epoch,
+    };
+    let applied =
+        |reply: &PsReply| matches!(reply, PsReply::Pushed(oar_pserver::PushOutcome::Applied { .. }));
+    let first = replicate(&env, &primary, &half(0), vec![1.0; 8]).await.unwrap();
+    assert!(applied(&first), "{first:?}");
+
+    // The follower dies; a new pserver takes its place while the push is
+    // half taken.
+    env.kill(follower).await;
+    let newcomer = env.pserver().await;
+    let map = env.cluster.wait_serving(&[&primary, &newcomer]).await;
+    env.wait_status("OK").await;
+    assert_eq!(newcomer.step(0), Some(0), "the newcomer holds the half push, not a whole one");
+
+    // The second half completes the push on both.
+    let second = replicate(&env, &primary, &half(2), vec![1.0; 8]).await.unwrap();
+    assert!(applied(&second), "{second:?}");
+    let whole = |ps: &Pserver| ps.step(0) == Some(1);
+    for _ in 0..200 {
+        if whole(&newcomer) {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    assert_eq!(primary.step(0), Some(1));
+    assert_eq!(newcomer.step(0), Some(1), "the forwarded second half completes the push on the newcomer");
+    assert_replicas_agree(&map, &[&primary, &newcomer], &env.placement());
+    for ps in [&primary, &newcomer] {
+        for block in env.placement().blocks_on(0) {
+            assert_eq!(ps.block(block.id).unwrap(), vec![-1.0; block.len], "{}", ps.name());
+        }
+    }
+}

@@ -387,11 +387,12 @@ impl Sim {
         let known = self.nodes[f].known;
         let State::Primary { store, links } = &mut self.nodes[p].state else { return Ok(()) };
         // A snapshot is taken only when needed, and the link is left as
-        // it is when none can be taken now (a sync step underway, a push in
-        // parts half taken): the follower asks again.
+        // it is when none can be taken now (a sync step underway): the
+        // follower asks again. A push in parts half taken is in it, with
+        // the parts that came, as the service takes it.
         let snapshot = match links.can_resume(&me, epoch, applied) {
             true => None,
-            false => match store.snapshot() {
+            false => match store.catch_up_snapshot() {
                 Ok(snapshot) => Some(snapshot),
                 Err(Error::CheckpointStepUnderway { .. }) => return Ok(()),
                 Err(e) => return Err(fail(e)),

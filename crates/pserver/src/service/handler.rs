@@ -661,11 +661,11 @@ impl PsHandler {
         let resume = links.can_resume(&follower, epoch, applied) && (!fresh || pristine);
         let snapshot = match resume {
             true => None,
-            false => match store.snapshot() {
+            false => match store.catch_up_snapshot() {
                 Ok(snapshot) => Some(snapshot),
                 Err(Error::CheckpointStepUnderway { step }) => {
                     return Err(RemoteError::unavailable(format!(
-                        "shard {shard}: step {step} is underway (or a push half taken); sync again shortly"
+                        "shard {shard}: sync step {step} is underway (or a sync push half taken); sync again shortly"
                     )))
                 }
                 Err(e) => return Err(RemoteError::internal(e)),

@@ -777,6 +777,7 @@ fn part_reply(
         origins: Box::new(snapshot.origins().clone()),
         row_parts,
         rows,
+        half_pushes: snapshot.half_pushes().to_vec(),
     }
 }
 
@@ -793,7 +794,17 @@ fn snapshot_part(
     reply: PsReply,
     values: impl FnOnce(Vec<(BlockId, u64)>, Option<RowsPart>) -> ServiceResult<PartValues>,
 ) -> ServiceResult<SnapshotPart> {
-    let PsReply::SnapshotPart { step, pushes, members, blocks, last_seqs, origins, row_parts, rows } = reply
+    let PsReply::SnapshotPart {
+        step,
+        pushes,
+        members,
+        blocks,
+        last_seqs,
+        origins,
+        row_parts,
+        rows,
+        half_pushes,
+    } = reply
     else {
         return Err(ServiceError::Protocol(format!("a snapshot part answered with {reply:?}")));
     };
@@ -810,6 +821,7 @@ fn snapshot_part(
         origins: *origins,
         row_parts,
         rows,
+        half_pushes,
     })
 }
 
