@@ -371,7 +371,8 @@ pub const STOP_CALLS_FOR: Duration = Duration::from_secs(5);
 /// large one would break the trainer's memory bound (1.3x its model).
 pub const OVERLAP_MAX_BYTES: usize = 64 << 20;
 
-/// Thirty years: the end of a wait whose limit is past the clock's range.
+/// Thirty years: the longest wait, so that a limit past the clock's
+/// range (`Duration::MAX`) cannot overflow an `Instant`.
 const FAR_FUTURE: Duration = Duration::from_secs(30 * 365 * 24 * 3600);
 
 struct Loop {
@@ -607,8 +608,7 @@ impl Loop {
     fn stopping(&mut self) -> bool {
         if self.stop_by.is_none() && self.stop.is_cancelled() {
             // A grace beyond the clock's range is as good as no limit.
-            let now = Instant::now();
-            self.stop_by = Some(now.checked_add(self.options.stop_grace).unwrap_or(now + FAR_FUTURE));
+            self.stop_by = Some(Instant::now() + self.options.stop_grace.min(FAR_FUTURE));
         }
         self.stop_by.is_some()
     }
