@@ -312,8 +312,10 @@ pub trait Discovery: Send + Sync + 'static {
             if let Some(revision) = self.create_if_absent(key, holder.clone(), Some(lease)).await? {
                 return Ok(Fence { key: key.to_string(), revision, lease });
             }
-            // Held: find the current incarnation (it may have changed since).
-            let Some(current) = self.get(key).await? else {
+            // Held: find the current incarnation (it may have changed since),
+            // and the store revision of that read.
+            let listing = self.get_prefix(key).await?;
+            let Some(current) = listing.kvs.into_iter().find(|kv| kv.key == key) else {
                 continue;
             };
             if current.lease == Some(lease) {
@@ -329,10 +331,19 @@ pub trait Discovery: Send + Sync + 'static {
             if tokio::time::Instant::now() >= deadline {
                 return Err(timed_out());
             }
-            // Watching from just after the write we saw cannot miss its deletion.
-            let mut watch = match self.watch_prefix(key, current.mod_revision + 1).await {
+            // Watching from just after the read cannot miss the deletion, and
+            // that revision is as recent as any: the key's own write may be
+            // long compacted away (a lock is written once and held for hours),
+            // and watching from it failed every time, a loop with no wait.
+            let mut watch = match self.watch_prefix(key, listing.revision + 1).await {
                 Ok(watch) => watch,
-                Err(Error::Compacted { .. }) => continue,
+                Err(Error::Compacted { .. }) => {
+                    // Compacted between the read and the watch: read again,
+                    // after a pause so that a store compacting all the time
+                    // is not asked in a tight loop.
+                    tokio::time::sleep(LOCK_RETRY_PAUSE).await;
+                    continue;
+                }
                 Err(e) => return Err(e),
             };
             loop {
@@ -348,6 +359,10 @@ pub trait Discovery: Send + Sync + 'static {
         }
     }
 }
+
+/// How long [`Discovery::lock`] waits before reading the lock again when
+/// its watch could not start (the read's revision was compacted at once).
+const LOCK_RETRY_PAUSE: Duration = Duration::from_millis(50);
 
 /// Rejects the empty key, which no backend can store.
 pub(crate) fn check_key(key: &str) -> Result<()> {

@@ -701,6 +701,32 @@ mod tests {
         assert_eq!(st.events_from("", st.revision, 10).unwrap().events.len(), 1);
     }
 
+    /// A lock held since before the history kept: a waiter watches from
+    /// its own read, not from the lock's long-compacted write. It used to
+    /// retry that watch in a loop with no wait; the store's calls never
+    /// wait either, so on one thread the holder's release (or its lease's
+    /// refresh) never ran, and the waiter timed out on a free lock.
+    #[tokio::test]
+    async fn a_lock_waiter_waits_when_the_holder_s_write_is_compacted() {
+        let d = MemDiscovery::with_history_limit(5, DEFAULT_HISTORY_BYTES);
+        let l1 = d.grant_lease(Duration::from_secs(60)).await.unwrap();
+        let l2 = d.grant_lease(Duration::from_secs(60)).await.unwrap();
+        let f1 = d.lock("/job/lock", value("one"), l1, Duration::ZERO).await.unwrap();
+        for i in 0..10 {
+            d.put(&format!("/job/state/{i}"), value("v"), None).await.unwrap();
+        }
+        assert!(matches!(d.watch_prefix("/job/lock", f1.revision + 1).await, Err(Error::Compacted { .. })));
+        let second = d.lock("/job/lock", value("two"), l2, Duration::from_secs(5));
+        let release = async {
+            tokio::time::sleep(Duration::from_millis(200)).await;
+            d.revoke_lease(l1).await.unwrap();
+        };
+        let (f2, ()) = tokio::join!(second, release);
+        let f2 = f2.unwrap_or_else(|e| panic!("the waiter did not get the released lock: {e}"));
+        assert_eq!(f2.lease, l2);
+        assert!(f2.revision > f1.revision);
+    }
+
     #[tokio::test]
     async fn watch_from_compacted_revision_fails_and_recent_replays() {
         let d = MemDiscovery::with_history_limit(5, DEFAULT_HISTORY_BYTES);

@@ -250,3 +250,35 @@ fn servers_started_in_parallel_get_distinct_ports() {
     endpoints.dedup();
     assert_eq!(endpoints.len(), 3);
 }
+
+/// A lock whose write was compacted away: a waiter watches from its own
+/// read and gets the lock when the holder's lease is revoked (it used to
+/// retry a watch from the compacted write, five requests a loop with no
+/// pause, until the lock was free).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_lock_held_across_a_compaction_is_waited_for() {
+    let server = EtcdServer::start().unwrap();
+    let d = connect(&server).await;
+    let key = format!("{}lock", unique_prefix("lock-compacted"));
+    let l1 = d.grant_lease(Duration::from_secs(60)).await.unwrap();
+    let l2 = d.grant_lease(Duration::from_secs(60)).await.unwrap();
+    let f1 = d.lock(&key, b"one".to_vec(), l1, Duration::ZERO).await.unwrap();
+    let mut last = 0;
+    for i in 0..3 {
+        last = d.put(&format!("{key}/state"), vec![i], None).await.unwrap();
+    }
+    d.compact(last).await.unwrap();
+    assert!(matches!(d.watch_prefix(&key, f1.revision + 1).await, Err(Error::Compacted { .. })));
+
+    let second = d.lock(&key, b"two".to_vec(), l2, Duration::from_secs(10));
+    let release = async {
+        tokio::time::sleep(Duration::from_millis(300)).await;
+        let kv = d.get(&key).await.unwrap().unwrap();
+        assert_eq!(kv.lease, Some(l1), "the waiter took a held lock");
+        d.revoke_lease(l1).await.unwrap();
+    };
+    let (f2, ()) = bounded("a lock waiter", async { tokio::join!(second, release) }).await;
+    let f2 = f2.unwrap_or_else(|e| panic!("the waiter did not get the released lock: {e}"));
+    assert_eq!(f2.lease, l2);
+    assert!(f2.revision > f1.revision);
+}
