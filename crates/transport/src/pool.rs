@@ -1,6 +1,8 @@
 //! Receive buffers kept for reuse (issue 20).
 //!
-//! A frame's payload is received into one buffer of its declared size. A
+//! A frame's payload is received into one buffer of its declared size
+//! (a fresh one reserves at most [`RESERVE_AHEAD`] before its bytes come,
+//! and grows with them). A
 //! fresh buffer of 64–256 MiB is a fresh `mmap`: its first write faults
 //! every page in (and the kernel zeroes it), and freeing it is a `munmap`;
 //! that was 38% of a large call's CPU (BENCHMARKS.md, "Profile before
@@ -29,6 +31,17 @@ pub const DEFAULT_POOLED_FROM: usize = 4 << 20;
 /// At most this many buffers are kept idle, whatever their sizes: it bounds
 /// the search for a fitting one.
 const MAX_IDLE_BUFFERS: usize = 16;
+
+/// A fresh receive buffer reserves at most this much (16 MiB) before its
+/// bytes arrive, and then grows with them (doubling, up to the declared
+/// size). A header is only a claim: reserving all of it at once let a peer
+/// with a valid certificate reserve `max_message` (1 GiB) per stream,
+/// hundreds of streams per connection, by sending headers alone. Frames up
+/// to this size (a trainer's 8 MiB push parts among them) still get one
+/// buffer of exactly their size; a larger one grows a handful of times, and
+/// glibc moves a mapped block with `mremap` rather than copying it. A kept
+/// buffer from the pool is lent whole: its memory is the pool's already.
+pub const RESERVE_AHEAD: usize = 16 << 20;
 
 /// Large receive buffers kept for reuse, so that a large frame lands in
 /// memory that is already mapped and faulted in.
@@ -109,18 +122,25 @@ impl BufferPool {
     /// (for a reply, once the peer has acknowledged it). An error instead
     /// of an abort when memory is short.
     pub fn writer(&self, capacity: usize) -> Result<PooledBuf> {
-        self.take(capacity as u64).map(PooledBuf)
+        self.take(capacity as u64, capacity).map(PooledBuf)
     }
 
-    /// An empty buffer with room for `len` bytes: an idle one that fits
-    /// (the smallest of at most twice `len`), or a fresh one. An error
-    /// instead of an abort when memory is short.
-    pub(crate) fn take(&self, len: u64) -> Result<Lent> {
+    /// An empty buffer for a received payload of `len` bytes: an idle one
+    /// that fits (the smallest of at most twice `len`), or a fresh one that
+    /// reserves at most [`RESERVE_AHEAD`] and grows as the bytes arrive
+    /// ([`Lent::extend`]). An error instead of an abort when memory is short.
+    pub(crate) fn take_for_receive(&self, len: u64) -> Result<Lent> {
+        self.take(len, RESERVE_AHEAD)
+    }
+
+    /// An idle buffer that fits `len` bytes, or a fresh one reserving
+    /// `len`, but at most `reserve`, bytes.
+    fn take(&self, len: u64, reserve: usize) -> Result<Lent> {
         let inner = &self.inner;
         let fits_pool =
             usize::try_from(len).is_ok_and(|n| n >= inner.pooled_from && n <= inner.max_idle_bytes);
         if !fits_pool {
-            return Lent::own(len);
+            return Lent::own(len, reserve);
         }
         let n = len as usize;
         let reused = {
@@ -143,9 +163,9 @@ impl BufferPool {
                 buffer.clear();
                 buffer
             }
-            None => alloc_exact(len)?,
+            None => reserve_for(len, reserve)?,
         };
-        Ok(Lent { buffer, pool: Arc::downgrade(inner) })
+        Ok(Lent { buffer, declared: n, pool: Arc::downgrade(inner) })
     }
 }
 
@@ -178,13 +198,26 @@ impl PoolInner {
     }
 }
 
-/// One buffer of exactly `len` bytes' capacity, or an error instead of an
-/// abort when memory is short.
-fn alloc_exact(len: u64) -> Result<Vec<u8>> {
+/// An empty buffer for `len` bytes that reserves `len`, but at most
+/// `reserve`, bytes now; an error instead of an abort when memory is short.
+pub(crate) fn reserve_for(len: u64, reserve: usize) -> Result<Vec<u8>> {
     let n = usize::try_from(len).map_err(|_| Error::OutOfMemory { bytes: len })?;
     let mut v: Vec<u8> = Vec::new();
-    v.try_reserve_exact(n).map_err(|_| Error::OutOfMemory { bytes: len })?;
+    v.try_reserve_exact(n.min(reserve)).map_err(|_| Error::OutOfMemory { bytes: len })?;
     Ok(v)
+}
+
+/// Make room in `buffer`, bound for `declared` bytes in all, for `more`
+/// bytes: at least double its capacity (at least [`RESERVE_AHEAD`]), never
+/// past `declared`. So a buffer holds at most twice what has arrived, or
+/// `RESERVE_AHEAD`, whichever is larger, and grows O(log) times.
+pub(crate) fn grow_for(buffer: &mut Vec<u8>, declared: usize, more: usize) -> Result<()> {
+    let needed = buffer.len() + more;
+    if needed <= buffer.capacity() {
+        return Ok(());
+    }
+    let target = needed.max(buffer.capacity().saturating_mul(2)).max(RESERVE_AHEAD).min(declared.max(needed));
+    buffer.try_reserve_exact(target - buffer.len()).map_err(|_| Error::OutOfMemory { bytes: declared as u64 })
 }
 
 /// An outgoing payload being assembled in a buffer from a [`BufferPool`]
@@ -218,6 +251,8 @@ impl PooledBuf {
 /// back to it when dropped), or a buffer of its own.
 pub(crate) struct Lent {
     buffer: Vec<u8>,
+    /// The payload's declared size: the buffer never grows past it.
+    declared: usize,
     /// The pool to give the buffer back to; dangling for a buffer of its own.
     pool: Weak<PoolInner>,
 }
@@ -235,12 +270,13 @@ impl std::fmt::Debug for Lent {
 impl Lent {
     /// No buffer at all (before the header is in, or when there is no payload to keep).
     pub(crate) fn none() -> Lent {
-        Lent { buffer: Vec::new(), pool: Weak::new() }
+        Lent { buffer: Vec::new(), declared: 0, pool: Weak::new() }
     }
 
-    /// A buffer of its own, of exactly `len` bytes' capacity.
-    pub(crate) fn own(len: u64) -> Result<Lent> {
-        Ok(Lent { buffer: alloc_exact(len)?, pool: Weak::new() })
+    /// A buffer of its own for `len` bytes, reserving at most `reserve` of them now.
+    pub(crate) fn own(len: u64, reserve: usize) -> Result<Lent> {
+        let buffer = reserve_for(len, reserve)?;
+        Ok(Lent { buffer, declared: len as usize, pool: Weak::new() })
     }
 
     pub(crate) fn len(&self) -> usize {
@@ -252,11 +288,12 @@ impl Lent {
         self.buffer.capacity()
     }
 
-    /// Append `bytes`; the decoder never appends more than the declared
-    /// length, so this never grows the buffer.
-    pub(crate) fn extend(&mut self, bytes: &[u8]) {
-        debug_assert!(self.buffer.len() + bytes.len() <= self.buffer.capacity());
+    /// Append `bytes`, growing the buffer towards its declared size as
+    /// they arrive ([`grow_for`]); an error when memory is short.
+    pub(crate) fn extend(&mut self, bytes: &[u8]) -> Result<()> {
+        grow_for(&mut self.buffer, self.declared, bytes.len())?;
         self.buffer.extend_from_slice(bytes);
+        Ok(())
     }
 
     /// The filled part as [`Bytes`]: owning the buffer (which returns to
@@ -289,8 +326,8 @@ mod tests {
     use super::*;
 
     fn filled(pool: &BufferPool, len: usize) -> Bytes {
-        let mut lent = pool.take(len as u64).unwrap();
-        lent.extend(&vec![7u8; len]);
+        let mut lent = pool.take_for_receive(len as u64).unwrap();
+        lent.extend(&vec![7u8; len]).unwrap();
         lent.into_bytes()
     }
 

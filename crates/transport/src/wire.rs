@@ -25,8 +25,9 @@
 //! [`BufferPool`] instead (the same checks come first), and the frame's
 //! payload gives it back when dropped.
 
-pub use crate::pool::{BufferPool, PooledBuf, DEFAULT_POOLED_FROM};
-use crate::{pool::Lent, Error, Frame, Result};
+use crate::pool::{grow_for, reserve_for, Lent};
+pub use crate::pool::{BufferPool, PooledBuf, DEFAULT_POOLED_FROM, RESERVE_AHEAD};
+use crate::{Error, Frame, Result};
 use bytes::{Bytes, BytesMut};
 
 /// The first four bytes of every frame.
@@ -181,19 +182,6 @@ pub fn encode_with(header: Header, frame: &Frame) -> [Bytes; 2] {
     [head.freeze(), frame.payload.clone()]
 }
 
-/// One buffer of exactly `len` bytes' capacity, or an error instead of an
-/// abort when memory is short.
-fn alloc_exact(len: u64) -> Result<BytesMut> {
-    let n = usize::try_from(len).map_err(|_| Error::OutOfMemory { bytes: len })?;
-    if n == 0 {
-        return Ok(BytesMut::new());
-    }
-    let mut v: Vec<u8> = Vec::new();
-    v.try_reserve_exact(n).map_err(|_| Error::OutOfMemory { bytes: len })?;
-    // Zero-copy: the Vec's allocation (and capacity) becomes the BytesMut's.
-    Ok(BytesMut::from(Bytes::from(v)))
-}
-
 /// Incremental decoder of one frame, fed with the chunks a stream delivers.
 ///
 /// After [`Decoder::feed`] returns an error the decoder is spent: drop it.
@@ -204,7 +192,8 @@ pub struct Decoder {
     head: [u8; HEADER_LEN],
     head_filled: usize,
     header: Option<Header>,
-    meta: BytesMut,
+    /// Grows as it arrives, as the payload's buffer does (see [`RESERVE_AHEAD`]).
+    meta: Vec<u8>,
     payload: Lent,
     /// Where a kept payload's buffer comes from; `None`: a fresh one.
     pool: Option<BufferPool>,
@@ -224,7 +213,7 @@ impl Decoder {
             head: [0; HEADER_LEN],
             head_filled: 0,
             header: None,
-            meta: BytesMut::new(),
+            meta: Vec::new(),
             payload: Lent::none(),
             pool: None,
             streaming: false,
@@ -273,7 +262,7 @@ impl Decoder {
     pub fn feed(&mut self, input: &[u8]) -> Result<()> {
         let payload = self.take(input)?;
         if !self.streaming {
-            self.payload.extend(payload);
+            self.payload.extend(payload)?;
         }
         Ok(())
     }
@@ -297,12 +286,13 @@ impl Decoder {
                 return Ok(&[]);
             }
             let header = Header::parse(&self.head, self.expect, self.max_message)?;
-            // Lengths are checked: now allocate each buffer once, at its size.
-            self.meta = alloc_exact(u64::from(header.meta_len))?;
+            // Lengths are checked: now allocate each buffer at its size, or
+            // up to RESERVE_AHEAD of it and grow it as its bytes arrive.
+            self.meta = reserve_for(u64::from(header.meta_len), RESERVE_AHEAD)?;
             if !self.streaming {
                 self.payload = match &self.pool {
-                    Some(pool) => pool.take(header.payload_len)?,
-                    None => Lent::own(header.payload_len)?,
+                    Some(pool) => pool.take_for_receive(header.payload_len)?,
+                    None => Lent::own(header.payload_len, RESERVE_AHEAD)?,
                 };
             }
             self.header = Some(header);
@@ -310,6 +300,7 @@ impl Decoder {
         let Some(header) = self.header else { return Ok(&[]) };
         let meta_left = header.meta_len as usize - self.meta.len();
         let take = meta_left.min(input.len());
+        grow_for(&mut self.meta, header.meta_len as usize, take)?;
         self.meta.extend_from_slice(&input[..take]);
         input = &input[take..];
         let payload_left = header.payload_len - self.payload_seen;
@@ -348,7 +339,7 @@ impl Decoder {
         }
         debug_assert!(self.streaming || self.payload.len() as u64 == header.payload_len);
         let frame =
-            Frame { method: header.method, meta: self.meta.freeze(), payload: self.payload.into_bytes() };
+            Frame { method: header.method, meta: Bytes::from(self.meta), payload: self.payload.into_bytes() };
         Ok((header.kind, frame))
     }
 }
@@ -486,6 +477,36 @@ mod tests {
         }
         assert!(d.is_complete());
         assert_eq!(d.finish().unwrap().1, frame);
+    }
+
+    #[test]
+    fn a_large_claim_reserves_ahead_of_its_bytes_not_all_of_it() {
+        // A header claiming 20 MiB of metadata and 40 MiB of payload: a
+        // peer that sends the header alone gets RESERVE_AHEAD reserved for
+        // each, not 60 MiB; as bytes arrive the buffers grow, never to more
+        // than twice what came (or RESERVE_AHEAD), and the frame is whole.
+        let meta: Vec<u8> = (0..20 << 20).map(|i: u32| (i % 251) as u8).collect();
+        let payload: Vec<u8> = (0..40 << 20).map(|i: u32| (i % 241) as u8).collect();
+        let frame = Frame { method: 9, meta: Bytes::from(meta), payload: Bytes::from(payload) };
+        let b = bytes_of(Kind::Request, &frame);
+        let pool = BufferPool::new(512 << 20);
+        for mut d in
+            [Decoder::new(Expect::Request, 64 << 20), Decoder::with_pool(Expect::Request, 64 << 20, pool)]
+        {
+            d.feed(&b[..HEADER_LEN]).unwrap();
+            assert_eq!(d.meta.capacity(), RESERVE_AHEAD);
+            assert_eq!(d.payload.capacity(), RESERVE_AHEAD);
+            for chunk in b[HEADER_LEN..].chunks(1 << 20) {
+                d.feed(chunk).unwrap();
+                for (len, capacity) in
+                    [(d.meta.len(), d.meta.capacity()), (d.payload.len(), d.payload.capacity())]
+                {
+                    assert!(capacity <= (2 * len).max(RESERVE_AHEAD), "{capacity} reserved for {len} bytes");
+                }
+            }
+            assert_eq!(d.payload.capacity(), 40 << 20, "grown to the declared size, not past it");
+            assert_eq!(d.finish().unwrap().1, frame);
+        }
     }
 
     #[test]
