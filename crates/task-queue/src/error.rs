@@ -93,6 +93,21 @@ pub enum Error {
         /// The discovery key holding the published options.
         key: String,
     },
+    /// The master's state (or a journal record) is larger than it may
+    /// write: etcd would refuse it.
+    #[error(
+        "the master's state for {key} is {bytes} bytes, over its limit of {max} \
+         (MasterOptions::max_state_bytes: etcd's --max-request-bytes, 1.5 MiB by default): \
+         make fewer, larger tasks, or raise both limits"
+    )]
+    StateTooLarge {
+        /// The key it was to be written under.
+        key: String,
+        /// Its encoded size.
+        bytes: usize,
+        /// The limit.
+        max: usize,
+    },
     /// The master stopped serving (lost its lease or its lock).
     #[error("master stopped: {0}")]
     Stopped(String),

@@ -85,13 +85,15 @@ pub use dataset::{
 pub use error::{Error, Result};
 pub use journal::{Changes, Delta};
 #[cfg(feature = "service")]
-pub use master::{Master, MasterKeys, MasterOptions, StreamOptions, JOURNAL_MAX_RECORDS};
+pub use master::{
+    Master, MasterKeys, MasterOptions, StreamOptions, DEFAULT_MAX_STATE_BYTES, JOURNAL_MAX_RECORDS,
+};
 pub use protocol::{
     MasterStatus, PassStats, ReportReply, StreamStatus, TaskReply, TaskStats, MAX_TRAINER_ID_BYTES,
 };
 pub use queue::{
-    Assignment, GetTask, QueueConfig, QueueEvent, Report, Status, TaskQueue, TaskRef, MAX_PASSES,
-    MAX_REASON_BYTES, MAX_TASK_TIMEOUT,
+    Assignment, GetTask, QueueConfig, QueueEvent, Report, Status, TaskQueue, TaskRef,
+    MAX_DISCARD_REASONS_KEPT, MAX_PASSES, MAX_REASON_BYTES, MAX_TASK_TIMEOUT,
 };
 pub use snapshot::{Snapshot, StreamState};
 pub use source::{

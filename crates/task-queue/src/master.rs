@@ -19,7 +19,12 @@
 //!   100,000 tasks of one chunk, 100 passes of statistics and the most
 //!   discards listed with the longest reasons, 660,448 bytes, under etcd's
 //!   default 1.5 MiB request limit (test
-//!   `stored_state_of_100k_tasks_fits_in_an_etcd_request`).
+//!   `stored_state_of_100k_tasks_fits_in_an_etcd_request`). A discarded
+//!   task's reason is kept only for the job's first
+//!   [`MAX_DISCARD_REASONS_KEPT`](crate::MAX_DISCARD_REASONS_KEPT)
+//!   discards, so a job discarding every task stays under it too. A state
+//!   or record over [`MasterOptions::max_state_bytes`] (etcd's limit) is
+//!   [`Error::StateTooLarge`]: the master does not start, or stops.
 //! - `master/journal/<version>` holds one [`JournalRecord`] per write since
 //!   then: the tasks that changed ([`Delta`](crate::Delta)), the current pass's statistics
 //!   and new discards; a few dozen bytes per report.
@@ -121,7 +126,17 @@ pub struct MasterOptions {
     /// A master given options that differ from the published ones refuses
     /// to start ([`Error::ConfigMismatch`]): one job, one set of options.
     pub config: Option<Vec<u8>>,
+    /// The largest state (or journal record) the master writes: etcd's
+    /// request limit (`--max-request-bytes`, 1.5 MiB by default; set both
+    /// together). A larger one is [`Error::StateTooLarge`]: at start the
+    /// master refuses to, later it stops, where etcd's refusal used to be
+    /// retried for ever and leave every report unacknowledged. 100,000
+    /// tasks take about 0.65 MiB.
+    pub max_state_bytes: usize,
 }
+
+/// etcd's default request limit (`--max-request-bytes`), 1.5 MiB.
+pub const DEFAULT_MAX_STATE_BYTES: usize = 3 << 19;
 
 impl MasterOptions {
     /// Options with the defaults below for a master whose keys are `keys`.
@@ -134,6 +149,7 @@ impl MasterOptions {
             lock_timeout: Duration::from_secs(3600),
             tick_interval: Duration::from_millis(100),
             config: None,
+            max_state_bytes: DEFAULT_MAX_STATE_BYTES,
         }
     }
 }
@@ -256,6 +272,8 @@ struct Shared {
     /// Why the master stopped serving, once it did.
     stopped: watch::Sender<Option<String>>,
     status: watch::Sender<MasterStatus>,
+    /// [`MasterOptions::max_state_bytes`].
+    max_state_bytes: usize,
 }
 
 struct Core {
@@ -462,6 +480,7 @@ impl Master {
             persisted: watch::channel(0).0,
             stopped: watch::channel(None).0,
             status: status_tx,
+            max_state_bytes: options.max_state_bytes,
         });
         // Trainers that left while no master watched (between the last
         // master's end and now) hold restored pending tasks: take them back.
@@ -687,6 +706,10 @@ async fn persist(
         Write::Record(record) => (keys.journal_record(version), record.encode()),
     };
     let size = bytes.len();
+    if size > shared.max_state_bytes {
+        journal.snapshot_due = true;
+        return Err(Error::StateTooLarge { key, bytes: size, max: shared.max_state_bytes });
+    }
     if let Err(e) = discovery.put_fenced(fence, &key, bytes).await {
         journal.snapshot_due = true;
         return Err(e.into());
@@ -744,6 +767,12 @@ async fn writer(
             match e {
                 Error::Discovery(oar_discovery::Error::FenceLost { .. }) => {
                     shared.stop(format!("lost the master lock: {e}"));
+                    return;
+                }
+                Error::StateTooLarge { .. } => {
+                    // Retrying cannot help: the state only grows.
+                    tracing::error!(error = %e, "the master cannot store its state; stopping");
+                    shared.stop(e.to_string());
                     return;
                 }
                 other => {
@@ -1081,7 +1110,9 @@ impl Handler for MasterHandler {
                 Frame::new(MASTER_METHOD, &reply, Bytes::new())
             }
             MasterRequest::TaskFailed { trainer, task_ref, reason } => {
-                tracing::info!(trainer, ?task_ref, %reason, "trainer reports a failed task");
+                // Logged cut, as the queue keeps it: a reader quoting a bad
+                // token can make a reason of megabytes.
+                tracing::info!(trainer, ?task_ref, reason = %crate::queue::bounded(&reason), "trainer reports a failed task");
                 let reply = self
                     .report(|core| match holds(core, &trainer, task_ref) {
                         true => core.queue.task_failed(task_ref, &reason, Instant::now()),
@@ -1196,6 +1227,7 @@ mod tests {
             persisted: watch::channel(0).0,
             stopped: watch::channel(None).0,
             status: watch::channel(status).0,
+            max_state_bytes: DEFAULT_MAX_STATE_BYTES,
         });
         let handler = Arc::new(MasterHandler {
             shared: shared.clone(),

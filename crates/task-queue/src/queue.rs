@@ -53,6 +53,15 @@ pub const MAX_PASSES: u32 = 1 << 20;
 /// and end up in the snapshot); longer ones are cut at a char boundary.
 pub const MAX_REASON_BYTES: usize = 512;
 
+/// Discards whose full reason a queue keeps (the job's first ones). Each
+/// discarded task's reason is in every snapshot, and reasons name a file
+/// and a line, so they seldom repeat: 10,000 discards of a 100,000-task job
+/// put the stored state past etcd's request limit, and the master could
+/// store nothing more. Later discards keep a short reason that names the
+/// pass (one string per pass); the event, and so the master's log, carries
+/// each full reason.
+pub const MAX_DISCARD_REASONS_KEPT: usize = 100;
+
 /// How the queue treats tasks.
 #[derive(Clone, Debug, Serialize, Deserialize, PartialEq)]
 pub struct QueueConfig {
@@ -306,7 +315,7 @@ struct Stream {
 }
 
 /// Cuts a reason to [`MAX_REASON_BYTES`] at a char boundary.
-fn bounded(reason: &str) -> String {
+pub(crate) fn bounded(reason: &str) -> String {
     if reason.len() <= MAX_REASON_BYTES {
         return reason.to_string();
     }
@@ -668,12 +677,17 @@ impl TaskQueue {
         let count = self.failures[i];
         if count >= self.config.max_failures {
             let reason = format!("{count} failure(s) in pass {}, the last: {detail}", self.pass);
-            self.events.push(QueueEvent::TaskDiscarded {
-                task: self.tasks[i].id,
-                pass: self.pass,
-                reason: reason.clone(),
-            });
-            self.slots[i] = Slot::Discarded { reason };
+            let kept = if self.discarded < MAX_DISCARD_REASONS_KEPT {
+                reason.clone()
+            } else {
+                format!(
+                    "{count} failure(s) in pass {} (the reason is in the master's log: \
+                     only the first {MAX_DISCARD_REASONS_KEPT} discards' reasons are kept)",
+                    self.pass
+                )
+            };
+            self.events.push(QueueEvent::TaskDiscarded { task: self.tasks[i].id, pass: self.pass, reason });
+            self.slots[i] = Slot::Discarded { reason: kept };
             self.discarded += 1;
         } else {
             self.slots[i] = Slot::Todo;

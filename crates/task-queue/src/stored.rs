@@ -155,7 +155,7 @@ impl JournalRecord {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::{chunk_files, tasks_from_chunks, Changes, GetTask, MAX_REASON_BYTES};
+    use crate::{chunk_files, tasks_from_chunks, Changes, GetTask, QueueEvent, MAX_REASON_BYTES};
     use std::time::Duration;
 
     #[test]
@@ -182,6 +182,49 @@ mod tests {
         let back = StoredState::decode(&bytes).unwrap();
         assert_eq!(back, stored);
         assert_eq!(back.status(config).unwrap().passes.len(), 100);
+    }
+
+    #[test]
+    fn a_state_whose_every_task_was_discarded_still_fits_in_an_etcd_request() {
+        // 100,000 tasks, each discarded for a reason of its own (a file and
+        // a line, as a reader's errors read): only the first discards keep
+        // their reason in the queue, or the state would be ~30 MB.
+        let files: Vec<(String, u64)> =
+            (0..250).map(|i| (format!("/data/part-{i:05}.libsvm"), 400 << 20)).collect();
+        let tasks = tasks_from_chunks(chunk_files(&files, 1 << 20).unwrap(), 1).unwrap();
+        let config = QueueConfig { task_timeout: Duration::from_secs(60), max_failures: 1, passes: 100 };
+        let mut queue = TaskQueue::new(tasks, config.clone()).unwrap();
+        let now = Instant::now();
+        let mut discarded = Vec::new();
+        while let GetTask::Assigned(a) = queue.get_task("trainer-0", now) {
+            let reason = format!(
+                "bad data: /data/part-{:05}.libsvm:{}: {}",
+                a.task.id.0 % 250,
+                a.task.id.0 * 37,
+                "x".repeat(300)
+            );
+            queue.task_failed(a.task_ref, &reason, now);
+            for event in queue.drain_events() {
+                if let QueueEvent::TaskDiscarded { task, reason, .. } = event {
+                    assert!(reason.contains(".libsvm:"), "the event carries the whole reason: {reason}");
+                    if discarded.len() < MAX_DISCARDS_LISTED {
+                        discarded.push((task.0, reason));
+                    }
+                }
+            }
+        }
+        assert_eq!(queue.status().discarded, 100_000);
+        let kept = |id: u64| match queue.task_state(crate::TaskId(id)) {
+            Some(crate::TaskState::Discarded { reason }) => reason,
+            other => panic!("task {id}: {other:?}"),
+        };
+        assert!(kept(0).contains("part-00000.libsvm:0:"), "{}", kept(0));
+        assert!(kept(99_999).contains("only the first 100"), "{}", kept(99_999));
+        let stored = StoredState { queue: queue.snapshot(), passes: Vec::new(), discarded };
+        let bytes = stored.encode();
+        let limit = 3 << 19; // etcd's default 1.5 MiB
+        assert!(bytes.len() < limit, "{} bytes", bytes.len());
+        assert_eq!(StoredState::decode(&bytes).unwrap(), stored);
     }
 
     /// A state of three tasks and the journal records of finishing two.

@@ -158,6 +158,47 @@ async fn a_master_that_lost_its_lock_stops_writing_and_serving() {
     assert!(err.to_string().contains("not serving"), "{err}");
 }
 
+/// A state etcd would refuse (over `max_state_bytes`) is an error that
+/// names the sizes: at start the master does not start; running, it stops
+/// (it used to retry the write for ever, acknowledging nothing again).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_state_over_the_limit_stops_the_master_with_an_error_naming_it() {
+    let env = Env::new();
+    let tiny = MasterOptions { max_state_bytes: 16, ..options("m1") };
+    match Master::start(env.discovery.clone(), env.transport.clone(), "mem:0", tasks(3), tiny).await {
+        Err(oar_task_queue::Error::StateTooLarge { bytes, max: 16, .. }) => assert!(bytes > 16),
+        Err(e) => panic!("expected StateTooLarge, got {e}"),
+        Ok(_) => panic!("a master started with a state over its limit"),
+    }
+
+    // The start state of 3 tasks fits in this limit; a discard's 500-byte
+    // reason, listed in the next journal record, does not.
+    let env = Env::new();
+    let started = env.master("m2", 3).await;
+    let start_bytes = env.discovery.get(&keys().state).await.unwrap().unwrap().value.len();
+    started.shutdown().await.unwrap();
+    let env = Env::new();
+    let limited = MasterOptions { max_state_bytes: start_bytes + 200, ..options("m3") };
+    let master = Master::start(env.discovery.clone(), env.transport.clone(), "mem:0", tasks(3), limited)
+        .await
+        .unwrap();
+    let client = MasterClient::new(
+        env.discovery.clone(),
+        env.transport.clone(),
+        client_options(Duration::from_secs(3)),
+    );
+    let reason = "r".repeat(500);
+    for _ in 0..4 {
+        // max_failures is 2, and a failed task goes to the back: the
+        // fourth failure discards the first task.
+        let (_, task_ref) = take(&client, "t1").await;
+        let _ = client.task_failed("t1", task_ref, &reason).await;
+    }
+    let err = tokio::time::timeout(Duration::from_secs(10), master.wait()).await.unwrap().unwrap_err();
+    assert!(err.to_string().contains("over its limit"), "{err}");
+    assert!(err.to_string().contains(&format!("limit of {}", start_bytes + 200)), "{err}");
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_vanished_trainer_s_tasks_return_to_todo_at_once() {
     let env = Env::new();
