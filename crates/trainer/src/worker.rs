@@ -713,6 +713,9 @@ impl Loop {
         let id = self.options.id.clone();
         tracing::info!(trainer = id, task = task.id.0, pass = task_ref.pass, "got task");
         if self.options.mode == Mode::Sync && !self.joined {
+            if !self.lease.is_valid() {
+                return Err(Error::LeaseLost);
+            }
             self.pservers.lock().await.join().await?;
             self.joined = true;
             self.params_fresh = false;
@@ -884,6 +887,11 @@ impl Loop {
                 }
                 PushResult::Stale => {
                     tracing::info!(trainer = self.options.id, "sync step moved on without us; rejoining");
+                    // A trainer whose lease ended (paused past it) must
+                    // not join again: its departure was handled already.
+                    if !self.lease.is_valid() {
+                        return Err(Error::LeaseLost);
+                    }
                     pservers.rejoin().await?;
                 }
             }
@@ -973,6 +981,9 @@ impl Loop {
                 return Ok(loss);
             }
             tracing::info!(trainer = self.options.id, "sync step moved on without us; rejoining");
+            if !self.lease.is_valid() {
+                return Err(Error::LeaseLost);
+            }
             pservers.rejoin().await?;
         }
     }

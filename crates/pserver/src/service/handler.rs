@@ -265,6 +265,8 @@ impl PsHandler {
             let waits_in_step = store.waits_in_step(&pusher, seq).then(|| store.step());
             if store.mode() == Mode::Sync {
                 tracing::debug!(shard, trainer = pusher, seq, step, at = store.step(), ?reply, "sync push");
+                // A push joins a newcomer to the barrier.
+                self.shared.check_departed(&pusher);
             }
             self.shared.publish(&slot, &state);
             (reply, wait, waits_in_step)
@@ -547,6 +549,7 @@ impl PsHandler {
                 let SlotState::Primary { store, links } = &mut *state else { unreachable!() };
                 let step = store.join(&trainer);
                 tracing::debug!(shard, trainer, step, at = store.step(), "joined the barrier");
+                self.shared.check_departed(&trainer);
                 if self.shared.replicated(shard) {
                     links.record(self.shared.map_version(), Update::Join(trainer));
                 }

@@ -52,7 +52,7 @@ use crate::{
 use oar_discovery::{Departures, Discovery, LeaseGuard, LeaseId, Session};
 use oar_transport::{Connection, Listener, RemoteError, Transport};
 use std::{
-    collections::{BTreeMap, HashMap},
+    collections::{BTreeMap, HashMap, HashSet},
     panic::AssertUnwindSafe,
     path::PathBuf,
     sync::{
@@ -428,7 +428,15 @@ struct Shared {
     /// so that a reply of several MiB is written into memory already
     /// faulted in (see [`REPLY_POOL_BYTES`]).
     reply_pool: oar_transport::wire::BufferPool,
+    /// Trainers whose registration was seen to end (they left every
+    /// barrier then), until one of them is seen joining a barrier again
+    /// ([`Shared::check_departed`]).
+    departed: Mutex<HashSet<String>>,
 }
+
+/// The most departed trainers a pserver remembers; past it the set starts
+/// afresh (a trainer forgotten so is no longer caught rejoining).
+const MAX_DEPARTED: usize = 1 << 16;
 
 /// The most idle memory a pserver keeps for replies: eight of the
 /// client's largest pull parts (8 MiB each); a snapshot part's reply is
@@ -438,6 +446,24 @@ struct Shared {
 const REPLY_POOL_BYTES: usize = 64 << 20;
 
 impl Shared {
+    /// Note that `trainer`'s registration ended (it left every barrier).
+    fn remember_departed(&self, trainer: &str) {
+        let mut departed = self.departed.lock().unwrap_or_else(PoisonError::into_inner);
+        if departed.len() >= MAX_DEPARTED {
+            departed.clear();
+        }
+        departed.insert(trainer.to_string());
+    }
+
+    /// `trainer` joined a barrier: if its registration was seen to end,
+    /// check in the background whether it came back ([`verify_registration`]).
+    fn check_departed(self: &Arc<Self>, trainer: &str) {
+        let was_departed = self.departed.lock().unwrap_or_else(PoisonError::into_inner).remove(trainer);
+        if was_departed {
+            tokio::spawn(verify_registration(self.clone(), trainer.to_string()));
+        }
+    }
+
     /// Stop serving for good (the first reason is kept and logged).
     fn stop(&self, why: String) {
         self.halt(why, false);
@@ -711,6 +737,7 @@ impl Pserver {
             role_changed: Notify::new(),
             saving: Mutex::new(()),
             reply_pool: oar_transport::wire::BufferPool::new(REPLY_POOL_BYTES),
+            departed: Mutex::new(HashSet::new()),
             options,
         });
         let listener =
@@ -1320,6 +1347,7 @@ async fn trainer_watcher(mut departures: Departures, shared: Arc<Shared>) {
                 if shared.check_serving().is_err() {
                     return;
                 }
+                shared.remember_departed(&trainer);
                 for slot in shared.slots() {
                     let Ok(mut state) = shared.lock(&slot) else { return };
                     if let Err(e) = leave(&shared, &slot, &mut state, &trainer) {
@@ -1335,6 +1363,39 @@ async fn trainer_watcher(mut departures: Departures, shared: Arc<Shared>) {
                 tracing::error!(error = %e, "cannot follow the trainers; dead trainers leave only by Leave calls");
                 return;
             }
+        }
+    }
+}
+
+/// A trainer whose registration had ended joined a barrier (a `Join`, or a
+/// sync push): if its key under the members' prefix is still gone, it
+/// leaves every barrier again. Its own lease check may come too late (a
+/// trainer paused past its ttl, whose push or join was on its way), and no
+/// departure would ever come for it again: every other trainer's step
+/// would wait for it until their calls gave up. Reading the key after the
+/// join cannot miss a departure: one after the read is seen by the
+/// trainer watcher, which takes it out again.
+async fn verify_registration(shared: Arc<Shared>, trainer: String) {
+    let key = format!("{}{trainer}", shared.keys.members);
+    match shared.discovery.get(&key).await {
+        Ok(Some(_)) => tracing::info!(trainer, "a trainer whose registration had ended is registered again"),
+        Ok(None) => {
+            for slot in shared.slots() {
+                let Ok(mut state) = shared.lock(&slot) else { return };
+                if let Err(e) = leave(&shared, &slot, &mut state, &trainer) {
+                    tracing::warn!(error = %e.message, trainer, "cannot take a trainer out of the barrier");
+                    return;
+                }
+            }
+            tracing::warn!(
+                trainer,
+                "a trainer whose registration ended joined a barrier; it leaves it again"
+            );
+            shared.remember_departed(&trainer);
+        }
+        Err(e) => {
+            tracing::warn!(error = %e, trainer, "cannot check a returning trainer's registration");
+            shared.remember_departed(&trainer);
         }
     }
 }
