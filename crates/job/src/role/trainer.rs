@@ -63,7 +63,13 @@ async fn run_trainer_role(
         session.close().await?;
         return Ok(stopped_early);
     };
-    registered?;
+    if let Err(e) = registered {
+        // Give the lease back now rather than at its expiry.
+        if let Err(closing) = session.close().await {
+            tracing::warn!(error = %closing, "closing the trainer's session after a failed registration");
+        }
+        return Err(e.into());
+    }
     let master = MasterClient::new(
         ctx.discovery.clone(),
         ctx.transport.clone(),
