@@ -176,9 +176,17 @@ impl EtcdDiscovery {
             return Err(Error::InvalidArgument("no etcd endpoints given".to_string()));
         }
         let joined: Arc<str> = endpoints.join(",").into();
+        // Require a leader: a member cut off from its cluster's majority
+        // otherwise keeps a watch open and silent (its HTTP/2 pings still
+        // answer), and a watcher of departures or of the shard map sees
+        // nothing until the partition heals; with it, etcd ends the watch
+        // with an error and the watcher watches again.
+        // Not covered by a test: it takes a cluster of three members, and
+        // the tests' `EtcdServer` starts one.
         let connect_options = ConnectOptions::new()
             .with_connect_timeout(options.connect_timeout)
-            .with_keep_alive(options.keep_alive_interval, options.keep_alive_timeout);
+            .with_keep_alive(options.keep_alive_interval, options.keep_alive_timeout)
+            .with_require_leader(true);
         let timeout = options.connect_timeout;
         let unreachable = |why: String| match why.is_empty() {
             true => Error::Timeout { what: format!("connecting to etcd at {joined}"), after: timeout },
