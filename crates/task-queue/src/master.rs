@@ -718,8 +718,10 @@ async fn persist(
     m.state_writes.inc();
     m.state_bytes.set(size as i64);
     {
-        // Streaming: the tasks this write holds may be handed out now.
         let mut core = shared.core();
+        // The discards this write holds may raise the floor now.
+        core.queue.stored_up_to(version);
+        // Streaming: the tasks this write holds may be handed out now.
         if core.queue.staged() > 0 {
             core.queue.stored();
             shared.changed(&mut core, false);

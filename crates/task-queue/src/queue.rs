@@ -30,7 +30,7 @@
 //! a streaming queue drops its finished and discarded tasks (their counts
 //! are kept), so it holds only the open ones however long the stream runs.
 
-use std::collections::{BTreeSet, VecDeque};
+use std::collections::{BTreeSet, HashMap, VecDeque};
 use std::time::{Duration, Instant};
 
 use serde::{Deserialize, Serialize};
@@ -132,8 +132,9 @@ pub struct Assignment {
     pub deadline: Instant,
     /// The lowest id of the pass's tasks still open (todo or pending) when
     /// this one was handed out: every task of the pass below it, and every
-    /// task of earlier passes, is finished or discarded. Pservers forget
-    /// what they kept of the tasks below it (see `oar_pserver::origin`).
+    /// task of earlier passes, is finished or discarded, and a discard is
+    /// stored ([`TaskQueue::stored_up_to`]). Pservers forget what they kept
+    /// of the tasks below it (see `oar_pserver::origin`).
     pub open_from: TaskId,
 }
 
@@ -300,6 +301,16 @@ pub struct TaskQueue {
     /// Every task below this position is finished or discarded (see
     /// [`open_from`](Self::open_from)); back to 0 when positions change.
     open_cursor: usize,
+    /// Discards not stored yet ([`stored_up_to`](Self::stored_up_to)): the
+    /// task, the pass and the version it was discarded in. Until stored, a
+    /// discard does not raise [`Assignment::open_from`], and a pass it
+    /// ended hands out nothing: a master taking over would restore the task
+    /// as todo, and pservers told that every task below the floor is
+    /// finished would take its pushes for duplicates, so it would count as
+    /// done with none of its examples applied. (A task done but not stored
+    /// needs nothing of the kind: its pushes were acknowledged before it
+    /// was reported, so they are duplicates when it is trained again.)
+    unstored_discards: HashMap<TaskId, (u32, u64)>,
 }
 
 /// A streaming queue's state beyond its tasks.
@@ -372,6 +383,7 @@ impl TaskQueue {
             taken_version: 0,
             stream,
             open_cursor: 0,
+            unstored_discards: HashMap::new(),
         }
     }
 
@@ -453,6 +465,14 @@ impl TaskQueue {
         self.todo.extend(stream.staged.drain(..released));
     }
 
+    /// Every change up to `version` ([`version`](Self::version) when the
+    /// changes were taken) is stored: the discards among them may raise
+    /// [`Assignment::open_from`], and a pass one of them ended may hand
+    /// out tasks. Call it after each successful store.
+    pub fn stored_up_to(&mut self, version: u64) {
+        self.unstored_discards.retain(|_, &mut (_, at)| at > version);
+    }
+
     /// Streaming: the source's mark covering every task appended, and
     /// whether the source is closed; `None` for a batch queue.
     pub fn source_mark(&self) -> Option<(&[u8], bool)> {
@@ -473,6 +493,10 @@ impl TaskQueue {
             JobState::Failed | JobState::Aborted => return GetTask::Failed,
             JobState::Running => {}
         }
+        if self.unstored_discards.values().any(|&(pass, _)| pass < self.pass) {
+            // The pass ended by a discard not stored yet (see `unstored_discards`).
+            return GetTask::Wait;
+        }
         let Some(i) = self.todo.pop_front() else {
             return GetTask::Wait;
         };
@@ -492,8 +516,12 @@ impl TaskQueue {
     /// [`Assignment::open_from`]). Finished tasks stay finished within a
     /// pass, so a cursor past them moves only forward: amortised O(1).
     fn open_from(&mut self) -> TaskId {
-        let finished = |s: &Slot| matches!(s, Slot::Done | Slot::Discarded { .. });
-        while self.slots.get(self.open_cursor).is_some_and(finished) {
+        let finished = |i: usize| match self.slots.get(i) {
+            Some(Slot::Done) => true,
+            Some(Slot::Discarded { .. }) => !self.unstored_discards.contains_key(&self.tasks[i].id),
+            _ => false,
+        };
+        while finished(self.open_cursor) {
             self.open_cursor += 1;
         }
         self.tasks.get(self.open_cursor).map_or(TaskId(u64::MAX), |t| t.id)
@@ -687,6 +715,7 @@ impl TaskQueue {
                 )
             };
             self.events.push(QueueEvent::TaskDiscarded { task: self.tasks[i].id, pass: self.pass, reason });
+            self.unstored_discards.insert(self.tasks[i].id, (self.pass, self.version));
             self.slots[i] = Slot::Discarded { reason: kept };
             self.discarded += 1;
         } else {
@@ -960,6 +989,7 @@ impl TaskQueue {
             config,
             stream: None,
             open_cursor: 0,
+            unstored_discards: HashMap::new(),
         };
         if let Some(stored) = stream {
             queue.done = stored.done_before as usize;
@@ -1137,6 +1167,29 @@ mod tests {
         assert_eq!(q.status().failures, 2);
     }
 
+    /// A discard raises the floor handed out only once it is stored: else
+    /// a master taking over from the last write restores the task as todo,
+    /// and its pushes, below the floor the pservers were told, would be
+    /// taken for duplicates.
+    #[test]
+    fn a_discard_raises_open_from_only_once_stored() {
+        let t0 = Instant::now();
+        let mut q = TaskQueue::new(tasks(3), config(1, 1)).unwrap();
+        let a = assigned(q.get_task("t1", t0));
+        assert_eq!(a.task.id, TaskId(0));
+        q.task_failed(a.task_ref, "bad", t0); // discarded at once
+        let b = assigned(q.get_task("t2", t0));
+        assert_eq!(b.open_from, TaskId(0), "the discard is not stored: the floor stays");
+        q.stored_up_to(q.version());
+        let c = assigned(q.get_task("t3", t0));
+        assert_eq!(c.open_from, TaskId(1), "stored: the floor passes the discarded task");
+        // A later failed write stores nothing: an older version clears nothing newer.
+        q.task_failed(b.task_ref, "bad", t0);
+        q.stored_up_to(q.version() - 1);
+        q.task_finished(c.task_ref, t0);
+        assert_eq!(q.status().state, JobState::Done);
+    }
+
     #[test]
     fn pass_rollover_refills_from_done_and_resets_counts() {
         let t0 = Instant::now();
@@ -1157,6 +1210,12 @@ mod tests {
         let st = q.status();
         assert_eq!((st.pass, st.todo, st.pending, st.done, st.discarded), (1, 2, 0, 0, 1));
         assert!(q.drain_events().contains(&QueueEvent::PassEnded { pass: 0, done: 2, discarded: 1 }));
+        // The discard that ended pass 0 is not stored yet: nothing of pass 1
+        // goes out (its floor would pass task 1's pass-0 pushes).
+        let v = q.version();
+        assert_eq!(q.get_task("t", t0), GetTask::Wait);
+        assert_eq!(q.version(), v, "Wait changes nothing");
+        q.stored_up_to(v);
         // Pass 1: todo in id order, attempts from 0 again, task 1 stays discarded.
         let x = assigned(q.get_task("t", t0));
         assert_eq!(x.task_ref, TaskRef { task: TaskId(0), pass: 1, attempt: 0 });

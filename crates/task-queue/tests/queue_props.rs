@@ -108,6 +108,9 @@ struct Harness {
     aborted: bool,
     /// What a shell would have stored: the last snapshot and the deltas since.
     journal: Option<(Snapshot, Vec<Delta>)>,
+    /// Tasks discarded since the last store (a take or a restore), with the
+    /// pass they were discarded in.
+    unstored: HashMap<TaskId, u32>,
 }
 
 fn observe(q: &TaskQueue, ids: &[TaskId]) -> Observed {
@@ -167,6 +170,7 @@ impl Harness {
             saw_job_failed: false,
             aborted: false,
             journal: None,
+            unstored: HashMap::new(),
         }
     }
 
@@ -221,6 +225,9 @@ impl Harness {
         let (base, deltas) = self.journal.as_ref().unwrap();
         let replayed = base.apply(deltas).map_err(|e| TestCaseError::fail(e.to_string()))?;
         prop_assert_eq!(&replayed, &self.q.snapshot(), "journal replay differs from the queue");
+        // What was taken is stored, as by a shell's successful write.
+        self.q.stored_up_to(self.q.version());
+        self.unstored.clear();
         Ok(replayed)
     }
 
@@ -240,11 +247,19 @@ impl Harness {
                     prop_assert_eq!(self.todo.pop_front(), Some(a.task.id), "not the front of todo");
                     let fails = self.failures.get(&(a.task.id, before.0.pass)).copied().unwrap_or(0);
                     prop_assert_eq!(a.task_ref.attempt, fails, "attempt = failures so far in this pass");
-                    // Every task below `open_from` is finished in this pass;
-                    // the one there (if any) is open (this one, at worst).
+                    // Every task below `open_from` is finished in this pass
+                    // (a discard only once stored); the one there (if any)
+                    // is open (this one, at worst).
+                    prop_assert!(
+                        !self.unstored.values().any(|&p| p < before.0.pass),
+                        "a task of a pass that a discard not stored yet ended went out"
+                    );
                     for (k, &id) in self.ids.iter().enumerate() {
-                        let finished =
-                            matches!(before.1[k], Some(TaskState::Done | TaskState::Discarded { .. }));
+                        let finished = match before.1[k] {
+                            Some(TaskState::Done) => true,
+                            Some(TaskState::Discarded { .. }) => !self.unstored.contains_key(&id),
+                            _ => false,
+                        };
                         if id < a.open_from {
                             prop_assert!(finished, "task {} below open_from {} is open", id, a.open_from);
                         } else if id == a.open_from {
@@ -262,7 +277,12 @@ impl Harness {
                 }
                 GetTask::Wait => {
                     prop_assert_eq!(before.0.state, JobState::Running);
-                    prop_assert!(before.0.todo == 0 && before.0.pending > 0, "{:?}", before.0);
+                    let pass_ended_unstored = self.unstored.values().any(|&p| p < before.0.pass);
+                    prop_assert!(
+                        (before.0.todo == 0 && before.0.pending > 0) || pass_ended_unstored,
+                        "{:?}",
+                        before.0
+                    );
                 }
                 GetTask::Done => prop_assert_eq!(before.0.state, JobState::Done),
                 GetTask::Failed => prop_assert!(before.0.state.is_failure()),
@@ -335,6 +355,7 @@ impl Harness {
             }
             Op::Restore => {
                 self.q = roundtrip(&self.q, &self.config, self.now);
+                self.unstored.clear();
                 prop_assert_eq!(self.q.version(), v0);
                 for (id, _, _) in pending_tasks(&before, &self.ids) {
                     self.deadlines.insert(id, self.now + self.config.task_timeout);
@@ -412,6 +433,7 @@ impl Harness {
             match event {
                 QueueEvent::TaskDiscarded { task, pass, reason } => {
                     prop_assert!(reason.contains("failure(s)"), "{}", reason);
+                    self.unstored.insert(task, pass);
                     prop_assert!(self.discarded_in.insert(task, pass).is_none(), "discarded twice");
                     let fails = self.failures.get(&(task, pass)).copied().unwrap_or(0);
                     prop_assert_eq!(fails, self.config.max_failures, "discarded at the threshold");
@@ -486,7 +508,8 @@ impl Harness {
     }
 
     /// Drives the job to its end with trainer 0 finishing everything,
-    /// expiring other trainers' tasks when it has to wait.
+    /// storing what changed before each task, and expiring other trainers'
+    /// tasks when it has to wait.
     fn finish_job(&mut self) -> Result<(), TestCaseError> {
         let bound =
             self.ids.len() * (self.config.passes as usize + 1) * (self.config.max_failures as usize + 2) * 4;
@@ -498,6 +521,9 @@ impl Harness {
             if st.todo == 0 {
                 self.step(&Op::Tick(TIMEOUT_MS))?;
             } else {
+                // Stored first, as a shell does within a tick: a pass that
+                // a discard ended hands out nothing until it is.
+                self.step(&Op::Take(false))?;
                 self.step(&Op::Get(0))?;
                 self.step(&Op::FinishPending(0))?;
             }
