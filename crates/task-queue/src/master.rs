@@ -62,7 +62,7 @@ use async_trait::async_trait;
 use bytes::Bytes;
 use oar_discovery::{Departures, Discovery, Fence, LeaseGuard, Session};
 use oar_transport::{Frame, Handler, Listener, RemoteError, Transport};
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 use std::{
     sync::{Arc, Mutex, MutexGuard, PoisonError},
     time::{Duration, Instant},
@@ -274,6 +274,23 @@ struct Shared {
     status: watch::Sender<MasterStatus>,
     /// [`MasterOptions::max_state_bytes`].
     max_state_bytes: usize,
+    /// Trainers whose registration was seen to end, until one of them asks
+    /// for a task again ([`MasterHandler::check_departed`]).
+    departed: Mutex<HashSet<String>>,
+}
+
+/// The most departed trainers a master remembers; past it the set starts
+/// afresh (a trainer forgotten so is no longer caught coming back).
+const MAX_DEPARTED: usize = 1 << 16;
+
+impl Shared {
+    fn remember_departed(&self, trainer: &str) {
+        let mut departed = self.departed.lock().unwrap_or_else(PoisonError::into_inner);
+        if departed.len() >= MAX_DEPARTED {
+            departed.clear();
+        }
+        departed.insert(trainer.to_string());
+    }
 }
 
 struct Core {
@@ -481,6 +498,7 @@ impl Master {
             stopped: watch::channel(None).0,
             status: status_tx,
             max_state_bytes: options.max_state_bytes,
+            departed: Mutex::new(HashSet::new()),
         });
         // Trainers that left while no master watched (between the last
         // master's end and now) hold restored pending tasks: take them back.
@@ -515,6 +533,8 @@ impl Master {
             lease: session.guard(),
             ack_timeout: options.lease_ttl,
             wait_hint,
+            discovery: discovery.clone(),
+            members: keys.members.clone(),
         });
         let listener = transport.listen(listen_addr, handler).await?;
         discovery.put(&keys.addr, listener.local_addr().as_bytes().to_vec(), Some(session.lease())).await?;
@@ -814,7 +834,7 @@ async fn poller(discovery: Arc<dyn Discovery>, shared: Arc<Shared>, stream: Stre
     let source = Arc::new(Mutex::new(source));
     let mut interval = tokio::time::interval(poll_every);
     interval.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
-    let mut reported: std::collections::HashSet<String> = Default::default();
+    let mut reported: HashSet<String> = Default::default();
     let mut last_error = None;
     loop {
         interval.tick().await;
@@ -950,6 +970,7 @@ async fn trainer_watcher(mut departures: Departures, shared: Arc<Shared>) {
     while let Some(departure) = departures.next().await {
         match departure {
             Ok(trainer) => {
+                shared.remember_departed(&trainer);
                 let mut core = shared.core();
                 let returned = core.queue.trainer_gone(&trainer, Instant::now());
                 tracing::info!(trainer, returned, "trainer gone; its tasks return to todo");
@@ -976,6 +997,10 @@ struct MasterHandler {
     ack_timeout: Duration,
     /// How long a trainer told to wait sleeps before it asks again.
     wait_hint: Duration,
+    /// Where trainers register (`<members><id>`): read to check on a
+    /// departed trainer that asks for a task.
+    discovery: Arc<dyn Discovery>,
+    members: String,
 }
 
 impl MasterHandler {
@@ -1004,8 +1029,52 @@ impl MasterHandler {
         if let TaskReply::Assigned { task_ref, .. } = &reply {
             tracing::info!(trainer, task = task_ref.task.0, pass = task_ref.pass, "task assigned");
             self.shared.changed(&mut core, false);
+            drop(core);
+            self.check_departed(trainer);
         }
         Ok(reply)
+    }
+
+    /// `trainer` was handed a task: if its registration was seen to end
+    /// (its request was on the way, or retried, past its lease), read its
+    /// key in the background, and if it is still gone take its tasks back,
+    /// as its departure did. No departure would come for it again, and its
+    /// task would wait for the task timeout. Reading after the hand-out
+    /// cannot miss a departure: one after the read is seen by the trainer
+    /// watcher.
+    fn check_departed(&self, trainer: &str) {
+        let was_departed =
+            self.shared.departed.lock().unwrap_or_else(PoisonError::into_inner).remove(trainer);
+        if !was_departed {
+            return;
+        }
+        let (shared, discovery) = (self.shared.clone(), self.discovery.clone());
+        let (key, trainer) = (format!("{}{trainer}", self.members), trainer.to_string());
+        tokio::spawn(async move {
+            match discovery.get(&key).await {
+                Ok(Some(_)) => {
+                    tracing::info!(trainer, "a trainer whose registration had ended is registered again")
+                }
+                Ok(None) => {
+                    let mut core = shared.core();
+                    let returned = core.queue.trainer_gone(&trainer, Instant::now());
+                    tracing::warn!(
+                        trainer,
+                        returned,
+                        "a trainer whose registration ended was handed a task; it goes back"
+                    );
+                    if returned > 0 {
+                        shared.changed(&mut core, true);
+                    }
+                    drop(core);
+                    shared.remember_departed(&trainer);
+                }
+                Err(e) => {
+                    tracing::warn!(error = %e, trainer, "cannot check a returning trainer's registration");
+                    shared.remember_departed(&trainer);
+                }
+            }
+        });
     }
 
     /// Stop serving: the lease may have expired. The error for the caller.
@@ -1216,7 +1285,7 @@ mod tests {
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn a_task_is_not_handed_out_once_the_lease_went_while_waiting_for_the_queue() {
         let discovery: Arc<dyn Discovery> = Arc::new(oar_discovery::MemDiscovery::new());
-        let session = Session::start(discovery, Duration::from_secs(30)).await.unwrap();
+        let session = Session::start(discovery.clone(), Duration::from_secs(30)).await.unwrap();
         let chunk = crate::Chunk { path: "/d/f".into(), start: 0, end: 10 };
         let tasks = crate::tasks_from_chunks(vec![chunk], 1).unwrap();
         let queue = TaskQueue::new(tasks, crate::QueueConfig::default()).unwrap();
@@ -1230,12 +1299,15 @@ mod tests {
             stopped: watch::channel(None).0,
             status: watch::channel(status).0,
             max_state_bytes: DEFAULT_MAX_STATE_BYTES,
+            departed: Mutex::new(HashSet::new()),
         });
         let handler = Arc::new(MasterHandler {
             shared: shared.clone(),
             lease: session.guard(),
             ack_timeout: Duration::from_secs(1),
             wait_hint: Duration::from_millis(10),
+            discovery: discovery.clone(),
+            members: "/t/trainer/".to_string(),
         });
         // The writer holds the queue until told to let go.
         let (locked_tx, locked_rx) = std::sync::mpsc::channel();
