@@ -102,7 +102,7 @@ pub use etcd::{
 #[cfg(all(feature = "etcd", feature = "test-support"))]
 pub use etcd_server::EtcdServer;
 pub use mem::{MemDiscovery, DEFAULT_HISTORY_BYTES, DEFAULT_HISTORY_EVENTS};
-pub use members::{member_name, Departures};
+pub use members::{member_name, DepartedMembers, Departures};
 pub use session::{LeaseGuard, Session};
 
 /// Identifies a lease (etcd's lease id; never 0).

@@ -14,6 +14,34 @@ pub fn member_name<'a>(prefix: &str, key: &'a str) -> Option<&'a str> {
     key.strip_prefix(prefix).filter(|name| !name.is_empty() && !name.contains('/'))
 }
 
+/// Members seen departing ([`Departures`]), remembered so that one coming
+/// back (a request of it on the way, or retried, past its lease) can be
+/// checked: no departure would be named for it again. At most `1 << 16`
+/// names are kept; past that the set starts afresh.
+#[derive(Debug, Default)]
+pub struct DepartedMembers {
+    names: std::sync::Mutex<std::collections::HashSet<String>>,
+}
+
+impl DepartedMembers {
+    const MAX: usize = 1 << 16;
+
+    /// Note that `name` departed.
+    pub fn remember(&self, name: &str) {
+        let mut names = self.names.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+        if names.len() >= Self::MAX {
+            names.clear();
+        }
+        names.insert(name.to_string());
+    }
+
+    /// Whether `name` was seen departing; forgets it (remember it again if
+    /// a check finds it still gone).
+    pub fn take(&self, name: &str) -> bool {
+        self.names.lock().unwrap_or_else(std::sync::PoisonError::into_inner).remove(name)
+    }
+}
+
 /// The first pause before watching again after a watch failed; it doubles
 /// up to [`MAX_REWATCH_PAUSE`] while the backend stays unreachable.
 const REWATCH_PAUSE: Duration = Duration::from_millis(100);
@@ -148,6 +176,20 @@ mod tests {
     use super::*;
     use crate::MemDiscovery;
     use std::time::Duration;
+
+    #[test]
+    fn departed_members_are_taken_once_and_bounded() {
+        let departed = DepartedMembers::default();
+        departed.remember("t1");
+        assert!(departed.take("t1"));
+        assert!(!departed.take("t1"), "taken once");
+        for i in 0..DepartedMembers::MAX {
+            departed.remember(&format!("t{i}"));
+        }
+        departed.remember("last");
+        assert!(departed.take("last"));
+        assert!(!departed.take("t0"), "the set started afresh at its bound");
+    }
 
     #[test]
     fn member_names_are_one_level_below_the_prefix() {

@@ -60,7 +60,7 @@ use crate::{
 };
 use async_trait::async_trait;
 use bytes::Bytes;
-use oar_discovery::{Departures, Discovery, Fence, LeaseGuard, Session};
+use oar_discovery::{DepartedMembers, Departures, Discovery, Fence, LeaseGuard, Session};
 use oar_transport::{Frame, Handler, Listener, RemoteError, Transport};
 use std::collections::{HashMap, HashSet};
 use std::{
@@ -276,21 +276,7 @@ struct Shared {
     max_state_bytes: usize,
     /// Trainers whose registration was seen to end, until one of them asks
     /// for a task again ([`MasterHandler::check_departed`]).
-    departed: Mutex<HashSet<String>>,
-}
-
-/// The most departed trainers a master remembers; past it the set starts
-/// afresh (a trainer forgotten so is no longer caught coming back).
-const MAX_DEPARTED: usize = 1 << 16;
-
-impl Shared {
-    fn remember_departed(&self, trainer: &str) {
-        let mut departed = self.departed.lock().unwrap_or_else(PoisonError::into_inner);
-        if departed.len() >= MAX_DEPARTED {
-            departed.clear();
-        }
-        departed.insert(trainer.to_string());
-    }
+    departed: DepartedMembers,
 }
 
 struct Core {
@@ -498,7 +484,7 @@ impl Master {
             stopped: watch::channel(None).0,
             status: status_tx,
             max_state_bytes: options.max_state_bytes,
-            departed: Mutex::new(HashSet::new()),
+            departed: DepartedMembers::default(),
         });
         // Trainers that left while no master watched (between the last
         // master's end and now) hold restored pending tasks: take them back.
@@ -970,7 +956,7 @@ async fn trainer_watcher(mut departures: Departures, shared: Arc<Shared>) {
     while let Some(departure) = departures.next().await {
         match departure {
             Ok(trainer) => {
-                shared.remember_departed(&trainer);
+                shared.departed.remember(&trainer);
                 let mut core = shared.core();
                 let returned = core.queue.trainer_gone(&trainer, Instant::now());
                 tracing::info!(trainer, returned, "trainer gone; its tasks return to todo");
@@ -1043,9 +1029,7 @@ impl MasterHandler {
     /// cannot miss a departure: one after the read is seen by the trainer
     /// watcher.
     fn check_departed(&self, trainer: &str) {
-        let was_departed =
-            self.shared.departed.lock().unwrap_or_else(PoisonError::into_inner).remove(trainer);
-        if !was_departed {
+        if !self.shared.departed.take(trainer) {
             return;
         }
         let (shared, discovery) = (self.shared.clone(), self.discovery.clone());
@@ -1067,11 +1051,11 @@ impl MasterHandler {
                         shared.changed(&mut core, true);
                     }
                     drop(core);
-                    shared.remember_departed(&trainer);
+                    shared.departed.remember(&trainer);
                 }
                 Err(e) => {
                     tracing::warn!(error = %e, trainer, "cannot check a returning trainer's registration");
-                    shared.remember_departed(&trainer);
+                    shared.departed.remember(&trainer);
                 }
             }
         });
@@ -1299,7 +1283,7 @@ mod tests {
             stopped: watch::channel(None).0,
             status: watch::channel(status).0,
             max_state_bytes: DEFAULT_MAX_STATE_BYTES,
-            departed: Mutex::new(HashSet::new()),
+            departed: DepartedMembers::default(),
         });
         let handler = Arc::new(MasterHandler {
             shared: shared.clone(),

@@ -68,7 +68,7 @@ async fn run_trainer_role(
         if let Err(closing) = session.close().await {
             tracing::warn!(error = %closing, "closing the trainer's session after a failed registration");
         }
-        return Err(e.into());
+        return Err(e);
     }
     let master = MasterClient::new(
         ctx.discovery.clone(),

@@ -49,10 +49,10 @@ use crate::{
     topology::TopologyWatch,
     Error, Mode, OptimizerConfig, ParamSpec, ParamStore, Placement, Role, ShardMap,
 };
-use oar_discovery::{Departures, Discovery, LeaseGuard, LeaseId, Session};
+use oar_discovery::{DepartedMembers, Departures, Discovery, LeaseGuard, LeaseId, Session};
 use oar_transport::{Connection, Listener, RemoteError, Transport};
 use std::{
-    collections::{BTreeMap, HashMap, HashSet},
+    collections::{BTreeMap, HashMap},
     panic::AssertUnwindSafe,
     path::PathBuf,
     sync::{
@@ -431,12 +431,8 @@ struct Shared {
     /// Trainers whose registration was seen to end (they left every
     /// barrier then), until one of them is seen joining a barrier again
     /// ([`Shared::check_departed`]).
-    departed: Mutex<HashSet<String>>,
+    departed: DepartedMembers,
 }
-
-/// The most departed trainers a pserver remembers; past it the set starts
-/// afresh (a trainer forgotten so is no longer caught rejoining).
-const MAX_DEPARTED: usize = 1 << 16;
 
 /// The most idle memory a pserver keeps for replies: eight of the
 /// client's largest pull parts (8 MiB each); a snapshot part's reply is
@@ -446,20 +442,10 @@ const MAX_DEPARTED: usize = 1 << 16;
 const REPLY_POOL_BYTES: usize = 64 << 20;
 
 impl Shared {
-    /// Note that `trainer`'s registration ended (it left every barrier).
-    fn remember_departed(&self, trainer: &str) {
-        let mut departed = self.departed.lock().unwrap_or_else(PoisonError::into_inner);
-        if departed.len() >= MAX_DEPARTED {
-            departed.clear();
-        }
-        departed.insert(trainer.to_string());
-    }
-
     /// `trainer` joined a barrier: if its registration was seen to end,
     /// check in the background whether it came back ([`verify_registration`]).
     fn check_departed(self: &Arc<Self>, trainer: &str) {
-        let was_departed = self.departed.lock().unwrap_or_else(PoisonError::into_inner).remove(trainer);
-        if was_departed {
+        if self.departed.take(trainer) {
             tokio::spawn(verify_registration(self.clone(), trainer.to_string()));
         }
     }
@@ -737,7 +723,7 @@ impl Pserver {
             role_changed: Notify::new(),
             saving: Mutex::new(()),
             reply_pool: oar_transport::wire::BufferPool::new(REPLY_POOL_BYTES),
-            departed: Mutex::new(HashSet::new()),
+            departed: DepartedMembers::default(),
             options,
         });
         let listener =
@@ -1347,7 +1333,7 @@ async fn trainer_watcher(mut departures: Departures, shared: Arc<Shared>) {
                 if shared.check_serving().is_err() {
                     return;
                 }
-                shared.remember_departed(&trainer);
+                shared.departed.remember(&trainer);
                 for slot in shared.slots() {
                     let Ok(mut state) = shared.lock(&slot) else { return };
                     if let Err(e) = leave(&shared, &slot, &mut state, &trainer) {
@@ -1391,11 +1377,11 @@ async fn verify_registration(shared: Arc<Shared>, trainer: String) {
                 trainer,
                 "a trainer whose registration ended joined a barrier; it leaves it again"
             );
-            shared.remember_departed(&trainer);
+            shared.departed.remember(&trainer);
         }
         Err(e) => {
             tracing::warn!(error = %e, trainer, "cannot check a returning trainer's registration");
-            shared.remember_departed(&trainer);
+            shared.departed.remember(&trainer);
         }
     }
 }
