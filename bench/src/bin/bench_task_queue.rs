@@ -313,6 +313,9 @@ impl Counting {
 
 #[async_trait]
 impl Discovery for Counting {
+    fn max_value_bytes(&self) -> Option<usize> {
+        self.inner.max_value_bytes()
+    }
     async fn grant_lease(&self, ttl: Duration) -> oar_discovery::Result<LeaseId> {
         self.inner.grant_lease(ttl).await
     }

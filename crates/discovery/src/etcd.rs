@@ -60,7 +60,18 @@ pub struct EtcdOptions {
     pub keep_alive_interval: Duration,
     /// How long a ping may go unanswered before the connection counts as dead.
     pub keep_alive_timeout: Duration,
+    /// The server's request limit (`--max-request-bytes`, etcd's default
+    /// 1.5 MiB): what [`Discovery::max_value_bytes`] derives from. Set it
+    /// when the server's is set.
+    pub max_request_bytes: usize,
 }
+
+/// etcd's default request limit (`--max-request-bytes`), 1.5 MiB.
+pub const DEFAULT_MAX_REQUEST_BYTES: usize = 3 << 19;
+
+/// Room left in a request for what is not the value: the key, a fenced
+/// write's comparison, the message framing.
+const REQUEST_OVERHEAD_BYTES: usize = 4096;
 
 impl Default for EtcdOptions {
     fn default() -> Self {
@@ -69,6 +80,7 @@ impl Default for EtcdOptions {
             request_timeout: DEFAULT_REQUEST_TIMEOUT,
             keep_alive_interval: Duration::from_secs(10),
             keep_alive_timeout: Duration::from_secs(5),
+            max_request_bytes: DEFAULT_MAX_REQUEST_BYTES,
         }
     }
 }
@@ -90,6 +102,12 @@ impl EtcdOptions {
     pub fn with_keep_alive(mut self, interval: Duration, timeout: Duration) -> Self {
         self.keep_alive_interval = interval;
         self.keep_alive_timeout = timeout;
+        self
+    }
+
+    /// These options with another [`EtcdOptions::max_request_bytes`].
+    pub fn with_max_request_bytes(mut self, bytes: usize) -> Self {
+        self.max_request_bytes = bytes;
         self
     }
 }
@@ -404,6 +422,10 @@ fn ttl_seconds(ttl: Duration) -> Result<i64> {
 
 #[async_trait]
 impl Discovery for EtcdDiscovery {
+    fn max_value_bytes(&self) -> Option<usize> {
+        Some(self.options.max_request_bytes.saturating_sub(REQUEST_OVERHEAD_BYTES))
+    }
+
     async fn grant_lease(&self, ttl: Duration) -> Result<LeaseId> {
         let seconds = ttl_seconds(ttl)?;
         let what = op("grant lease", "", None);

@@ -97,7 +97,8 @@ mod session;
 pub use error::{Error, Result};
 #[cfg(feature = "etcd")]
 pub use etcd::{
-    EtcdDiscovery, EtcdOptions, DEFAULT_CONNECT_TIMEOUT, DEFAULT_REQUEST_TIMEOUT, MAX_RESPONSE_BYTES,
+    EtcdDiscovery, EtcdOptions, DEFAULT_CONNECT_TIMEOUT, DEFAULT_MAX_REQUEST_BYTES, DEFAULT_REQUEST_TIMEOUT,
+    MAX_RESPONSE_BYTES,
 };
 #[cfg(all(feature = "etcd", feature = "test-support"))]
 pub use etcd_server::EtcdServer;
@@ -237,6 +238,15 @@ impl ChangeSignal {
 /// backend, both checked by the conformance suite (feature `test-support`).
 #[async_trait]
 pub trait Discovery: Send + Sync + 'static {
+    /// The largest value one write may carry, if the backend has a limit
+    /// (etcd: its request limit less room for the key and the framing);
+    /// `None` (the default, and [`MemDiscovery`]'s): no limit. A writer of
+    /// a state that grows checks it, so that an oversized write is an error
+    /// it can name rather than a refusal it would retry.
+    fn max_value_bytes(&self) -> Option<usize> {
+        None
+    }
+
     /// Grants a lease that lives `ttl` unless refreshed. A zero ttl is
     /// [`Error::InvalidArgument`]. etcd rounds the ttl up to whole seconds
     /// (and to its minimum ttl); [`MemDiscovery`] keeps it exactly.

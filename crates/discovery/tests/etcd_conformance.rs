@@ -282,3 +282,22 @@ async fn a_lock_held_across_a_compaction_is_waited_for() {
     assert_eq!(f2.lease, l2);
     assert!(f2.revision > f1.revision);
 }
+
+/// The value limit etcd's backend reports holds on a real etcd with its
+/// default request limit: a fenced write of that many bytes goes through,
+/// and one past the request limit is refused.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_value_of_the_reported_limit_is_written_and_one_past_the_request_limit_is_refused() {
+    let d = connect(shared_server()).await;
+    let max = d.max_value_bytes().expect("etcd has a limit");
+    assert_eq!(max, oar_discovery::DEFAULT_MAX_REQUEST_BYTES - 4096);
+    let prefix = unique_prefix("value-limit");
+    let lease = d.grant_lease(Duration::from_secs(60)).await.unwrap();
+    let fence = d.lock(&format!("{prefix}lock"), b"me".to_vec(), lease, Duration::ZERO).await.unwrap();
+    let key = format!("{prefix}a-state-key-of-a-usual-length/master/state");
+    d.put_fenced(&fence, &key, vec![7u8; max]).await.unwrap();
+    assert_eq!(d.get(&key).await.unwrap().unwrap().value.len(), max);
+    let over = d.put_fenced(&fence, &key, vec![7u8; oar_discovery::DEFAULT_MAX_REQUEST_BYTES + 1]).await;
+    assert!(over.is_err(), "etcd took a value past its request limit");
+    d.revoke_lease(lease).await.unwrap();
+}

@@ -97,8 +97,9 @@ pub enum Error {
     /// write: etcd would refuse it.
     #[error(
         "the master's state for {key} is {bytes} bytes, over its limit of {max} \
-         (MasterOptions::max_state_bytes: etcd's --max-request-bytes, 1.5 MiB by default): \
-         make fewer, larger tasks, or raise both limits"
+         (MasterOptions::max_state_bytes, by default the discovery backend's: etcd's \
+         --max-request-bytes, 1.5 MiB by default): make fewer, larger tasks, or raise etcd's \
+         limit and EtcdOptions::max_request_bytes together"
     )]
     StateTooLarge {
         /// The key it was to be written under.

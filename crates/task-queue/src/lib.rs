@@ -85,9 +85,7 @@ pub use dataset::{
 pub use error::{Error, Result};
 pub use journal::{Changes, Delta};
 #[cfg(feature = "service")]
-pub use master::{
-    Master, MasterKeys, MasterOptions, StreamOptions, DEFAULT_MAX_STATE_BYTES, JOURNAL_MAX_RECORDS,
-};
+pub use master::{Master, MasterKeys, MasterOptions, StreamOptions, JOURNAL_MAX_RECORDS};
 pub use protocol::{
     MasterStatus, PassStats, ReportReply, StreamStatus, TaskReply, TaskStats, MAX_TRAINER_ID_BYTES,
 };

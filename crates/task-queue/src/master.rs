@@ -23,7 +23,8 @@
 //!   task's reason is kept only for the job's first
 //!   [`MAX_DISCARD_REASONS_KEPT`](crate::MAX_DISCARD_REASONS_KEPT)
 //!   discards, so a job discarding every task stays under it too. A state
-//!   or record over [`MasterOptions::max_state_bytes`] (etcd's limit) is
+//!   or record over [`MasterOptions::max_state_bytes`] (by default the
+//!   discovery backend's limit: etcd's) is
 //!   [`Error::StateTooLarge`]: the master does not start, or stops.
 //! - `master/journal/<version>` holds one [`JournalRecord`] per write since
 //!   then: the tasks that changed ([`Delta`](crate::Delta)), the current pass's statistics
@@ -126,17 +127,15 @@ pub struct MasterOptions {
     /// A master given options that differ from the published ones refuses
     /// to start ([`Error::ConfigMismatch`]): one job, one set of options.
     pub config: Option<Vec<u8>>,
-    /// The largest state (or journal record) the master writes: etcd's
-    /// request limit (`--max-request-bytes`, 1.5 MiB by default; set both
-    /// together). A larger one is [`Error::StateTooLarge`]: at start the
-    /// master refuses to, later it stops, where etcd's refusal used to be
-    /// retried for ever and leave every report unacknowledged. 100,000
-    /// tasks take about 0.65 MiB.
-    pub max_state_bytes: usize,
+    /// The largest state (or journal record) the master writes; `None`
+    /// (the default): the discovery backend's limit
+    /// ([`Discovery::max_value_bytes`]: etcd's request limit, 1.5 MiB by
+    /// default, none in memory). A larger one is [`Error::StateTooLarge`]:
+    /// at start the master does not start, later it stops, where etcd's
+    /// refusal used to be retried for ever and leave every report
+    /// unacknowledged. 100,000 tasks take about 0.65 MiB.
+    pub max_state_bytes: Option<usize>,
 }
-
-/// etcd's default request limit (`--max-request-bytes`), 1.5 MiB.
-pub const DEFAULT_MAX_STATE_BYTES: usize = 3 << 19;
 
 impl MasterOptions {
     /// Options with the defaults below for a master whose keys are `keys`.
@@ -149,7 +148,7 @@ impl MasterOptions {
             lock_timeout: Duration::from_secs(3600),
             tick_interval: Duration::from_millis(100),
             config: None,
-            max_state_bytes: DEFAULT_MAX_STATE_BYTES,
+            max_state_bytes: None,
         }
     }
 }
@@ -483,7 +482,7 @@ impl Master {
             persisted: watch::channel(0).0,
             stopped: watch::channel(None).0,
             status: status_tx,
-            max_state_bytes: options.max_state_bytes,
+            max_state_bytes: options.max_state_bytes.or(discovery.max_value_bytes()).unwrap_or(usize::MAX),
             departed: DepartedMembers::default(),
         });
         // Trainers that left while no master watched (between the last
@@ -1282,7 +1281,7 @@ mod tests {
             persisted: watch::channel(0).0,
             stopped: watch::channel(None).0,
             status: watch::channel(status).0,
-            max_state_bytes: DEFAULT_MAX_STATE_BYTES,
+            max_state_bytes: usize::MAX,
             departed: DepartedMembers::default(),
         });
         let handler = Arc::new(MasterHandler {

@@ -164,7 +164,7 @@ async fn a_master_that_lost_its_lock_stops_writing_and_serving() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_state_over_the_limit_stops_the_master_with_an_error_naming_it() {
     let env = Env::new();
-    let tiny = MasterOptions { max_state_bytes: 16, ..options("m1") };
+    let tiny = MasterOptions { max_state_bytes: Some(16), ..options("m1") };
     match Master::start(env.discovery.clone(), env.transport.clone(), "mem:0", tasks(3), tiny).await {
         Err(oar_task_queue::Error::StateTooLarge { bytes, max: 16, .. }) => assert!(bytes > 16),
         Err(e) => panic!("expected StateTooLarge, got {e}"),
@@ -178,7 +178,7 @@ async fn a_state_over_the_limit_stops_the_master_with_an_error_naming_it() {
     let start_bytes = env.discovery.get(&keys().state).await.unwrap().unwrap().value.len();
     started.shutdown().await.unwrap();
     let env = Env::new();
-    let limited = MasterOptions { max_state_bytes: start_bytes + 200, ..options("m3") };
+    let limited = MasterOptions { max_state_bytes: Some(start_bytes + 200), ..options("m3") };
     let master = Master::start(env.discovery.clone(), env.transport.clone(), "mem:0", tasks(3), limited)
         .await
         .unwrap();
