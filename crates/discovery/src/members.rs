@@ -18,13 +18,20 @@ pub fn member_name<'a>(prefix: &str, key: &'a str) -> Option<&'a str> {
 /// back (a request of it on the way, or retried, past its lease) can be
 /// checked: no departure would be named for it again. At most `1 << 16`
 /// names are kept; past that the set starts afresh.
-#[derive(Debug, Default)]
+#[derive(Debug)]
 pub struct DepartedMembers {
+    /// Where the members register (`<prefix><name>`).
+    prefix: String,
     names: std::sync::Mutex<std::collections::HashSet<String>>,
 }
 
 impl DepartedMembers {
     const MAX: usize = 1 << 16;
+
+    /// An empty set of the members registering under `prefix`.
+    pub fn new(prefix: &str) -> Self {
+        DepartedMembers { prefix: prefix.to_string(), names: Default::default() }
+    }
 
     /// Note that `name` departed.
     pub fn remember(&self, name: &str) {
@@ -39,6 +46,28 @@ impl DepartedMembers {
     /// a check finds it still gone).
     pub fn take(&self, name: &str) -> bool {
         self.names.lock().unwrap_or_else(std::sync::PoisonError::into_inner).remove(name)
+    }
+
+    /// `name`, [taken](Self::take) from the set, came back: whether its
+    /// key is still gone, read after it came back (a departure after the
+    /// read is named by [`Departures`] as usual). Remembered again unless
+    /// it registered anew; a read that fails counts as not gone.
+    pub async fn still_gone(&self, discovery: &dyn Discovery, name: &str) -> bool {
+        match discovery.get(&format!("{}{name}", self.prefix)).await {
+            Ok(Some(_)) => {
+                tracing::info!(member = name, "a member whose registration had ended is registered again");
+                false
+            }
+            Ok(None) => {
+                self.remember(name);
+                true
+            }
+            Err(e) => {
+                tracing::warn!(error = %e, member = name, "cannot check a returning member's registration");
+                self.remember(name);
+                false
+            }
+        }
     }
 }
 
@@ -179,7 +208,7 @@ mod tests {
 
     #[test]
     fn departed_members_are_taken_once_and_bounded() {
-        let departed = DepartedMembers::default();
+        let departed = DepartedMembers::new("/j/trainer/");
         departed.remember("t1");
         assert!(departed.take("t1"));
         assert!(!departed.take("t1"), "taken once");

@@ -303,6 +303,17 @@ impl Shared {
         self.queue.lock().unwrap_or_else(PoisonError::into_inner)
     }
 
+    /// A trainer is gone: its pending tasks return to todo (stored soon
+    /// if there were any). How many.
+    fn take_back(&self, trainer: &str) -> usize {
+        let mut core = self.core();
+        let returned = core.queue.trainer_gone(trainer, Instant::now());
+        if returned > 0 {
+            self.changed(&mut core, true);
+        }
+        returned
+    }
+
     /// Log the core's events, publish the status, and wake the writer if
     /// `store` (a hand-out does not: it goes out with the next write).
     fn changed(&self, core: &mut Core, store: bool) {
@@ -483,7 +494,7 @@ impl Master {
             stopped: watch::channel(None).0,
             status: status_tx,
             max_state_bytes: options.max_state_bytes.or(discovery.max_value_bytes()).unwrap_or(usize::MAX),
-            departed: DepartedMembers::default(),
+            departed: DepartedMembers::new(&keys.members),
         });
         // Trainers that left while no master watched (between the last
         // master's end and now) hold restored pending tasks: take them back.
@@ -519,7 +530,6 @@ impl Master {
             ack_timeout: options.lease_ttl,
             wait_hint,
             discovery: discovery.clone(),
-            members: keys.members.clone(),
         });
         let listener = transport.listen(listen_addr, handler).await?;
         discovery.put(&keys.addr, listener.local_addr().as_bytes().to_vec(), Some(session.lease())).await?;
@@ -956,12 +966,8 @@ async fn trainer_watcher(mut departures: Departures, shared: Arc<Shared>) {
         match departure {
             Ok(trainer) => {
                 shared.departed.remember(&trainer);
-                let mut core = shared.core();
-                let returned = core.queue.trainer_gone(&trainer, Instant::now());
+                let returned = shared.take_back(&trainer);
                 tracing::info!(trainer, returned, "trainer gone; its tasks return to todo");
-                if returned > 0 {
-                    shared.changed(&mut core, true);
-                }
             }
             Err(e) => {
                 // Only a failure that will repeat ends up here: a watch that
@@ -982,10 +988,8 @@ struct MasterHandler {
     ack_timeout: Duration,
     /// How long a trainer told to wait sleeps before it asks again.
     wait_hint: Duration,
-    /// Where trainers register (`<members><id>`): read to check on a
-    /// departed trainer that asks for a task.
+    /// Read to check on a departed trainer that asks for a task.
     discovery: Arc<dyn Discovery>,
-    members: String,
 }
 
 impl MasterHandler {
@@ -1031,31 +1035,15 @@ impl MasterHandler {
         if !self.shared.departed.take(trainer) {
             return;
         }
-        let (shared, discovery) = (self.shared.clone(), self.discovery.clone());
-        let (key, trainer) = (format!("{}{trainer}", self.members), trainer.to_string());
+        let (shared, discovery, trainer) = (self.shared.clone(), self.discovery.clone(), trainer.to_string());
         tokio::spawn(async move {
-            match discovery.get(&key).await {
-                Ok(Some(_)) => {
-                    tracing::info!(trainer, "a trainer whose registration had ended is registered again")
-                }
-                Ok(None) => {
-                    let mut core = shared.core();
-                    let returned = core.queue.trainer_gone(&trainer, Instant::now());
-                    tracing::warn!(
-                        trainer,
-                        returned,
-                        "a trainer whose registration ended was handed a task; it goes back"
-                    );
-                    if returned > 0 {
-                        shared.changed(&mut core, true);
-                    }
-                    drop(core);
-                    shared.departed.remember(&trainer);
-                }
-                Err(e) => {
-                    tracing::warn!(error = %e, trainer, "cannot check a returning trainer's registration");
-                    shared.departed.remember(&trainer);
-                }
+            if shared.departed.still_gone(&*discovery, &trainer).await {
+                let returned = shared.take_back(&trainer);
+                tracing::warn!(
+                    trainer,
+                    returned,
+                    "a trainer whose registration ended was handed a task; it goes back"
+                );
             }
         });
     }
@@ -1282,7 +1270,7 @@ mod tests {
             stopped: watch::channel(None).0,
             status: watch::channel(status).0,
             max_state_bytes: usize::MAX,
-            departed: DepartedMembers::default(),
+            departed: DepartedMembers::new("/t/trainer/"),
         });
         let handler = Arc::new(MasterHandler {
             shared: shared.clone(),
@@ -1290,7 +1278,6 @@ mod tests {
             ack_timeout: Duration::from_secs(1),
             wait_hint: Duration::from_millis(10),
             discovery: discovery.clone(),
-            members: "/t/trainer/".to_string(),
         });
         // The writer holds the queue until told to let go.
         let (locked_tx, locked_rx) = std::sync::mpsc::channel();

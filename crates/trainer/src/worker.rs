@@ -507,9 +507,7 @@ impl Loop {
         // The next task, asked for while the current one trains.
         let mut ahead: Option<AbortOnDropHandle<Result<Fetched>>> = None;
         loop {
-            if !self.lease.is_valid() {
-                return Err(Error::LeaseLost);
-            }
+            lease_held(&self.lease)?;
             if self.stopping() {
                 self.report.shut_down = true;
                 // What was trained goes out first; then the task fetched
@@ -713,9 +711,7 @@ impl Loop {
         let id = self.options.id.clone();
         tracing::info!(trainer = id, task = task.id.0, pass = task_ref.pass, "got task");
         if self.options.mode == Mode::Sync && !self.joined {
-            if !self.lease.is_valid() {
-                return Err(Error::LeaseLost);
-            }
+            lease_held(&self.lease)?;
             self.pservers.lock().await.join().await?;
             self.joined = true;
             self.params_fresh = false;
@@ -768,9 +764,7 @@ impl Loop {
         let (n, size) = (examples.len(), self.options.batch_size);
         for start in (0..n).step_by(size) {
             let batch = start..(start + size).min(n);
-            if !self.lease.is_valid() {
-                return Err(Error::LeaseLost);
-            }
+            lease_held(&self.lease)?;
             if self.stopping() && self.stop_by.is_some_and(|by| Instant::now() >= by) {
                 self.report.examples += stats.examples;
                 self.report.loss_sum += stats.loss_sum;
@@ -889,9 +883,7 @@ impl Loop {
                     tracing::info!(trainer = self.options.id, "sync step moved on without us; rejoining");
                     // A trainer whose lease ended (paused past it) must
                     // not join again: its departure was handled already.
-                    if !self.lease.is_valid() {
-                        return Err(Error::LeaseLost);
-                    }
+                    lease_held(&self.lease)?;
                     pservers.rejoin().await?;
                 }
             }
@@ -981,9 +973,7 @@ impl Loop {
                 return Ok(loss);
             }
             tracing::info!(trainer = self.options.id, "sync step moved on without us; rejoining");
-            if !self.lease.is_valid() {
-                return Err(Error::LeaseLost);
-            }
+            lease_held(&self.lease)?;
             pservers.rejoin().await?;
         }
     }
@@ -1247,4 +1237,15 @@ fn spawn<T: Send + 'static>(
 /// The output of a spawned task, or why it has none.
 async fn joined<T>(task: AbortOnDropHandle<T>) -> Result<T> {
     task.await.map_err(|e| Error::Panicked(format!("a background task: {e}")))
+}
+
+/// [`Error::LeaseLost`] once a trainer's lease may have ended: it must not
+/// train, push or join a barrier any more (its departure may have been
+/// handled already). A function of the lease alone, so that it can be
+/// checked while other fields of the worker are borrowed.
+fn lease_held(lease: &LeaseGuard) -> Result<()> {
+    match lease.is_valid() {
+        true => Ok(()),
+        false => Err(Error::LeaseLost),
+    }
 }

@@ -723,7 +723,7 @@ impl Pserver {
             role_changed: Notify::new(),
             saving: Mutex::new(()),
             reply_pool: oar_transport::wire::BufferPool::new(REPLY_POOL_BYTES),
-            departed: DepartedMembers::default(),
+            departed: DepartedMembers::new(&keys.members),
             options,
         });
         let listener =
@@ -1362,28 +1362,17 @@ async fn trainer_watcher(mut departures: Departures, shared: Arc<Shared>) {
 /// join cannot miss a departure: one after the read is seen by the
 /// trainer watcher, which takes it out again.
 async fn verify_registration(shared: Arc<Shared>, trainer: String) {
-    let key = format!("{}{trainer}", shared.keys.members);
-    match shared.discovery.get(&key).await {
-        Ok(Some(_)) => tracing::info!(trainer, "a trainer whose registration had ended is registered again"),
-        Ok(None) => {
-            for slot in shared.slots() {
-                let Ok(mut state) = shared.lock(&slot) else { return };
-                if let Err(e) = leave(&shared, &slot, &mut state, &trainer) {
-                    tracing::warn!(error = %e.message, trainer, "cannot take a trainer out of the barrier");
-                    return;
-                }
-            }
-            tracing::warn!(
-                trainer,
-                "a trainer whose registration ended joined a barrier; it leaves it again"
-            );
-            shared.departed.remember(&trainer);
-        }
-        Err(e) => {
-            tracing::warn!(error = %e, trainer, "cannot check a returning trainer's registration");
-            shared.departed.remember(&trainer);
+    if !shared.departed.still_gone(&*shared.discovery, &trainer).await {
+        return;
+    }
+    for slot in shared.slots() {
+        let Ok(mut state) = shared.lock(&slot) else { return };
+        if let Err(e) = leave(&shared, &slot, &mut state, &trainer) {
+            tracing::warn!(error = %e.message, trainer, "cannot take a trainer out of the barrier");
+            return;
         }
     }
+    tracing::warn!(trainer, "a trainer whose registration ended joined a barrier; it leaves it again");
 }
 
 /// Publish each replica's state under `<replicas><shard>/<name>` (JSON)
