@@ -39,7 +39,11 @@
 //! - **Health.** It writes the cluster's status: `OK` when every shard has
 //!   all its replicas, every replica has caught up, nothing moves or is
 //!   left to balance and the job has the pservers it wants, else `UNHEALTHY` with the reason
-//!   (`UNKNOWN` before the first map).
+//!   (`UNKNOWN` before the first map). A map key whose value cannot be
+//!   decoded (a hand edit, a newer format) is never written over: pservers
+//!   serving the last good map would keep it, and a fresh first map would
+//!   name a second primary for its shards. The status is `UNHEALTHY`,
+//!   naming the key, until it is mended or deleted.
 //!
 //! Several changes found at once go out as one new map; moves go one at a
 //! time.
@@ -360,9 +364,11 @@ impl Run {
         Ok(())
     }
 
-    /// The first map, once enough pservers registered.
+    /// The first map, once enough pservers registered. None over a map
+    /// that is there but unreadable: the status says so until someone
+    /// mends or deletes it.
     async fn first_map(&self, topology: &Topology) -> ServiceResult<Option<ShardMap>> {
-        if (topology.addrs.len() as u32) < self.desired.count {
+        if topology.unreadable_map.is_some() || (topology.addrs.len() as u32) < self.desired.count {
             return Ok(None);
         }
         let mut names: Vec<String> = topology.addrs.keys().cloned().collect();
@@ -553,6 +559,16 @@ impl Run {
     /// Write the cluster's status when it changed.
     async fn write_status(&mut self, topology: &Topology) -> ServiceResult<()> {
         let status = match &topology.map {
+            None if topology.unreadable_map.is_some() => serde_json::json!({
+                "status": "UNHEALTHY",
+                "reason": format!(
+                    "the shard map under {} is unreadable ({}): nothing is written over it; \
+                     mend it, or delete it to start the job's shards afresh",
+                    self.options.keys.shard_map,
+                    topology.unreadable_map.as_deref().unwrap_or_default()
+                ),
+                "nodes": sorted(topology.addrs.keys()),
+            }),
             None => serde_json::json!({
                 "status": "UNKNOWN",
                 "reason": format!(

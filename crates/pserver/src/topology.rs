@@ -24,6 +24,11 @@ pub const REREAD: Duration = Duration::from_secs(1);
 pub struct Topology {
     /// The shard map, once the coordinator wrote one.
     pub map: Option<Arc<ShardMap>>,
+    /// Why the value under the map's key could not be decoded, if it could
+    /// not (`map` is then `None`). Not "no map yet": the coordinator must
+    /// not write a first map over it, since pservers still serving the
+    /// last good map would keep it and two maps would be served at once.
+    pub unreadable_map: Option<String>,
     /// Every registered pserver's address, by name.
     pub addrs: HashMap<PserverId, String>,
     /// Each registered pserver's registration revision (its incarnation).
@@ -143,13 +148,13 @@ async fn follow(
 }
 
 pub(crate) async fn read(discovery: &dyn Discovery, keys: &PserverKeys) -> ServiceResult<Topology> {
-    let map = match discovery.get(&keys.shard_map).await? {
-        None => None,
+    let (map, unreadable_map) = match discovery.get(&keys.shard_map).await? {
+        None => (None, None),
         Some(kv) => match ShardMap::decode(&kv.value) {
-            Ok(map) => Some(Arc::new(map)),
+            Ok(map) => (Some(Arc::new(map)), None),
             Err(e) => {
                 tracing::error!(key = keys.shard_map, error = %e, "the shard map is unreadable; ignored");
-                None
+                (None, Some(e.to_string()))
             }
         },
     };
@@ -161,5 +166,5 @@ pub(crate) async fn read(discovery: &dyn Discovery, keys: &PserverKeys) -> Servi
         registered.insert(name.to_string(), kv.create_revision);
         addrs.insert(name.to_string(), addr);
     }
-    Ok(Topology { map, addrs, registered })
+    Ok(Topology { map, unreadable_map, addrs, registered })
 }

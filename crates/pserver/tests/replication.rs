@@ -936,3 +936,25 @@ async fn a_new_follower_catches_up_while_a_push_in_parts_is_half_taken() {
         }
     }
 }
+
+/// A shard map that cannot be decoded (a hand edit, a newer format) is not
+/// written over: a fresh first map would name primaries of its own while
+/// the pservers serving the last good map keep it. The status names the
+/// key; once the key is deleted, a first map follows.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_unreadable_shard_map_is_not_written_over() {
+    let env = Env::new(2, 1, 2, 16, Mode::Async).await;
+    env.discovery.put(&keys().shard_map, b"not a shard map".to_vec(), None).await.unwrap();
+    let (a, b) = (env.pserver().await, env.pserver().await);
+    let status = env.wait_status_because("UNHEALTHY", "unreadable").await;
+    let reason = status["reason"].as_str().unwrap_or_default();
+    assert!(reason.contains(&keys().shard_map), "the status names the key: {status}");
+    // Long enough for several coordinator rounds (one a second at least).
+    tokio::time::sleep(Duration::from_millis(1500)).await;
+    let kv = env.discovery.get(&keys().shard_map).await.unwrap().expect("the key is still there");
+    assert_eq!(kv.value, b"not a shard map".to_vec(), "nothing was written over it");
+    assert!(a.replicas().is_empty() && b.replicas().is_empty(), "no pserver serves a shard");
+    env.discovery.delete(&keys().shard_map).await.unwrap();
+    let map = env.cluster.wait_serving(&[&a, &b]).await;
+    assert_eq!(map.version(), 1, "a first map once the key is gone: {map}");
+}
