@@ -20,6 +20,12 @@ pub const DEFAULT_SHARDS: u32 = 64;
 /// training short (64 KiB is about 1,000 a1a lines).
 pub const STREAM_CHUNK_BYTES: u64 = 64 << 10;
 
+/// The longest a streaming job's window or export interval may be (a
+/// year): the master adds them to the clock, which a value near
+/// `Duration::MAX` would overflow. A job that wants no export leaves
+/// `export_dir` unset instead.
+pub const MAX_STREAM_INTERVAL: Duration = Duration::from_secs(365 * 86_400);
+
 /// Where a streaming job's data comes from.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub enum StreamSource {
@@ -78,12 +84,13 @@ impl StreamSource {
 pub struct StreamConfig {
     /// The source.
     pub source: StreamSource,
-    /// Progress is reported, and the test set scored, every window.
+    /// Progress is reported, and the test set scored, every window (at
+    /// most [`MAX_STREAM_INTERVAL`]).
     pub window: Duration,
     /// Export the model's dense parameters to this directory every
     /// `export_every`, written atomically (see [`crate::role::master`]).
     pub export_dir: Option<String>,
-    /// How often the model is exported.
+    /// How often the model is exported (at most [`MAX_STREAM_INTERVAL`]).
     pub export_every: Duration,
 }
 
@@ -222,6 +229,14 @@ impl JobConfig {
             }
             Some(stream) if stream.window.is_zero() || stream.export_every.is_zero() => {
                 return bad("stream: the window and the export interval must be positive")
+            }
+            Some(stream) if stream.window > MAX_STREAM_INTERVAL || stream.export_every > MAX_STREAM_INTERVAL => {
+                return bad(&format!(
+                    "stream: the window ({:?}) and the export interval ({:?}) must be at most {} days",
+                    stream.window,
+                    stream.export_every,
+                    MAX_STREAM_INTERVAL.as_secs() / 86_400
+                ))
             }
             _ => {}
         }
@@ -382,6 +397,20 @@ mod tests {
             let err = c.validate().unwrap_err().to_string();
             assert!(err.contains(word), "{err:?} should mention {word:?}");
         }
+    }
+
+    #[test]
+    fn a_stream_interval_the_clock_cannot_hold_is_named() {
+        let streaming = |change: fn(&mut StreamConfig)| {
+            let mut c = JobConfig::streaming(StreamSource::dir("in"), config().model);
+            c.stream.iter_mut().for_each(change);
+            c
+        };
+        streaming(|s| s.window = MAX_STREAM_INTERVAL).validate().unwrap();
+        let err = streaming(|s| s.window = Duration::MAX).validate().unwrap_err().to_string();
+        assert!(err.contains("window") && err.contains("365 days"), "{err}");
+        let c = streaming(|s| s.export_every = MAX_STREAM_INTERVAL + Duration::from_secs(1));
+        assert!(c.validate().unwrap_err().to_string().contains("export interval"));
     }
 
     #[test]

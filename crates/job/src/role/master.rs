@@ -325,13 +325,17 @@ async fn run_master(
     master.put_fenced(&keys.result(), report.to_json().into_bytes()).await?;
     tracing::info!(state = ?report.state, "job report written");
 
-    // Keep answering `Done` until the trainers are gone, for a while.
+    // Keep answering `Done` until the trainers are gone, for a while. The
+    // report is written: a read that fails now (etcd away for a moment)
+    // only means looking again, never a failed job.
     let deadline = oar_transport::deadline_in(options.linger);
     let mut changed = ChangeSignal::new(&*ctx.discovery, &keys.trainers()).await;
-    while tokio::time::Instant::now() < deadline
-        && !shutdown.is_cancelled()
-        && !ctx.discovery.get_prefix(&keys.trainers()).await?.kvs.is_empty()
-    {
+    while tokio::time::Instant::now() < deadline && !shutdown.is_cancelled() {
+        match ctx.discovery.get_prefix(&keys.trainers()).await {
+            Ok(listing) if listing.kvs.is_empty() => break,
+            Ok(_) => {}
+            Err(e) => tracing::warn!(error = %e, "cannot list the trainers while lingering; looking again"),
+        }
         let _ = unless_shut_down(&shutdown, changed.wait(Duration::from_millis(100))).await;
     }
     master.shutdown().await?;

@@ -138,8 +138,15 @@ async fn run_trainer_role(
 async fn job_ended(discovery: &dyn Discovery, job: &str) -> Result<JobEnd> {
     let mut changed = ChangeSignal::new(discovery, &JobKeys::new(job)?.result()).await;
     loop {
-        if let Some(report) = read_result(discovery, job).await? {
-            return Ok(report.state);
+        match read_result(discovery, job).await {
+            Ok(Some(report)) => return Ok(report.state),
+            Ok(None) => {}
+            // Discovery away for a moment: waiting for the pservers goes on
+            // meanwhile, bounded by its own timeout.
+            Err(Error::Discovery(e)) if e.is_transient() => {
+                tracing::warn!(job, error = %e, "cannot read the job's result; retrying")
+            }
+            Err(e) => return Err(e),
         }
         changed.wait(Duration::from_secs(1)).await;
     }
