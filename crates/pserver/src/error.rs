@@ -340,6 +340,16 @@ pub enum Error {
         /// Every file tried, newest first, with why it was refused.
         tried: Vec<(std::path::PathBuf, String)>,
     },
+    /// A checkpoint written by a pserver that stopped owning the shard
+    /// while it wrote (its lease ran out, the map moved on): not put in
+    /// place, so it cannot outrank the new owner's.
+    #[error("checkpoint of step {step} abandoned before it was put in place: {why}")]
+    CheckpointAbandoned {
+        /// The step of the snapshot.
+        step: u64,
+        /// Why the writer no longer owns the shard.
+        why: String,
+    },
     /// A replication message that does not fit the replica (wrong shard,
     /// old map, a gap in its sequence, a step out of order): nothing applied.
     #[error("replication: {0}")]

@@ -6,7 +6,7 @@
 use std::fs;
 use std::path::{Path, PathBuf};
 
-use oar_pserver::checkpoint::{load_file, CheckpointDir, CheckpointInfo, LoadedCheckpoint};
+use oar_pserver::checkpoint::{load_file, CheckpointDir, CheckpointInfo, LoadedCheckpoint, TMP_STALE};
 use oar_pserver::{
     Adam, BlockId, Error, Init, Mode, Momentum, Optimizer, ParamSpec, ParamStore, Placement, Push,
     PushOutcome, Sgd,
@@ -305,26 +305,52 @@ fn foreign_checkpoints_are_refused_by_name() {
 }
 
 #[test]
-fn leftover_temp_files_are_ignored_and_removed() {
+fn leftover_temp_files_are_ignored_and_removed_once_stale() {
     let tmp = tempfile::tempdir().unwrap();
     let dir = CheckpointDir::new(tmp.path(), 1);
     let (pl, mut st) = trained(2);
     let info = dir.save(&st.snapshot().unwrap(), 2).unwrap();
-    // An interrupted save of a later step: half a file under the temp name.
-    let leftover = dir.path().join("ckpt-00000000000000000099.oarckpt.tmp");
+    // An interrupted save of a later step: half a file under a temp name,
+    // last written longer ago than any save takes.
+    let leftover = dir.path().join("ckpt-00000000000000000099.oarckpt.77-0.tmp");
     let bytes = fs::read(&info.path).unwrap();
+    let stale = |path: &std::path::Path| {
+        let past = std::time::SystemTime::now() - TMP_STALE - std::time::Duration::from_secs(1);
+        fs::File::options().write(true).open(path).unwrap().set_modified(past).unwrap();
+    };
     fs::write(&leftover, &bytes[..bytes.len() / 2]).unwrap();
+    stale(&leftover);
+    // Another writer's save in progress: written to just now.
+    let in_progress = dir.path().join("ckpt-00000000000000000100.oarckpt.78-0.tmp");
+    fs::write(&in_progress, b"being written").unwrap();
     assert_eq!(dir.list().unwrap(), vec![PathBuf::from(&info.path)]);
     let mut r = store(&pl, 1, 5, adam(), Mode::Async);
     let loaded = dir.load_latest(&mut r).unwrap().unwrap();
     assert_eq!(loaded.info, info);
     assert!(loaded.skipped.is_empty());
     assert!(!leftover.exists(), "removed by load");
+    assert!(in_progress.exists(), "a recent temp file is left to its writer");
     // Save removes them too.
     fs::write(&leftover, b"x").unwrap();
+    stale(&leftover);
     st.push(push(&st, "q", 1, 1)).unwrap();
     dir.save(&st.snapshot().unwrap(), 2).unwrap();
     assert!(!leftover.exists(), "removed by save");
+    assert!(in_progress.exists(), "still left to its writer");
+}
+
+#[test]
+fn a_writer_that_no_longer_owns_the_shard_puts_no_checkpoint_in_place() {
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = CheckpointDir::new(tmp.path(), 1);
+    let (_pl, st) = trained(2);
+    let err = dir.save_checked(&st.snapshot().unwrap(), 2, || Err("lease expired".into())).unwrap_err();
+    assert!(matches!(&err, Error::CheckpointAbandoned { why, .. } if why == "lease expired"), "{err}");
+    assert!(dir.list().unwrap().is_empty(), "no checkpoint in place");
+    let left: Vec<_> = fs::read_dir(dir.path()).unwrap().collect();
+    assert!(left.is_empty(), "and no temp file left: {left:?}");
+    let info = dir.save_checked(&st.snapshot().unwrap(), 2, || Ok(())).unwrap();
+    assert_eq!(dir.list().unwrap(), vec![PathBuf::from(&info.path)]);
 }
 
 #[test]

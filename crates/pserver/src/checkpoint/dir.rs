@@ -5,7 +5,8 @@
 use std::fs::{self, File};
 use std::io::{self, BufWriter};
 use std::path::{Path, PathBuf};
-use std::time::{SystemTime, UNIX_EPOCH};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use super::codec::{self, Check, Encoder, Reject, IO_BUF};
 use super::{CheckpointInfo, LoadedCheckpoint};
@@ -17,6 +18,15 @@ pub const EXTENSION: &str = "oarckpt";
 
 const PREFIX: &str = "ckpt-";
 const TMP_SUFFIX: &str = ".tmp";
+
+/// A temp file untouched this long is a save that was interrupted (a
+/// crash, a kill), removed by the next save or load. One written to more
+/// recently may be another pserver's save in progress (a deposed primary
+/// still writing, say), and is left alone.
+pub const TMP_STALE: Duration = Duration::from_secs(600);
+
+/// Makes every temp file name of this process unique.
+static TMP_COUNTER: AtomicU64 = AtomicU64::new(0);
 
 /// Where one logical shard's checkpoints go: `<root>/shard-<index>/ckpt-<step:020>.oarckpt`,
 /// written by whichever pserver is the shard's primary (so a shard's
@@ -63,6 +73,25 @@ impl CheckpointDir {
     /// Holds no lock: the store goes on taking pushes while a snapshot of it
     /// is written.
     pub fn save(&self, snapshot: &StoreSnapshot, keep: usize) -> Result<CheckpointInfo> {
+        self.save_checked(snapshot, keep, || Ok(()))
+    }
+
+    /// [`save`](Self::save), asking `still_owner` just before the file is
+    /// put in place whether this process still owns the shard: a writer
+    /// that was paused past its lease while it wrote must not put a
+    /// checkpoint beside the new owner's (a higher step of another
+    /// history would be restored first). Its error ends the save with
+    /// [`Error::CheckpointAbandoned`]; the temp file goes.
+    ///
+    /// Each save writes a temp file of its own (created exclusively, named
+    /// by process and call), so two writers in one directory never write
+    /// into or rename each other's file.
+    pub fn save_checked(
+        &self,
+        snapshot: &StoreSnapshot,
+        keep: usize,
+        still_owner: impl FnOnce() -> std::result::Result<(), String>,
+    ) -> Result<CheckpointInfo> {
         if keep < 2 {
             return Err(Error::Config(format!(
                 "checkpoints to keep must be at least 2 (so a corrupt newest one has a fallback), got {keep}"
@@ -81,9 +110,13 @@ impl CheckpointDir {
 
         let step = snapshot.step();
         let path = self.file_for_step(step);
-        let tmp = self.dir.join(format!("{PREFIX}{step:020}.{EXTENSION}{TMP_SUFFIX}"));
+        let unique = TMP_COUNTER.fetch_add(1, Ordering::Relaxed);
+        let tmp = self
+            .dir
+            .join(format!("{PREFIX}{step:020}.{EXTENSION}.{}-{unique}{TMP_SUFFIX}", std::process::id()));
         let unix_time_ms = now_ms();
         let written = write_file(&tmp, &encoder, unix_time_ms).and_then(|v| {
+            still_owner().map_err(|why| Error::CheckpointAbandoned { step, why })?;
             fs::rename(&tmp, &path).map_err(io_err("renaming the temp file to", &path)).map(|()| v)
         });
         let (checksum, bytes) = match written {
@@ -191,6 +224,10 @@ impl CheckpointDir {
             };
             if name.starts_with(PREFIX) && name.ends_with(TMP_SUFFIX) {
                 let path = entry.path();
+                let age = entry.metadata().and_then(|m| m.modified()).ok().and_then(|t| t.elapsed().ok());
+                if age.is_none_or(|age| age < TMP_STALE) {
+                    continue;
+                }
                 match fs::remove_file(&path) {
                     Ok(()) => {
                         tracing::info!("removed {} left by an interrupted checkpoint save", path.display())
@@ -266,7 +303,7 @@ fn load_path(path: &Path, store: &mut ParamStore) -> Check<CheckpointInfo> {
 
 /// Write the whole checkpoint to `tmp` and fsync it; returns (CRC, size).
 fn write_file(tmp: &Path, encoder: &Encoder<'_>, unix_time_ms: u64) -> Result<(u32, u64)> {
-    let file = File::create(tmp).map_err(io_err("creating", tmp))?;
+    let file = File::options().write(true).create_new(true).open(tmp).map_err(io_err("creating", tmp))?;
     let mut w = BufWriter::with_capacity(IO_BUF, file);
     let written = encoder.write(&mut w, unix_time_ms).map_err(io_err("writing", tmp))?;
     let file = w.into_inner().map_err(|e| io_err("writing", tmp)(e.into_error()))?;

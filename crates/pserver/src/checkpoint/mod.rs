@@ -8,10 +8,14 @@
 //!
 //! **Saving** writes a [`StoreSnapshot`] (taken under the store's lock by
 //! [`ParamStore::snapshot`], written with no lock held) block by block
-//! through a buffered writer into `ckpt-<step:020>.oarckpt.tmp`, fsyncs it,
-//! renames it to `ckpt-<step:020>.oarckpt` and fsyncs the directory, so a
-//! crash leaves either the old set of checkpoints or the new one, plus at
-//! worst a `*.tmp` file that the next save or load removes. Memory used
+//! through a buffered writer into a temp file of its own
+//! (`ckpt-<step:020>.oarckpt.<pid>-<n>.tmp`, created exclusively), fsyncs
+//! it, renames it to `ckpt-<step:020>.oarckpt` and fsyncs the directory, so
+//! a crash leaves either the old set of checkpoints or the new one, plus at
+//! worst a `*.tmp` file that a save or load removes once it is
+//! [`TMP_STALE`] (a newer one may be another writer's save in progress).
+//! The service asks, just before the rename, whether the pserver still
+//! owns the shard ([`CheckpointDir::save_checked`]). Memory used
 //! beyond the store is the write buffer (1 MiB) and the blocks the store
 //! copies because it updates them while the snapshot is written (see
 //! [`StoreSnapshot`]).
@@ -63,7 +67,7 @@ mod codec;
 mod dir;
 
 pub use codec::{FORMAT_VERSION, MAGIC};
-pub use dir::{load_file, CheckpointDir, EXTENSION};
+pub use dir::{load_file, CheckpointDir, EXTENSION, TMP_STALE};
 
 /// What a save wrote or a load restored; the shell records it in
 /// `ps/<index>/checkpoint` (see [`encode`](Self::encode)).

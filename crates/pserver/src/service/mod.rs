@@ -1531,9 +1531,25 @@ async fn save_and_record(shared: &Arc<Shared>, slot: &Slot) -> ServiceResult<Opt
     let dir = CheckpointDir::new(root, slot.shard);
     let keep = shared.options.checkpoint_keep;
     let saver = shared.clone();
+    let role = slot.role.load(Ordering::SeqCst);
     let info = tokio::task::spawn_blocking(move || {
         let _one_at_a_time = saver.saving.lock().unwrap_or_else(PoisonError::into_inner);
-        dir.save(&snapshot, keep)
+        // Paused past its lease while writing (or the map moved on), this
+        // pserver may no longer own the shard: its file must not land
+        // beside the new primary's.
+        let still_owner = || {
+            if !saver.lease.is_valid() {
+                return Err("the pserver's lease may have expired while it wrote".to_string());
+            }
+            if let Some(why) = saver.stopped.borrow().as_ref() {
+                return Err(format!("the pserver stopped: {why}"));
+            }
+            match saver.slot(snapshot.server()) {
+                Some(now) if now.role.load(Ordering::SeqCst) == role => Ok(()),
+                _ => Err("the shard is no longer primary here".to_string()),
+            }
+        };
+        dir.save_checked(&snapshot, keep, still_owner)
     })
     .await
     .map_err(|e| ServiceError::Protocol(format!("checkpoint task failed: {e}")))??;
