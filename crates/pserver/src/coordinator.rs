@@ -657,23 +657,24 @@ impl Run {
     /// `shard/name`), from their state keys.
     async fn syncing(&self, map: &ShardMap) -> ServiceResult<Vec<String>> {
         let listing = self.discovery.get_prefix(&self.options.keys.replicas).await?;
-        let mut states: BTreeMap<(u32, String), String> = BTreeMap::new();
+        let mut states: BTreeMap<(u32, String), (String, Option<String>)> = BTreeMap::new();
         for kv in listing.kvs {
             let Some(rest) = kv.key.strip_prefix(&self.options.keys.replicas) else { continue };
             let Some((shard, name)) = rest.split_once('/') else { continue };
             let Ok(shard) = shard.parse::<u32>() else { continue };
-            let status = serde_json::from_slice::<serde_json::Value>(&kv.value)
-                .ok()
-                .and_then(|v| v.get("status").and_then(|s| s.as_str()).map(str::to_string))
-                .unwrap_or_default();
-            states.insert((shard, name.to_string()), status);
+            let value = serde_json::from_slice::<serde_json::Value>(&kv.value).ok();
+            let field = |f: &str| value.as_ref().and_then(|v| v.get(f)?.as_str().map(str::to_string));
+            states.insert((shard, name.to_string()), (field("status").unwrap_or_default(), field("error")));
         }
         let mut syncing = Vec::new();
         for shard in 0..map.shard_count() {
             for (r, name) in map.replica_set(shard).iter().enumerate() {
                 let want = if r == 0 { "primary" } else { "follower" };
-                if states.get(&(shard, name.clone())).map(String::as_str) != Some(want) {
-                    syncing.push(format!("{shard}/{name}"));
+                match states.get(&(shard, name.clone())) {
+                    Some((status, _)) if status == want => {}
+                    // A restore that failed (and is retried) says why.
+                    Some((_, Some(error))) => syncing.push(format!("{shard}/{name} ({error})")),
+                    _ => syncing.push(format!("{shard}/{name}")),
                 }
             }
         }

@@ -91,7 +91,10 @@
 //! - **R = 1**, or all replicas gone: the shard is restored on another
 //!   pserver from its newest verified checkpoint, losing at most the
 //!   updates of one checkpoint interval. No update is applied twice: the
-//!   checkpoint holds the deduplication table.
+//!   checkpoint holds the deduplication table. If none of the shard's
+//!   checkpoints loads, the shard waits (never served from scratch): its
+//!   pserver tries again every 5 s and serves its other shards meanwhile,
+//!   and the cluster status names the error.
 //! - There is no bounded-lag mode (acknowledging before the followers
 //!   hold an update): strong mode is the only one.
 //! - A primary writes its shards' checkpoints (`<dir>/shard-<s>/`, a

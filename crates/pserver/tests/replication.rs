@@ -958,3 +958,46 @@ async fn an_unreadable_shard_map_is_not_written_over() {
     let map = env.cluster.wait_serving(&[&a, &b]).await;
     assert_eq!(map.version(), 1, "a first map once the key is gone: {map}");
 }
+
+/// One shard whose checkpoints will not load stops neither the pserver it
+/// is given to nor the others (before, each pserver given it stopped in
+/// turn, and took its healthy shards down with it): the shard waits, the
+/// status says why, and once the directory is mended its restore is tried
+/// again and it is served.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_shard_whose_checkpoints_do_not_load_waits_and_harms_no_other() {
+    let env = Env::new(2, 1, 2, 16, Mode::Async).await;
+    let dir = tempfile::tempdir().unwrap();
+    let bad = dir.path().join("shard-1").join("ckpt-00000000000000000005.oarckpt");
+    std::fs::create_dir_all(bad.parent().unwrap()).unwrap();
+    std::fs::write(&bad, vec![7u8; 200]).unwrap();
+    let start = || {
+        let options = PserverOptions {
+            keys: keys(),
+            specs: specs(env.len),
+            shards: env.shards,
+            block_size: env.block_size,
+            mode: env.mode,
+            optimizer: OptimizerConfig::Sgd { lr: 1.0 },
+            lease_ttl: Duration::from_secs(30),
+            checkpoint_dir: Some(dir.path().to_path_buf()),
+            ..Default::default()
+        };
+        Pserver::start(env.discovery.clone(), env.transport.clone(), "mem:0", options)
+    };
+    let (a, b) = (start().await.unwrap(), start().await.unwrap());
+    let status = env.wait_status_because("UNHEALTHY", "cannot restore shard 1").await;
+    assert!(status["reason"].as_str().unwrap_or_default().contains("no valid checkpoint"), "{status}");
+    let map = env.cluster.map().await.expect("a map");
+    // Longer than a retry: the shard's pserver tried again and still stands.
+    tokio::time::sleep(Duration::from_secs(6)).await;
+    assert_eq!((a.stopped(), b.stopped()), (None, None), "no pserver stopped");
+    assert_eq!(env.cluster.map().await.expect("a map").primary(1), map.primary(1), "the shard stayed put");
+    let serving_0 =
+        [&a, &b].iter().any(|p| p.replicas().iter().any(|r| r.shard == 0 && r.role == ReplicaRole::Primary));
+    assert!(serving_0, "the healthy shard is served");
+    // Mended: the bad file goes, and the next try serves the shard.
+    std::fs::remove_file(&bad).unwrap();
+    env.cluster.wait_serving(&[&a, &b]).await;
+    env.wait_status("OK").await;
+}

@@ -325,6 +325,9 @@ struct Slot {
     syncing: AtomicBool,
     /// The role last [published](Shared::publish) (a [`ReplicaRole`] as u8).
     role: std::sync::atomic::AtomicU8,
+    /// Why the last restore of the shard from its checkpoints failed, while
+    /// it is retried (published with the replica's state).
+    restore_error: Mutex<Option<String>>,
 }
 
 impl Slot {
@@ -1048,6 +1051,7 @@ async fn reconcile(shared: &Arc<Shared>, map: Arc<ShardMap>) {
                         tasks: Mutex::new(HashMap::new()),
                         syncing: AtomicBool::new(false),
                         role: std::sync::atomic::AtomicU8::new(ReplicaRole::Syncing as u8),
+                        restore_error: Mutex::new(None),
                     })
                 })
                 .clone()
@@ -1133,8 +1137,55 @@ async fn reconcile(shared: &Arc<Shared>, map: Arc<ShardMap>) {
         }
     }
     for (slot, epoch, followers) in restore {
-        restore_primary(shared, &slot, epoch, &followers).await;
+        // One restore of a slot at a time: a retry left from an earlier map goes.
+        slot.tasks.lock().unwrap_or_else(PoisonError::into_inner).remove(RESTORE_TASK);
+        if let Err(why) = restore_primary(shared, &slot, epoch, &followers).await {
+            restore_failed(shared, &slot, why);
+            spawn_restore_retry(shared, &slot, epoch, followers);
+        }
     }
+}
+
+/// The slot task that retries a failed restore.
+const RESTORE_TASK: &str = "restore";
+
+/// How long between two tries at restoring a shard whose checkpoints would
+/// not load.
+const RESTORE_RETRY: Duration = Duration::from_secs(5);
+
+/// Record why `slot`'s restore failed, for the replica's published state.
+fn restore_failed(shared: &Shared, slot: &Slot, why: String) {
+    tracing::error!(shard = slot.shard, %why, retry_in = ?RESTORE_RETRY, "cannot restore the shard; its other shards are served meanwhile");
+    *slot.restore_error.lock().unwrap_or_else(PoisonError::into_inner) = Some(why);
+    shared.role_changed.notify_one();
+}
+
+/// Try `slot`'s restore again every [`RESTORE_RETRY`] while the map still
+/// makes this pserver its primary at `epoch`: a checkpoint directory
+/// mended (a bad file removed, a volume back) then serves the shard
+/// without a restart, and the pserver's other shards were never stopped.
+fn spawn_restore_retry(shared: &Arc<Shared>, slot: &Arc<Slot>, epoch: u64, followers: Vec<String>) {
+    let (shared_task, slot_task) = (shared.clone(), slot.clone());
+    let task = tokio::spawn(async move {
+        let (shared, slot) = (shared_task, slot_task);
+        loop {
+            tokio::time::sleep(RESTORE_RETRY).await;
+            let wanted = shared.map().is_some_and(|m| {
+                m.role(slot.shard, &shared.name) == Some(Role::Primary) && m.epoch(slot.shard) == epoch
+            });
+            let syncing =
+                matches!(*slot.state.lock().unwrap_or_else(PoisonError::into_inner), SlotState::Syncing);
+            if !wanted || !syncing || shared.stopped.borrow().is_some() {
+                return;
+            }
+            match restore_primary(&shared, &slot, epoch, &followers).await {
+                Ok(()) => return,
+                Err(why) => restore_failed(&shared, &slot, why),
+            }
+        }
+    });
+    let mut tasks = slot.tasks.lock().unwrap_or_else(PoisonError::into_inner);
+    tasks.insert(RESTORE_TASK.to_string(), AbortOnDropHandle::new(task));
 }
 
 /// What to start after a slot's state changed.
@@ -1188,8 +1239,17 @@ fn initialize(store: &mut ParamStore, placement: &Placement, seed: u64, threads:
 }
 
 /// Serve `slot` as primary of `epoch` from its last checkpoint (or from
-/// the initial values): no replica that could take over survived.
-async fn restore_primary(shared: &Arc<Shared>, slot: &Arc<Slot>, epoch: u64, followers: &[String]) {
+/// the initial values): no replica that could take over survived. An
+/// error when the checkpoints would not load (every one corrupt, another
+/// job's, the directory unreadable): serving fresh values would throw the
+/// training away, so the shard waits, and the caller tries again. A store
+/// that cannot be built stops the pserver (nothing any retry could mend).
+async fn restore_primary(
+    shared: &Arc<Shared>,
+    slot: &Arc<Slot>,
+    epoch: u64,
+    followers: &[String],
+) -> Result<(), String> {
     let shard = slot.shard;
     let checkpoints = shared.options.checkpoint_dir.clone();
     // With checkpoints, the store's values come from one: it is built
@@ -1198,7 +1258,10 @@ async fn restore_primary(shared: &Arc<Shared>, slot: &Arc<Slot>, epoch: u64, fol
     let built = shared.new_store_blocking(shard, checkpoints.is_some()).await;
     let mut store = match built {
         Ok(store) => store,
-        Err(e) => return shared.fail(format!("cannot build shard {shard}'s store: {e}")),
+        Err(e) => {
+            shared.fail(format!("cannot build shard {shard}'s store: {e}"));
+            return Ok(());
+        }
     };
     if let Some(root) = checkpoints {
         let dir = CheckpointDir::new(root, shard);
@@ -1221,16 +1284,19 @@ async fn restore_primary(shared: &Arc<Shared>, slot: &Arc<Slot>, epoch: u64, fol
                 tracing::info!(shard, "no checkpoint; starting fresh");
                 store = match shared.new_store_blocking(shard, false).await {
                     Ok(store) => store,
-                    Err(e) => return shared.fail(format!("cannot build shard {shard}'s store: {e}")),
+                    Err(e) => {
+                        shared.fail(format!("cannot build shard {shard}'s store: {e}"));
+                        return Ok(());
+                    }
                 };
             }
             // Every checkpoint corrupt: serving fresh values would throw the training away.
-            Ok(Err(e)) => return shared.fail(format!("cannot restore shard {shard}: {e}")),
-            Err(e) => return shared.fail(format!("cannot restore shard {shard}: {e}")),
+            Ok(Err(e)) => return Err(format!("cannot restore shard {shard}: {e}")),
+            Err(e) => return Err(format!("cannot restore shard {shard}: {e}")),
         }
     }
     if store.unrestored() > 0 {
-        return shared.fail(format!(
+        return Err(format!(
             "shard {shard}: the checkpoint left {} blocks without values",
             store.unrestored()
         ));
@@ -1247,14 +1313,16 @@ async fn restore_primary(shared: &Arc<Shared>, slot: &Arc<Slot>, epoch: u64, fol
             .map()
             .is_some_and(|m| m.role(shard, &shared.name) == Some(Role::Primary) && m.epoch(shard) == epoch);
         if !still || !matches!(*state, SlotState::Syncing) {
-            return;
+            return Ok(());
         }
+        *slot.restore_error.lock().unwrap_or_else(PoisonError::into_inner) = None;
         *state = SlotState::Primary { store, links };
         shared.publish(slot, &state);
     }
     tracing::info!(shard, epoch, "serving as the shard's primary");
     replication::spawn_forwarders(shared, slot);
     spawn_leave_departed(shared, slot);
+    Ok(())
 }
 
 /// A new primary's store may count trainers that left while it was not
@@ -1380,7 +1448,7 @@ async fn verify_registration(shared: Arc<Shared>, trainer: String) {
 /// took over: the coordinator's moves wait for that), else at most every
 /// half second (what `oar status` and the coordinator's health show).
 async fn status_publisher(shared: Arc<Shared>) {
-    let mut published: HashMap<u32, ReplicaState> = HashMap::new();
+    let mut published: HashMap<u32, (ReplicaState, Option<String>)> = HashMap::new();
     let mut interval = tokio::time::interval(Duration::from_millis(500));
     interval.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     loop {
@@ -1391,18 +1459,21 @@ async fn status_publisher(shared: Arc<Shared>) {
         if shared.stopped.borrow().is_some() {
             return;
         }
-        let now: HashMap<u32, ReplicaState> = shared
+        let now: HashMap<u32, (ReplicaState, Option<String>)> = shared
             .slots()
             .iter()
             .map(|slot| {
-                (slot.shard, slot.state.lock().unwrap_or_else(PoisonError::into_inner).describe(slot.shard))
+                let state = slot.state.lock().unwrap_or_else(PoisonError::into_inner).describe(slot.shard);
+                let error = slot.restore_error.lock().unwrap_or_else(PoisonError::into_inner).clone();
+                (slot.shard, (state, error))
             })
             .collect();
-        for (shard, state) in &now {
-            if published.get(shard) == Some(state) {
+        for (shard, now_state) in &now {
+            if published.get(shard) == Some(now_state) {
                 continue;
             }
-            let value = serde_json::json!({
+            let (state, error) = now_state;
+            let mut value = serde_json::json!({
                 "pserver": shared.name,
                 "status": state.role.to_string(),
                 "applied": state.applied,
@@ -1410,6 +1481,9 @@ async fn status_publisher(shared: Arc<Shared>) {
                 "step": state.step,
                 "map_version": shared.map_version(),
             });
+            if let Some(error) = error {
+                value["error"] = serde_json::Value::String(error.clone());
+            }
             let key = shared.keys.replica(*shard, &shared.name);
             if shared
                 .discovery
@@ -1419,7 +1493,7 @@ async fn status_publisher(shared: Arc<Shared>) {
             {
                 continue;
             }
-            published.insert(*shard, state.clone());
+            published.insert(*shard, now_state.clone());
         }
         let gone: Vec<u32> = published.keys().filter(|s| !now.contains_key(s)).copied().collect();
         for shard in gone {
