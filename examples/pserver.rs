@@ -27,8 +27,9 @@ use std::{path::PathBuf, process::ExitCode, time::Duration};
 struct Args {
     #[command(flatten)]
     conn: ConnArgs,
-    /// Where checkpoints go (<dir>/shard-<s>/), a directory every pserver
-    /// of the job sees (a shared volume); without it, no checkpoints.
+    /// Where checkpoints go (<dir>/<job>/<instance>/shard-<s>/: a run of a
+    /// job never loads another's), a directory every pserver of the job
+    /// sees (a shared volume); without it, no checkpoints.
     #[arg(long)]
     checkpoint_dir: Option<PathBuf>,
     /// Seconds between checkpoints: a crash loses at most this much training.

@@ -12,6 +12,7 @@ mod elastic;
 mod etcd_blips;
 mod extension_examples;
 mod faults;
+mod job_checkpoints;
 mod kubernetes;
 mod local_example;
 mod metrics;

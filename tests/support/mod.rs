@@ -969,9 +969,16 @@ mod cluster {
             self.pserver_via(name, checkpoint_interval, &self.etcd.endpoint())
         }
 
-        /// The checkpoint directory of shard `shard`.
+        /// The checkpoint directory of shard `shard`: under the job's one
+        /// run (`<dir>/<job>/<instance>/`; a path that does not exist
+        /// before the first pserver made it).
         pub fn checkpoints(&self, shard: u32) -> std::path::PathBuf {
-            self.dir.path().join("checkpoints").join(format!("shard-{shard}"))
+            let job_dir = self.dir.path().join("checkpoints").join(&self.job);
+            let runs: Vec<_> = std::fs::read_dir(&job_dir)
+                .map(|d| d.filter_map(|e| e.ok()).map(|e| e.path()).collect())
+                .unwrap_or_default();
+            assert!(runs.len() <= 1, "one run of the job: {runs:?}");
+            runs.into_iter().next().unwrap_or_else(|| job_dir.join("none-yet")).join(format!("shard-{shard}"))
         }
 
         /// A pserver reaching etcd at `etcd` (a [`Proxy`], say).

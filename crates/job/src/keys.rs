@@ -8,6 +8,7 @@
 //! | `master/addr` | address of the master | master's |
 //! | `master/state`, `master/journal/<version>` | task-queue snapshot and journal (fenced) | none |
 //! | `config` | the job's options, published once by the master | none |
+//! | `instance` | this run of the job: a random id the first master creates (names its checkpoint directory) | none |
 //! | `result` | the job's report, once it ended (fenced) | none |
 //! | `trainer/<id>` | trainer id | trainer's |
 //! | `ps_desired` | how many pservers the job wants (decimal; the master writes the first) | none |
@@ -27,11 +28,18 @@ pub struct JobKeys {
 }
 
 impl JobKeys {
-    /// Keys of job `job`. A job name is non-empty and has no `/`.
+    /// Keys of job `job`. A job name is non-empty, has no `/` or
+    /// whitespace, and is not `.` or `..` (it names the job's checkpoint
+    /// directory too).
     pub fn new(job: &str) -> crate::Result<Self> {
-        if job.is_empty() || job.contains('/') || job.chars().any(char::is_whitespace) {
+        if job.is_empty()
+            || job.contains('/')
+            || job.chars().any(char::is_whitespace)
+            || job == "."
+            || job == ".."
+        {
             return Err(crate::Error::BadConfig(format!(
-                "job name {job:?} must be non-empty, without '/' or whitespace"
+                "job name {job:?} must be non-empty, without '/' or whitespace, and not '.' or '..'"
             )));
         }
         Ok(Self { prefix: format!("/oar/{job}/") })
@@ -66,6 +74,11 @@ impl JobKeys {
     /// The job's options, published once by the master.
     pub fn config(&self) -> String {
         format!("{}config", self.prefix)
+    }
+    /// This run of the job: created once, by the first master, before it
+    /// publishes the options (so a process that read the options finds it).
+    pub fn instance(&self) -> String {
+        format!("{}instance", self.prefix)
     }
     /// The job's final report, written by the master through its fence
     /// when the job ends (done or failed); pservers stop when it appears.
@@ -161,6 +174,7 @@ mod tests {
         assert_eq!(k.master_journal_record(42), "/oar/mnist/master/journal/00000000000000000042");
         assert!(k.master_journal_record(42).starts_with(&k.master_journal()));
         assert_eq!(k.result(), "/oar/mnist/result");
+        assert_eq!(k.instance(), "/oar/mnist/instance");
         assert_eq!(k.trainer("t1"), "/oar/mnist/trainer/t1");
         assert_eq!(k.ps("ps-a.1f"), "/oar/mnist/ps/ps-a.1f");
         assert_eq!(k.shard_map(), "/oar/mnist/shard_map");
@@ -178,7 +192,7 @@ mod tests {
 
     #[test]
     fn bad_job_names_are_refused_with_the_name() {
-        for bad in ["", "a/b", "a b"] {
+        for bad in ["", "a/b", "a b", ".", ".."] {
             let err = JobKeys::new(bad).unwrap_err().to_string();
             assert!(err.contains(&format!("{bad:?}")), "{err}");
         }

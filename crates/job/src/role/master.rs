@@ -92,6 +92,9 @@ async fn run_master(
             )));
         }
     }
+    // This run's id, before the options are published: a pserver that read
+    // them finds it. Kept if a master of this run created it already.
+    ctx.discovery.create_if_absent(&keys.instance(), super::new_instance_id().into_bytes(), None).await?;
     let model = ctx.model(config)?;
     let placement = Arc::new(config.placement_for(&model)?);
     // Scoring skips bad lines; training reports them through its tasks.

@@ -90,8 +90,8 @@ pub struct RoleOptions {
     /// Trainer: notified whenever the master accepted its reports (what a
     /// progress display follows).
     pub on_report: Option<std::sync::Arc<tokio::sync::Notify>>,
-    /// Pserver: where checkpoints go (`<dir>/shard-<s>/`); none: no
-    /// checkpoints. Every pserver of a job must see the same directory (a
+    /// Pserver: where checkpoints go (`<dir>/<job>/<instance>/shard-<s>/`,
+    /// see [`job_checkpoint_dir`]); none: no checkpoints. Every pserver of a job must see the same directory (a
     /// shared volume): a shard's checkpoints are written by its primary,
     /// whichever pserver that is, and restored by whichever pserver the
     /// coordinator gives the shard to.
@@ -144,6 +144,38 @@ pub fn default_id(role: &str) -> String {
         .filter(|h| !h.is_empty())
         .unwrap_or_else(|| "host".to_string());
     format!("{role}-{host}-{}", std::process::id())
+}
+
+/// A new id for a run of a job ([`JobKeys::instance`]): 16 hex digits,
+/// random per process and call.
+pub(crate) fn new_instance_id() -> String {
+    use std::hash::{BuildHasher, RandomState};
+    let now = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap_or_default();
+    format!("{:016x}", RandomState::new().hash_one((now, std::process::id())))
+}
+
+/// The id of this run of the job, which its first master created before it
+/// published the options (read those first). A value that is not a short
+/// run of hex digits is refused: it names a directory.
+pub async fn read_instance(discovery: &dyn Discovery, job: &str) -> Result<String> {
+    let key = JobKeys::new(job)?.instance();
+    let Some(kv) = discovery.get(&key).await? else {
+        return Err(Error::BadConfig(format!(
+            "the job has options but no instance id at {key} (a master of an older oar started it?)"
+        )));
+    };
+    match String::from_utf8(kv.value) {
+        Ok(id) if (1..=32).contains(&id.len()) && id.bytes().all(|b| b.is_ascii_hexdigit()) => Ok(id),
+        _ => Err(Error::BadConfig(format!("the job's instance id at {key} is not 1 to 32 hex digits"))),
+    }
+}
+
+/// Where a run of a job keeps its checkpoints under the pservers'
+/// `--checkpoint-dir`: `<root>/<job>/<instance>/` (a shard's in
+/// `shard-<s>/` there). Another job, or the same name run afresh after its
+/// keys were deleted, never resumes from this run's checkpoints.
+pub fn job_checkpoint_dir(root: &std::path::Path, job: &str, instance: &str) -> PathBuf {
+    root.join(job).join(instance)
 }
 
 /// Wait up to `timeout` for the job's options under `/oar/<job>/config`.

@@ -1,7 +1,7 @@
 //! The pserver role: register, serve the shards the job's shard map gives
 //! it (as primary or follower), until the job ends.
 
-use super::{read_config, unless_shut_down, RoleOptions};
+use super::{job_checkpoint_dir, read_config, read_instance, unless_shut_down, RoleOptions};
 use crate::{context::JobContext, keys::JobKeys, report::read_result, Error, Result};
 use oar_discovery::ChangeSignal;
 use oar_pserver::{Pserver, PserverOptions};
@@ -74,6 +74,13 @@ async fn run_pserver(
     let config = config?;
     let model = ctx.model(&config)?;
     let keys = JobKeys::new(&ctx.job)?;
+    let checkpoint_dir = match &options.checkpoint_dir {
+        Some(root) => {
+            let instance = read_instance(&*ctx.discovery, &ctx.job).await?;
+            Some(job_checkpoint_dir(root, &ctx.job, &instance))
+        }
+        None => None,
+    };
     let ps_options = PserverOptions {
         keys: keys.pserver(),
         name: options.id.clone(),
@@ -86,7 +93,7 @@ async fn run_pserver(
         optimizer: config.optimizer.clone(),
         custom_optimizer: ctx.plugins.optimizer.clone(),
         lease_ttl: options.lease_ttl,
-        checkpoint_dir: options.checkpoint_dir.clone(),
+        checkpoint_dir,
         checkpoint_interval: options.checkpoint_interval,
         call_timeout: options.call_timeout,
         ..PserverOptions::default()
