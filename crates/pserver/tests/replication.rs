@@ -1001,3 +1001,59 @@ async fn a_shard_whose_checkpoints_do_not_load_waits_and_harms_no_other() {
     env.cluster.wait_serving(&[&a, &b]).await;
     env.wait_status("OK").await;
 }
+
+/// A restore that hangs (its checkpoint on a volume that does not answer:
+/// here a FIFO no one writes, whose open blocks) holds up neither the maps
+/// that come meanwhile nor the pserver's other shards: when the other
+/// pserver dies, the one stuck restoring shard 1 adopts the new map and
+/// serves shard 0 too. (Restores were awaited inside the reconciler, one
+/// map at a time: the second map waited for the first restore for ever.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_restore_that_hangs_holds_up_no_later_map() {
+    use std::os::unix::{ffi::OsStrExt, fs::OpenOptionsExt};
+    let env = Env::new(2, 1, 2, 16, Mode::Async).await;
+    let dir = tempfile::tempdir().unwrap();
+    let fifo = dir.path().join("shard-1").join("ckpt-00000000000000000005.oarckpt");
+    std::fs::create_dir_all(fifo.parent().unwrap()).unwrap();
+    let path = std::ffi::CString::new(fifo.as_os_str().as_bytes()).unwrap();
+    // SAFETY: a valid NUL-terminated path; mkfifo only reads it.
+    assert_eq!(unsafe { libc::mkfifo(path.as_ptr(), 0o600) }, 0, "mkfifo");
+    // Ends the hung open however the test ends (a blocked thread would
+    // keep the runtime from shutting down): a writer comes and goes, so the
+    // reader sees an empty file, and the FIFO goes.
+    struct Unblock(std::path::PathBuf);
+    impl Drop for Unblock {
+        fn drop(&mut self) {
+            let _ = std::fs::File::options().write(true).custom_flags(libc::O_NONBLOCK).open(&self.0);
+            let _ = std::fs::remove_file(&self.0);
+        }
+    }
+    let _unblock = Unblock(fifo.clone());
+    let start = || {
+        let options = PserverOptions {
+            keys: keys(),
+            specs: specs(env.len),
+            shards: env.shards,
+            block_size: env.block_size,
+            mode: env.mode,
+            optimizer: OptimizerConfig::Sgd { lr: 1.0 },
+            lease_ttl: Duration::from_secs(30),
+            checkpoint_dir: Some(dir.path().to_path_buf()),
+            ..Default::default()
+        };
+        Pserver::start(env.discovery.clone(), env.transport.clone(), "mem:0", options)
+    };
+    let (a, b) = (start().await.unwrap(), start().await.unwrap());
+    let first = env.cluster.wait_primary(&[&a, &b], 0, "").await;
+    let stuck_name = first.primary(1).expect("shard 1 has a primary").to_string();
+    let (stuck, other) = if a.name() == stuck_name { (a, b) } else { (b, a) };
+    let other_name = other.name().to_string();
+    env.kill(other).await;
+    let map = env.cluster.wait_primary(&[&stuck], 0, &other_name).await;
+    assert!(map.version() > first.version());
+    // The hung open returns (the file is empty, so refused), and with the
+    // FIFO gone the next try starts the shard afresh.
+    drop(Unblock(fifo.clone()));
+    assert!(!fifo.exists());
+    env.cluster.wait_primary(&[&stuck], 1, "").await;
+}

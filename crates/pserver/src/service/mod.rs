@@ -1137,21 +1137,18 @@ async fn reconcile(shared: &Arc<Shared>, map: Arc<ShardMap>) {
         }
     }
     for (slot, epoch, followers) in restore {
-        // One restore of a slot at a time: a retry left from an earlier map goes.
-        slot.tasks.lock().unwrap_or_else(PoisonError::into_inner).remove(RESTORE_TASK);
-        if let Err(why) = restore_primary(shared, &slot, epoch, &followers).await {
-            restore_failed(shared, &slot, why);
-            spawn_restore_retry(shared, &slot, epoch, followers);
-        }
+        spawn_restore(shared, &slot, epoch, followers);
     }
 }
-
-/// The slot task that retries a failed restore.
-const RESTORE_TASK: &str = "restore";
 
 /// How long between two tries at restoring a shard whose checkpoints would
 /// not load.
 const RESTORE_RETRY: Duration = Duration::from_secs(5);
+
+/// The name of the slot task that restores it at `epoch`.
+fn restore_task(epoch: u64) -> String {
+    format!("restore@{epoch}")
+}
 
 /// Record why `slot`'s restore failed, for the replica's published state.
 fn restore_failed(shared: &Shared, slot: &Slot, why: String) {
@@ -1160,15 +1157,31 @@ fn restore_failed(shared: &Shared, slot: &Slot, why: String) {
     shared.role_changed.notify_one();
 }
 
-/// Try `slot`'s restore again every [`RESTORE_RETRY`] while the map still
-/// makes this pserver its primary at `epoch`: a checkpoint directory
+/// Restore `slot` as primary of `epoch` in a task of the slot's own, so
+/// that a long load (a large checkpoint on a shared volume) does not hold
+/// up the maps that come meanwhile: a follower busy restoring another
+/// shard still adopts them, and stays eligible to take over its shards.
+/// One restore per slot and epoch: a new map that leaves it primary at the
+/// same epoch lets the running one go on. A restore whose checkpoints do
+/// not load is tried again every [`RESTORE_RETRY`] while the map still
+/// makes this pserver the primary at `epoch`: a checkpoint directory
 /// mended (a bad file removed, a volume back) then serves the shard
 /// without a restart, and the pserver's other shards were never stopped.
-fn spawn_restore_retry(shared: &Arc<Shared>, slot: &Arc<Slot>, epoch: u64, followers: Vec<String>) {
+fn spawn_restore(shared: &Arc<Shared>, slot: &Arc<Slot>, epoch: u64, followers: Vec<String>) {
+    let name = restore_task(epoch);
+    let mut tasks = slot.tasks.lock().unwrap_or_else(PoisonError::into_inner);
+    if tasks.get(&name).is_some_and(|t| !t.is_finished()) {
+        return;
+    }
+    tasks.retain(|key, _| !key.starts_with("restore@"));
     let (shared_task, slot_task) = (shared.clone(), slot.clone());
     let task = tokio::spawn(async move {
         let (shared, slot) = (shared_task, slot_task);
         loop {
+            match restore_primary(&shared, &slot, epoch, &followers).await {
+                Ok(()) => return,
+                Err(why) => restore_failed(&shared, &slot, why),
+            }
             tokio::time::sleep(RESTORE_RETRY).await;
             let wanted = shared.map().is_some_and(|m| {
                 m.role(slot.shard, &shared.name) == Some(Role::Primary) && m.epoch(slot.shard) == epoch
@@ -1178,14 +1191,9 @@ fn spawn_restore_retry(shared: &Arc<Shared>, slot: &Arc<Slot>, epoch: u64, follo
             if !wanted || !syncing || shared.stopped.borrow().is_some() {
                 return;
             }
-            match restore_primary(&shared, &slot, epoch, &followers).await {
-                Ok(()) => return,
-                Err(why) => restore_failed(&shared, &slot, why),
-            }
         }
     });
-    let mut tasks = slot.tasks.lock().unwrap_or_else(PoisonError::into_inner);
-    tasks.insert(RESTORE_TASK.to_string(), AbortOnDropHandle::new(task));
+    tasks.insert(name, AbortOnDropHandle::new(task));
 }
 
 /// What to start after a slot's state changed.
