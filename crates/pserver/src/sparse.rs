@@ -77,7 +77,8 @@ use crate::spec::{validate_specs, Init, ParamSpec};
 pub const MAX_DIM: usize = 1 << 16;
 
 /// The most ids one pull or push may name: a bound on the work and memory
-/// of one call, whatever a trainer sends.
+/// of one call, whatever a trainer sends. A sync step's rows, its members'
+/// pushes combined, may be more ([`SparseTable::check_step`]).
 pub const MAX_ROWS_PER_CALL: usize = 1 << 20;
 
 /// The most bytes of row values one pull of rows (or all the row pulls of
@@ -634,10 +635,19 @@ impl SparseTable {
     /// every value finite, no id twice. A push is checked whole before any
     /// of it is applied, so a bad one changes nothing.
     pub fn check(&self, ids: &[u64], grads: &[f32]) -> Result<()> {
-        let table = || self.spec.name.clone();
         if ids.len() > MAX_ROWS_PER_CALL {
-            return Err(Error::TooManyRows { table: table(), got: ids.len(), max: MAX_ROWS_PER_CALL });
+            let table = self.spec.name.clone();
+            return Err(Error::TooManyRows { table, got: ids.len(), max: MAX_ROWS_PER_CALL });
         }
+        self.check_step(ids, grads)
+    }
+
+    /// [`check`](Self::check) without the per-call limit, for the rows of a
+    /// sync step its primary combined from its members' pushes: each push
+    /// is within [`MAX_ROWS_PER_CALL`], their union need not be, and a
+    /// follower must take the step the primary applied.
+    pub fn check_step(&self, ids: &[u64], grads: &[f32]) -> Result<()> {
+        let table = || self.spec.name.clone();
         let expected = ids.len().saturating_mul(self.spec.dim);
         if grads.len() != expected {
             return Err(Error::RowGradLength { table: table(), expected, got: grads.len() });

@@ -1024,7 +1024,8 @@ impl ParamStore {
     /// block, and move to the next step. The step must be the store's, no
     /// step may be underway, and every gradient must be for a held block
     /// (restored, in a store made to be restored), once, of the right length
-    /// and finite; else nothing changes.
+    /// and finite; else nothing changes. Its rows may number more than
+    /// [`MAX_ROWS_PER_CALL`] per table (the members' pushes combined).
     pub fn apply_step(&mut self, completed: CompletedStep) -> Result<()> {
         let CompletedStep { step, grads, seqs, rows, origins } = completed;
         if self.mode != Mode::Sync {
@@ -1040,7 +1041,9 @@ impl ParamStore {
         let grads: Vec<(BlockId, Grad)> = grads.into_iter().map(|(id, g)| (id, Grad::Floats(g))).collect();
         // A step of pushes all applied before updates nothing.
         let grads = if grads.is_empty() { Vec::new() } else { self.check_grads("the primary", 1.0, grads)? };
-        self.check_row_grads("the primary", &rows)?;
+        // A step combines its members' rows: within the per-call limit
+        // only push by push.
+        self.check_row_grads("the primary", &rows, Rows::Step)?;
         let mut scratch = Vec::new();
         for (i, g) in &grads {
             let d = Self::block_mut(&mut self.held, &self.spares, *i);
@@ -1518,13 +1521,14 @@ impl ParamStore {
             }
             return Ok(None);
         }
-        self.check_row_grads(trainer, &rows)?;
+        self.check_row_grads(trainer, &rows, Rows::Push)?;
         Ok(Some(rows))
     }
 
     /// Row gradients fit their tables: each table once, ids of this shard,
-    /// each once, the right length, finite, within [`MAX_ROWS_PER_CALL`].
-    fn check_row_grads(&self, who: &str, rows: &[RowGrads]) -> Result<()> {
+    /// each once, the right length, finite, and a push's within
+    /// [`MAX_ROWS_PER_CALL`].
+    fn check_row_grads(&self, who: &str, rows: &[RowGrads], kind: Rows) -> Result<()> {
         let mut seen = vec![false; self.tables.len()];
         let mut scratch = Vec::new();
         for r in rows {
@@ -1541,7 +1545,10 @@ impl ParamStore {
                 });
             }
             self.check_row_shard(who, t, &r.ids)?;
-            t.check(&r.ids, r.grads.floats(&mut scratch))?;
+            match kind {
+                Rows::Push => t.check(&r.ids, r.grads.floats(&mut scratch))?,
+                Rows::Step => t.check_step(&r.ids, r.grads.floats(&mut scratch))?,
+            }
         }
         Ok(())
     }
@@ -1590,6 +1597,16 @@ impl ParamStore {
         self.updated[unit] = true;
         self.updated_count += 1;
     }
+}
+
+/// Whose row gradients [`ParamStore::check_row_grads`] checks.
+#[derive(Clone, Copy)]
+enum Rows {
+    /// A trainer's push: at most [`MAX_ROWS_PER_CALL`] ids per table.
+    Push,
+    /// A sync step a primary completed: its members' pushes combined, up to
+    /// their number times the per-call limit.
+    Step,
 }
 
 /// The sum of a step's push weights, in `f64`: finite whatever the

@@ -139,6 +139,41 @@ fn followers_applying_the_primarys_steps_hold_the_same_rows() {
     assert!(!rows_of(&primary).is_empty(), "rows seen twice were admitted");
 }
 
+/// Each push within the per-call limit, the step they make together past
+/// it: the followers take the step the primary applied (they refused it,
+/// and caught up from a snapshot after every such step).
+#[test]
+fn a_sync_step_past_the_per_call_limit_reaches_the_followers() {
+    let pl = placement(RowPolicy::default());
+    let mut primary = ParamStore::new(&pl, 0, SEED, sgd(), Mode::Sync).unwrap();
+    let mut follower = ParamStore::new(&pl, 0, SEED, sgd(), Mode::Sync).unwrap();
+    primary.record_steps();
+    for store in [&mut primary, &mut follower] {
+        store.join("a");
+        store.join("b");
+    }
+    let n = MAX_ROWS_PER_CALL / 2 + 1000;
+    let ids = ids_on(0, 2 * n);
+    let (a, b) = ids.split_at(n);
+    let p = push(&primary, "a", 1, 1.0, a, vec![1.0; n * DIM]);
+    assert!(matches!(primary.push(p).unwrap(), PushOutcome::Buffered { .. }));
+    let p = push(&primary, "b", 1, 1.0, b, vec![-1.0; n * DIM]);
+    assert_eq!(primary.push(p).unwrap(), PushOutcome::Applied { step: 1 });
+    let steps = primary.take_completed_steps();
+    assert_eq!(steps.len(), 1);
+    assert_eq!(steps[0].rows[0].ids.len(), 2 * n, "one step of more rows than one call may carry");
+    for step in steps {
+        follower.apply_step(step).unwrap();
+    }
+    assert_eq!(follower.step(), 1);
+    assert_eq!(rows_of(&follower), rows_of(&primary));
+    // A push is still held to the limit.
+    let many: Vec<u64> = ids_on(0, MAX_ROWS_PER_CALL + 1);
+    let p = push(&primary, "a", 2, 1.0, &many, vec![0.0; many.len() * DIM]);
+    let e = primary.push(p).unwrap_err();
+    assert!(matches!(e, Error::TooManyRows { .. }), "{e}");
+}
+
 #[test]
 fn checkpoints_carry_rows_and_their_statistics_bit_for_bit() {
     let pl = placement(RowPolicy { admit_after: 2, expire_after: Some(50), ..RowPolicy::default() });

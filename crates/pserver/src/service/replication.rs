@@ -8,7 +8,7 @@ use crate::{
     client::{Fresh, ShardSink},
     error::{ServiceError, ServiceResult},
     protocol::{PsReply, PsRequest, RowsPart, TableRows, UpdateKind, UpdateMeta, PSERVER_METHOD},
-    replica::{CatchUp, Forwarded, RowChunk, SnapshotPart, Update},
+    replica::{CatchUp, Forwarded, Links, RowChunk, SnapshotPart, Update},
     BlockId, CompletedStep, Grad, OptimizerState, Placement, Push, RowGrads, StoreSnapshot,
 };
 use bytes::{Bytes, BytesMut};
@@ -138,6 +138,24 @@ async fn forward(shared: Arc<Shared>, slot: Arc<Slot>, follower: String) {
                             shared.publish(&slot, &state);
                             None
                         }
+                        Err(ServiceError::Transport(e @ oar_transport::Error::TooLarge { .. })) => {
+                            // One update (a large update goes alone) past
+                            // what a call may carry: sent again, it would be
+                            // refused for ever, and the shard acknowledge
+                            // nothing. The follower takes it in a snapshot's
+                            // parts instead.
+                            let seq = batch.first().map_or(0, |f| f.seq);
+                            tracing::warn!(
+                                shard = slot.shard,
+                                follower,
+                                seq,
+                                error = %e,
+                                "an update too large to forward: the follower catches up from a snapshot"
+                            );
+                            resync_from_snapshot(links, &follower);
+                            shared.publish(&slot, &state);
+                            None
+                        }
                         other => {
                             links.rewind(&follower);
                             Some(other)
@@ -167,6 +185,17 @@ async fn forward(shared: Arc<Shared>, slot: Arc<Slot>, follower: String) {
             }
         }
     }
+}
+
+/// Make `follower` sync again, from a snapshot: its link starts over as a
+/// new follower's does (unsynced, holding nothing the primary counts on,
+/// from the primary's last update on), so the forwarder asks it to sync and
+/// the primary answers with a snapshot, which holds what could not be
+/// forwarded.
+fn resync_from_snapshot(links: &mut Links, follower: &str) {
+    let others: Vec<String> = links.followers().filter(|f| *f != follower).map(str::to_string).collect();
+    links.set_followers(others.iter().map(String::as_str));
+    links.set_followers(others.iter().map(String::as_str).chain([follower]));
 }
 
 /// Call pserver `name`; a transport failure forgets its connection.
