@@ -850,8 +850,12 @@ impl SparseTable {
     /// Put back one held row (a checkpoint's, a catch-up's): its values,
     /// optimizer state, count and last push, replacing any row or
     /// candidate of its id. Checked first (lengths `dim` and
-    /// `state_slots * dim`, finite values, count at least 1, room under the
-    /// cap); on an error nothing changed.
+    /// `state_slots * dim`, count at least 1, room under the cap); on an
+    /// error nothing changed. The values are taken as they come, NaN and
+    /// infinities included, as [`ParamStore::restore_block`] takes a
+    /// block's: a row holds what its optimizer computed.
+    ///
+    /// [`ParamStore::restore_block`]: crate::ParamStore::restore_block
     pub fn restore_row(&mut self, row: RowRecord<'_>) -> Result<()> {
         let (dim, stride) = (self.spec.dim, self.stride);
         let bad = |reason: String| Error::RestoreRow { table: self.spec.name.clone(), id: row.id, reason };
@@ -864,11 +868,6 @@ impl SparseTable {
                 "optimizer slots have {} values, expected {want_slots}",
                 row.slots.len()
             )));
-        }
-        for (what, values) in [("parameters", row.params), ("optimizer slots", row.slots)] {
-            if let Some((i, v)) = values.iter().enumerate().find(|(_, v)| !v.is_finite()) {
-                return Err(bad(format!("{what} have non-finite value {v} at index {i}")));
-            }
         }
         if row.count == 0 {
             return Err(bad("count 0: a held row has been pushed at least once".into()));
@@ -1428,11 +1427,9 @@ mod tests {
         let p = [0.0f32; 4];
         let s = [0.0f32; 8];
         let good = RowRecord { id: 9, params: &p, step: 1, slots: &s, count: 1, last_seen: 3 };
-        let nan = [0.0, f32::NAN, 0.0, 0.0];
         for bad in [
             RowRecord { params: &p[..3], ..good },
             RowRecord { slots: &s[..7], ..good },
-            RowRecord { params: &nan, ..good },
             RowRecord { count: 0, ..good },
             good, // over the cap of 2
         ] {
@@ -1446,6 +1443,12 @@ mod tests {
         // Replacing a held row is fine.
         assert!(t.restore_row(RowRecord { id: 2, ..good }).is_ok());
         assert_eq!(t.row(2, 3).map(|r| (r.step, r.params.to_vec())), Some((1, p.to_vec())));
+        // So is a row of a diverged model: restored as it was.
+        let nan = [0.0, f32::NAN, f32::NEG_INFINITY, 0.0];
+        let inf = [f32::INFINITY; 8];
+        t.restore_row(RowRecord { id: 2, params: &nan, slots: &inf, ..good }).unwrap();
+        let row = t.row(2, 3).map(|r| (bits(r.params), bits(r.slots)));
+        assert_eq!(row, Some((bits(&nan), bits(&inf))));
         // A snapshot of another table does not fit.
         let other = SparseTable::new(TableSpec::new("other", 4, Init::Zeros), 7, 2).unwrap();
         assert!(matches!(t.restore(&other.snapshot()), Err(Error::BadTable { .. })));

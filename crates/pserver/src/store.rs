@@ -108,6 +108,19 @@ fn first_non_finite_value(values: &[f32]) -> Option<usize> {
     None
 }
 
+/// How many values of `values` are NaN or infinite, by the same runs as
+/// [`first_non_finite_value`] (a checkpoint counts every value it writes).
+pub(crate) fn count_non_finite(values: &[f32]) -> u64 {
+    let mut count = 0;
+    for run in values.chunks(RUN) {
+        let worst = run.iter().fold(0, |worst, x| worst.max(x.to_bits() & ABS));
+        if worst >= INFINITY {
+            count += run.iter().filter(|x| !x.is_finite()).count() as u64;
+        }
+    }
+    count
+}
+
 /// The first of the little-endian `f32` in `bytes` that is NaN or infinite,
 /// with its index. Every push is checked before anything is applied, so
 /// this reads every gradient once more: it scans runs of 64 values with a
@@ -1099,8 +1112,12 @@ impl ParamStore {
 
     /// Replace a held block's parameters and optimizer state (from a
     /// checkpoint, a catch-up's snapshot part, or initial values computed
-    /// elsewhere). Checks the block is held, the lengths (`len` parameters,
-    /// `state_slots() * len` slots) and that every value is finite.
+    /// elsewhere). Checks the block is held and the lengths (`len`
+    /// parameters, `state_slots() * len` slots). The values are taken as
+    /// they come, NaN and infinities included: a store holds what its
+    /// optimizer computed, a diverged model too, and a restore must give
+    /// back exactly that (a checkpoint's checksum and the transport vouch
+    /// for the bytes).
     pub fn restore_block(&mut self, id: BlockId, params: Vec<f32>, state: OptimizerState) -> Result<()> {
         let server = self.server;
         let i = self.index(id).ok_or(Error::BlockNotHeld { block: id, server })?;
@@ -1111,9 +1128,6 @@ impl ParamStore {
         {
             if values.len() != expected {
                 return Err(Error::RestoreLength { block: id, what, expected, got: values.len() });
-            }
-            if let Some(index) = first_non_finite_value(values) {
-                return Err(Error::RestoreNonFinite { block: id, what, index, value: values[index] });
             }
         }
         self.unrestored -= usize::from(!self.held[i].restored());
@@ -2211,10 +2225,14 @@ mod tests {
             st.restore_block(id, vec![1.0; 5], short),
             Err(Error::RestoreLength { what: "optimizer slots", expected: 10, got: 5, .. })
         ));
-        assert!(matches!(
-            st.restore_block(id, vec![1.0, 1.0, f32::NAN, 1.0, 1.0], state.clone()),
-            Err(Error::RestoreNonFinite { index: 2, .. })
-        ));
+        // What a diverged store held is restored as it was.
+        let diverged = OptimizerState { step: 8, slots: [[f32::INFINITY; 5], [0.5; 5]].concat() };
+        st.restore_block(id, vec![1.0, 1.0, f32::NAN, f32::NEG_INFINITY, 1.0], diverged.clone()).unwrap();
+        let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+        let want = [1.0, 1.0, f32::NAN, f32::NEG_INFINITY, 1.0];
+        assert_eq!(bits(st.block(id).unwrap()), bits(&want));
+        assert_eq!(st.blocks().find(|b| b.0 == id).unwrap().2, &diverged);
+        st.restore_block(id, vec![1.0; 5], state.clone()).unwrap();
         assert!(matches!(
             st.restore_block(BlockId::new(5, 0), vec![], state.clone()),
             Err(Error::BlockNotHeld { .. })
