@@ -64,7 +64,7 @@
 use std::collections::{HashMap, HashSet};
 use std::fmt;
 use std::hash::{BuildHasher, Hasher};
-use std::sync::Arc;
+use std::sync::{Arc, OnceLock};
 
 use serde::{Deserialize, Serialize};
 
@@ -801,6 +801,7 @@ impl SparseTable {
             stride: self.stride,
             chunks: self.chunks.clone(),
             candidates: self.candidates.clone(),
+            sorted: Arc::default(),
             stats: self.stats(),
         }
     }
@@ -1139,6 +1140,9 @@ pub struct TableSnapshot {
     stride: usize,
     chunks: Vec<Arc<Chunk>>,
     candidates: IdMap<(u32, u64)>,
+    /// The candidates in id order, sorted at the first
+    /// [`candidates_in`](TableSnapshot::candidates_in) (shared by clones).
+    sorted: Arc<OnceLock<Vec<Candidate>>>,
     stats: TableStats,
 }
 
@@ -1210,6 +1214,22 @@ impl TableSnapshot {
         let end = chunks.end.clamp(start, self.chunks.len());
         live_slots(&self.chunks[start..end])
             .map(move |(id, c, r)| record(&self.chunks[start + c], r, id, dim, stride))
+    }
+
+    /// The candidates held.
+    pub fn candidate_count(&self) -> usize {
+        self.candidates.len()
+    }
+
+    /// Candidates `range` of the ascending id order: positional access for
+    /// a catch-up that streams a table's candidates part by part. They are
+    /// sorted once, at the first call, for the snapshot and its clones (not
+    /// for every part, as [`candidates`](Self::candidates) would).
+    pub fn candidates_in(&self, range: std::ops::Range<usize>) -> impl Iterator<Item = Candidate> + '_ {
+        let sorted = self.sorted.get_or_init(|| self.candidates().collect());
+        let start = range.start.min(sorted.len());
+        let end = range.end.clamp(start, sorted.len());
+        sorted[start..end].iter().copied()
     }
 
     /// Every candidate, in ascending id order.
