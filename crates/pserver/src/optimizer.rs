@@ -16,6 +16,18 @@
 //! Every rule runs on the calling thread: a pserver's other core is busy
 //! receiving gradients while it applies them (BENCHMARKS.md, "Optimizer
 //! apply").
+//!
+//! **Large gradients.** A store takes any finite gradient. AdaGrad's sum of
+//! squared gradients and Adam's second moment saturate at `f32::MAX`: the
+//! square of a finite gradient past about 1.8e19 is infinite in `f32`, and
+//! an infinite slot would stay infinite for good (Adam's decay of `inf` is
+//! `inf`) while making each later update of the element 0 or NaN. Saturated,
+//! the state stays finite and the update of that element is about 0 until
+//! the term comes down. Nothing else is clamped: parameters, momentum and
+//! Adam's first moment move by what the rule computes, so a model that
+//! truly diverges (SGD with a huge rate, say) holds infinities or NaN, and
+//! checkpoints and catch-ups carry those values as they are (see the
+//! checkpoint codec), rather than refusing the shard's state.
 
 use serde::{Deserialize, Serialize};
 
@@ -225,7 +237,8 @@ impl Kernel for Momentum {
     }
 }
 
-/// AdaGrad: `h += g^2; p -= lr * g / (sqrt(h) + eps)` (slot 0 is `h`).
+/// AdaGrad: `h += g^2; p -= lr * g / (sqrt(h) + eps)` (slot 0 is `h`),
+/// `h` saturating at `f32::MAX` (see the module docs).
 #[derive(Clone, Debug, PartialEq)]
 pub struct AdaGrad {
     /// Learning rate.
@@ -241,14 +254,15 @@ impl Kernel for AdaGrad {
         (self.lr, self.eps)
     }
     fn element((lr, eps): (f32, f32), p: &mut f32, g: f32, [h, _]: &mut [f32; MAX_SLOTS]) {
-        *h += g * g;
+        *h = (*h + g * g).min(f32::MAX);
         *p -= lr * g / (h.sqrt() + eps);
     }
 }
 
 /// Adam (Kingma & Ba) with bias correction. At step `t` (1-based):
 /// `m = b1 m + (1-b1) g; v = b2 v + (1-b2) g^2;
-/// p -= lr * (m / (1-b1^t)) / (sqrt(v / (1-b2^t)) + eps)`. Slot 0 is `m`, slot 1 is `v`.
+/// p -= lr * (m / (1-b1^t)) / (sqrt(v / (1-b2^t)) + eps)`. Slot 0 is `m`, slot 1 is `v`,
+/// which saturates at `f32::MAX` (see the module docs).
 #[derive(Clone, Debug, PartialEq)]
 pub struct Adam {
     /// Learning rate.
@@ -297,7 +311,7 @@ impl Kernel for Adam {
     fn element(k: AdamStep, p: &mut f32, g: f32, [m, v]: &mut [f32; MAX_SLOTS]) {
         let AdamStep { step_size, inv_bc2, b1, b2, c1, c2, eps } = k;
         *m = b1 * *m + c1 * g;
-        *v = b2 * *v + c2 * (g * g);
+        *v = (b2 * *v + c2 * (g * g)).min(f32::MAX);
         *p -= step_size * *m / ((*v * inv_bc2).sqrt() + eps);
     }
 }
@@ -499,6 +513,34 @@ mod tests {
         close(&p1, &[1.0 - lr, 2.0 + lr]);
         close(&st.slots[..2], &m);
         close(&st.slots[2..], &v);
+    }
+
+    /// A finite gradient whose square overflows `f32` (the reviewer's
+    /// `[1e20, 1.0]`, and the largest finite one): AdaGrad's and Adam's
+    /// squared-gradient terms saturate at `f32::MAX`, and every parameter
+    /// and slot stays finite, step after step, in blocks and rows alike.
+    #[test]
+    fn squared_gradient_terms_saturate_and_stay_finite() {
+        let adagrad = AdaGrad { lr: 0.1, eps: 1e-10 };
+        let adam = Adam { lr: 0.01, beta1: 0.9, beta2: 0.999, eps: 1e-8 };
+        for (opt, squares) in [(&adagrad as &dyn Optimizer, 0), (&adam, 1)] {
+            for huge in [1e20, -3e30, f32::MAX, f32::MIN] {
+                let mut p = vec![1.0, 2.0];
+                let mut st = opt.new_state(2);
+                let (mut row_p, mut row_step, mut row_slots) = (p.clone(), 0, st.slots.clone());
+                for g in [[huge, 1.0], [huge, 1.0], [1.0, -0.5]] {
+                    opt.apply(&mut p, &g, &mut st);
+                    opt.apply_row(&mut row_p, &g, &mut row_step, &mut row_slots);
+                    let name = opt.name();
+                    assert!(p.iter().chain(&st.slots).all(|x| x.is_finite()), "{name} {huge}: {p:?} {st:?}");
+                    if g[0] == huge {
+                        assert_eq!(st.slots[squares * 2], f32::MAX, "{name} {huge}: saturated");
+                    }
+                    assert!(st.slots[squares * 2 + 1] < 3.0, "{name}: the other element's is as it was");
+                    assert_eq!((&row_p, &row_slots), (&p, &st.slots), "{name}: a row as a block");
+                }
+            }
+        }
     }
 
     #[test]

@@ -374,8 +374,10 @@ pub struct RowsPart {
     pub index: u32,
     /// Each row's id, optimizer step, sightings and last push's step.
     pub rows: Vec<(u64, u64, u32, u64)>,
-    /// The first part of each table: its admission candidates (id,
-    /// sightings, last step) and life counters.
+    /// Admission candidates (id, sightings, last step), in parts of their
+    /// own after the table's rows (a primary of an earlier build sent them
+    /// all in the table's first part; either way the follower restores
+    /// what each part holds).
     pub candidates: Vec<(u64, u32, u64)>,
     /// The first part of each table: its life counters.
     pub stats: Option<crate::sparse::TableStats>,

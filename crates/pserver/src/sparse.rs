@@ -64,7 +64,7 @@
 use std::collections::{HashMap, HashSet};
 use std::fmt;
 use std::hash::{BuildHasher, Hasher};
-use std::sync::Arc;
+use std::sync::{Arc, OnceLock};
 
 use serde::{Deserialize, Serialize};
 
@@ -77,7 +77,8 @@ use crate::spec::{validate_specs, Init, ParamSpec};
 pub const MAX_DIM: usize = 1 << 16;
 
 /// The most ids one pull or push may name: a bound on the work and memory
-/// of one call, whatever a trainer sends.
+/// of one call, whatever a trainer sends. A sync step's rows, its members'
+/// pushes combined, may be more ([`SparseTable::check_step`]).
 pub const MAX_ROWS_PER_CALL: usize = 1 << 20;
 
 /// The most bytes of row values one pull of rows (or all the row pulls of
@@ -634,10 +635,19 @@ impl SparseTable {
     /// every value finite, no id twice. A push is checked whole before any
     /// of it is applied, so a bad one changes nothing.
     pub fn check(&self, ids: &[u64], grads: &[f32]) -> Result<()> {
-        let table = || self.spec.name.clone();
         if ids.len() > MAX_ROWS_PER_CALL {
-            return Err(Error::TooManyRows { table: table(), got: ids.len(), max: MAX_ROWS_PER_CALL });
+            let table = self.spec.name.clone();
+            return Err(Error::TooManyRows { table, got: ids.len(), max: MAX_ROWS_PER_CALL });
         }
+        self.check_step(ids, grads)
+    }
+
+    /// [`check`](Self::check) without the per-call limit, for the rows of a
+    /// sync step its primary combined from its members' pushes: each push
+    /// is within [`MAX_ROWS_PER_CALL`], their union need not be, and a
+    /// follower must take the step the primary applied.
+    pub fn check_step(&self, ids: &[u64], grads: &[f32]) -> Result<()> {
+        let table = || self.spec.name.clone();
         let expected = ids.len().saturating_mul(self.spec.dim);
         if grads.len() != expected {
             return Err(Error::RowGradLength { table: table(), expected, got: grads.len() });
@@ -791,6 +801,7 @@ impl SparseTable {
             stride: self.stride,
             chunks: self.chunks.clone(),
             candidates: self.candidates.clone(),
+            sorted: Arc::default(),
             stats: self.stats(),
         }
     }
@@ -840,8 +851,12 @@ impl SparseTable {
     /// Put back one held row (a checkpoint's, a catch-up's): its values,
     /// optimizer state, count and last push, replacing any row or
     /// candidate of its id. Checked first (lengths `dim` and
-    /// `state_slots * dim`, finite values, count at least 1, room under the
-    /// cap); on an error nothing changed.
+    /// `state_slots * dim`, count at least 1, room under the cap); on an
+    /// error nothing changed. The values are taken as they come, NaN and
+    /// infinities included, as [`ParamStore::restore_block`] takes a
+    /// block's: a row holds what its optimizer computed.
+    ///
+    /// [`ParamStore::restore_block`]: crate::ParamStore::restore_block
     pub fn restore_row(&mut self, row: RowRecord<'_>) -> Result<()> {
         let (dim, stride) = (self.spec.dim, self.stride);
         let bad = |reason: String| Error::RestoreRow { table: self.spec.name.clone(), id: row.id, reason };
@@ -854,11 +869,6 @@ impl SparseTable {
                 "optimizer slots have {} values, expected {want_slots}",
                 row.slots.len()
             )));
-        }
-        for (what, values) in [("parameters", row.params), ("optimizer slots", row.slots)] {
-            if let Some((i, v)) = values.iter().enumerate().find(|(_, v)| !v.is_finite()) {
-                return Err(bad(format!("{what} have non-finite value {v} at index {i}")));
-            }
         }
         if row.count == 0 {
             return Err(bad("count 0: a held row has been pushed at least once".into()));
@@ -1130,6 +1140,9 @@ pub struct TableSnapshot {
     stride: usize,
     chunks: Vec<Arc<Chunk>>,
     candidates: IdMap<(u32, u64)>,
+    /// The candidates in id order, sorted at the first
+    /// [`candidates_in`](TableSnapshot::candidates_in) (shared by clones).
+    sorted: Arc<OnceLock<Vec<Candidate>>>,
     stats: TableStats,
 }
 
@@ -1201,6 +1214,22 @@ impl TableSnapshot {
         let end = chunks.end.clamp(start, self.chunks.len());
         live_slots(&self.chunks[start..end])
             .map(move |(id, c, r)| record(&self.chunks[start + c], r, id, dim, stride))
+    }
+
+    /// The candidates held.
+    pub fn candidate_count(&self) -> usize {
+        self.candidates.len()
+    }
+
+    /// Candidates `range` of the ascending id order: positional access for
+    /// a catch-up that streams a table's candidates part by part. They are
+    /// sorted once, at the first call, for the snapshot and its clones (not
+    /// for every part, as [`candidates`](Self::candidates) would).
+    pub fn candidates_in(&self, range: std::ops::Range<usize>) -> impl Iterator<Item = Candidate> + '_ {
+        let sorted = self.sorted.get_or_init(|| self.candidates().collect());
+        let start = range.start.min(sorted.len());
+        let end = range.end.clamp(start, sorted.len());
+        sorted[start..end].iter().copied()
     }
 
     /// Every candidate, in ascending id order.
@@ -1418,11 +1447,9 @@ mod tests {
         let p = [0.0f32; 4];
         let s = [0.0f32; 8];
         let good = RowRecord { id: 9, params: &p, step: 1, slots: &s, count: 1, last_seen: 3 };
-        let nan = [0.0, f32::NAN, 0.0, 0.0];
         for bad in [
             RowRecord { params: &p[..3], ..good },
             RowRecord { slots: &s[..7], ..good },
-            RowRecord { params: &nan, ..good },
             RowRecord { count: 0, ..good },
             good, // over the cap of 2
         ] {
@@ -1436,6 +1463,12 @@ mod tests {
         // Replacing a held row is fine.
         assert!(t.restore_row(RowRecord { id: 2, ..good }).is_ok());
         assert_eq!(t.row(2, 3).map(|r| (r.step, r.params.to_vec())), Some((1, p.to_vec())));
+        // So is a row of a diverged model: restored as it was.
+        let nan = [0.0, f32::NAN, f32::NEG_INFINITY, 0.0];
+        let inf = [f32::INFINITY; 8];
+        t.restore_row(RowRecord { id: 2, params: &nan, slots: &inf, ..good }).unwrap();
+        let row = t.row(2, 3).map(|r| (bits(r.params), bits(r.slots)));
+        assert_eq!(row, Some((bits(&nan), bits(&inf))));
         // A snapshot of another table does not fit.
         let other = SparseTable::new(TableSpec::new("other", 4, Init::Zeros), 7, 2).unwrap();
         assert!(matches!(t.restore(&other.snapshot()), Err(Error::BadTable { .. })));

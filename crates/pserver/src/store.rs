@@ -108,6 +108,19 @@ fn first_non_finite_value(values: &[f32]) -> Option<usize> {
     None
 }
 
+/// How many values of `values` are NaN or infinite, by the same runs as
+/// [`first_non_finite_value`] (a checkpoint counts every value it writes).
+pub(crate) fn count_non_finite(values: &[f32]) -> u64 {
+    let mut count = 0;
+    for run in values.chunks(RUN) {
+        let worst = run.iter().fold(0, |worst, x| worst.max(x.to_bits() & ABS));
+        if worst >= INFINITY {
+            count += run.iter().filter(|x| !x.is_finite()).count() as u64;
+        }
+    }
+    count
+}
+
 /// The first of the little-endian `f32` in `bytes` that is NaN or infinite,
 /// with its index. Every push is checked before anything is applied, so
 /// this reads every gradient once more: it scans runs of 64 values with a
@@ -1024,7 +1037,8 @@ impl ParamStore {
     /// block, and move to the next step. The step must be the store's, no
     /// step may be underway, and every gradient must be for a held block
     /// (restored, in a store made to be restored), once, of the right length
-    /// and finite; else nothing changes.
+    /// and finite; else nothing changes. Its rows may number more than
+    /// [`MAX_ROWS_PER_CALL`] per table (the members' pushes combined).
     pub fn apply_step(&mut self, completed: CompletedStep) -> Result<()> {
         let CompletedStep { step, grads, seqs, rows, origins } = completed;
         if self.mode != Mode::Sync {
@@ -1040,7 +1054,9 @@ impl ParamStore {
         let grads: Vec<(BlockId, Grad)> = grads.into_iter().map(|(id, g)| (id, Grad::Floats(g))).collect();
         // A step of pushes all applied before updates nothing.
         let grads = if grads.is_empty() { Vec::new() } else { self.check_grads("the primary", 1.0, grads)? };
-        self.check_row_grads("the primary", &rows)?;
+        // A step combines its members' rows: within the per-call limit
+        // only push by push.
+        self.check_row_grads("the primary", &rows, Rows::Step)?;
         let mut scratch = Vec::new();
         for (i, g) in &grads {
             let d = Self::block_mut(&mut self.held, &self.spares, *i);
@@ -1096,8 +1112,12 @@ impl ParamStore {
 
     /// Replace a held block's parameters and optimizer state (from a
     /// checkpoint, a catch-up's snapshot part, or initial values computed
-    /// elsewhere). Checks the block is held, the lengths (`len` parameters,
-    /// `state_slots() * len` slots) and that every value is finite.
+    /// elsewhere). Checks the block is held and the lengths (`len`
+    /// parameters, `state_slots() * len` slots). The values are taken as
+    /// they come, NaN and infinities included: a store holds what its
+    /// optimizer computed, a diverged model too, and a restore must give
+    /// back exactly that (a checkpoint's checksum and the transport vouch
+    /// for the bytes).
     pub fn restore_block(&mut self, id: BlockId, params: Vec<f32>, state: OptimizerState) -> Result<()> {
         let server = self.server;
         let i = self.index(id).ok_or(Error::BlockNotHeld { block: id, server })?;
@@ -1108,9 +1128,6 @@ impl ParamStore {
         {
             if values.len() != expected {
                 return Err(Error::RestoreLength { block: id, what, expected, got: values.len() });
-            }
-            if let Some(index) = first_non_finite_value(values) {
-                return Err(Error::RestoreNonFinite { block: id, what, index, value: values[index] });
             }
         }
         self.unrestored -= usize::from(!self.held[i].restored());
@@ -1518,13 +1535,14 @@ impl ParamStore {
             }
             return Ok(None);
         }
-        self.check_row_grads(trainer, &rows)?;
+        self.check_row_grads(trainer, &rows, Rows::Push)?;
         Ok(Some(rows))
     }
 
     /// Row gradients fit their tables: each table once, ids of this shard,
-    /// each once, the right length, finite, within [`MAX_ROWS_PER_CALL`].
-    fn check_row_grads(&self, who: &str, rows: &[RowGrads]) -> Result<()> {
+    /// each once, the right length, finite, and a push's within
+    /// [`MAX_ROWS_PER_CALL`].
+    fn check_row_grads(&self, who: &str, rows: &[RowGrads], kind: Rows) -> Result<()> {
         let mut seen = vec![false; self.tables.len()];
         let mut scratch = Vec::new();
         for r in rows {
@@ -1541,7 +1559,10 @@ impl ParamStore {
                 });
             }
             self.check_row_shard(who, t, &r.ids)?;
-            t.check(&r.ids, r.grads.floats(&mut scratch))?;
+            match kind {
+                Rows::Push => t.check(&r.ids, r.grads.floats(&mut scratch))?,
+                Rows::Step => t.check_step(&r.ids, r.grads.floats(&mut scratch))?,
+            }
         }
         Ok(())
     }
@@ -1590,6 +1611,16 @@ impl ParamStore {
         self.updated[unit] = true;
         self.updated_count += 1;
     }
+}
+
+/// Whose row gradients [`ParamStore::check_row_grads`] checks.
+#[derive(Clone, Copy)]
+enum Rows {
+    /// A trainer's push: at most [`MAX_ROWS_PER_CALL`] ids per table.
+    Push,
+    /// A sync step a primary completed: its members' pushes combined, up to
+    /// their number times the per-call limit.
+    Step,
 }
 
 /// The sum of a step's push weights, in `f64`: finite whatever the
@@ -2194,10 +2225,14 @@ mod tests {
             st.restore_block(id, vec![1.0; 5], short),
             Err(Error::RestoreLength { what: "optimizer slots", expected: 10, got: 5, .. })
         ));
-        assert!(matches!(
-            st.restore_block(id, vec![1.0, 1.0, f32::NAN, 1.0, 1.0], state.clone()),
-            Err(Error::RestoreNonFinite { index: 2, .. })
-        ));
+        // What a diverged store held is restored as it was.
+        let diverged = OptimizerState { step: 8, slots: [[f32::INFINITY; 5], [0.5; 5]].concat() };
+        st.restore_block(id, vec![1.0, 1.0, f32::NAN, f32::NEG_INFINITY, 1.0], diverged.clone()).unwrap();
+        let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+        let want = [1.0, 1.0, f32::NAN, f32::NEG_INFINITY, 1.0];
+        assert_eq!(bits(st.block(id).unwrap()), bits(&want));
+        assert_eq!(st.blocks().find(|b| b.0 == id).unwrap().2, &diverged);
+        st.restore_block(id, vec![1.0; 5], state.clone()).unwrap();
         assert!(matches!(
             st.restore_block(BlockId::new(5, 0), vec![], state.clone()),
             Err(Error::BlockNotHeld { .. })

@@ -13,7 +13,7 @@ use common::{keys, Cluster, Counting};
 use oar_discovery::{Discovery, MemDiscovery};
 use oar_pserver::client::{RowsAhead, TableGrads};
 use oar_pserver::protocol::{BatchCall, BlockSpan, PsReply, PsRequest, ShardRows, TableRows, PSERVER_METHOD};
-use oar_pserver::sparse::{init_row, TableSpec};
+use oar_pserver::sparse::{init_row, row_shard, TableSpec};
 use oar_pserver::{
     CoordinatorOptions, Init, Mode, OptimizerConfig, ParamBuf, ParamSpec, Placement, Pserver, PserverClient,
     PserverClientOptions, PserverOptions, PushResult,
@@ -397,4 +397,68 @@ async fn in_sync_mode_rows_asked_with_a_push_are_read_after_its_step() {
     assert_ne!(rows, initial(&ids), "read before the step");
     assert_ne!(rows, t1_alone, "read with t1's gradient only");
     assert_eq!(rows, pull(&mut t1, &ids).await);
+}
+
+/// Sync, two replicas: a step of two trainers' rows, each push within the
+/// calls' limit, the forward of the step they make together past it. The
+/// follower takes the step from a snapshot instead (the primary used to
+/// send the forward again for ever, acknowledging nothing, until the
+/// trainers gave up), later steps are forwarded again, and the follower,
+/// taking over, holds every row.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_sync_step_too_large_to_forward_reaches_the_follower_by_a_snapshot() {
+    const N: usize = 2000;
+    // A push of N rows is N * DIM * 4 bytes of values and its ids; the step
+    // twice that.
+    let limit = (N * DIM * 4 * 3 / 2 + N * 4) as u64;
+    let inner: Arc<dyn Transport> = Arc::new(MemTransport::new(MemNetwork::new()));
+    let env = Env::on(Arc::new(common::Limited::new(inner, limit)), "mem:0", 2, 2).await;
+    let (a, b) = (env.pserver_in(Mode::Sync).await, env.pserver_in(Mode::Sync).await);
+    env.wait_replicated(&[&a, &b]).await;
+    let (mut t1, mut t2) = (env.client("t1"), env.client("t2"));
+    t1.join().await.unwrap();
+    t2.join().await.unwrap();
+    // Rows of shard 0 only, so that each push to it is one call of N rows.
+    let ids: Vec<u64> = (0..).filter(|&id| row_shard("emb", id, SHARDS) == 0).take(2 * N + 1).collect();
+    let (ids1, ids2, last) = (ids[..N].to_vec(), ids[N..2 * N].to_vec(), ids[2 * N]);
+    // A sync push: at the step a pull of the dense parameters says.
+    async fn push_at_step(trainer: &mut PserverClient, ids: &[u64], g: f32) {
+        trainer.pull(&mut ParamBuf::zeros(&specs())).await.unwrap();
+        let grads = vec![g; ids.len() * DIM];
+        let rows = [TableGrads { table: 0, ids, grads: &grads }];
+        let pushed = trainer.push_rows(&ParamBuf::zeros(&specs()), &rows, 1.0).await.unwrap();
+        assert_eq!(pushed, PushResult::Accepted);
+    }
+    let step = |mut t1: PserverClient, mut t2: PserverClient, ids1: Vec<u64>, ids2: Vec<u64>| async move {
+        let first = tokio::spawn(async move {
+            push_at_step(&mut t1, &ids1, 1.0).await;
+            t1
+        });
+        push_at_step(&mut t2, &ids2, 3.0).await;
+        (first.await.unwrap(), t2)
+    };
+    let within = Duration::from_secs(20);
+    let (t1, t2) = tokio::time::timeout(within, step(t1, t2, ids1.clone(), ids2.clone()))
+        .await
+        .expect("the step too large to forward is acknowledged");
+    // A small step after it is forwarded as usual.
+    let (mut t1, _t2) = tokio::time::timeout(within, step(t1, t2, vec![last], vec![last]))
+        .await
+        .expect("the next step is acknowledged");
+    // Each row holds the step's mean: half its one trainer's gradient.
+    let mut want = initial(&ids);
+    for (k, v) in want.iter_mut().enumerate() {
+        *v -= match k / DIM {
+            i if i < N => 0.5,
+            i if i < 2 * N => 1.5,
+            _ => 2.0,
+        };
+    }
+    assert_eq!(pull(&mut t1, &ids).await, want);
+    let map = env.cluster.map().await.unwrap();
+    let (primary, survivor) = if map.primary(0) == Some(a.name()) { (a, b) } else { (b, a) };
+    let gone = primary.name().to_string();
+    env.kill(primary).await;
+    env.cluster.wait_primary(&[&survivor], 0, &gone).await;
+    assert_eq!(pull(&mut t1, &ids).await, want, "the follower held every acknowledged row update");
 }

@@ -4,10 +4,11 @@
 //! bad row input refused by name with the store unchanged.
 
 use oar_pserver::checkpoint::CheckpointDir;
+use oar_pserver::replica::{snapshot_parts, CatchUp, History, RowChunk};
 use oar_pserver::sparse::{init_row, row_shard, RowPolicy, TableSpec, MAX_ROWS_PER_CALL};
 use oar_pserver::{
-    Adam, Error, Grad, Init, Mode, Optimizer, ParamSpec, ParamStore, Placement, Push, PushOutcome, RowGrads,
-    Sgd,
+    AdaGrad, Adam, Error, Grad, Init, Mode, Optimizer, ParamSpec, ParamStore, Placement, Push, PushOutcome,
+    RowGrads, Sgd, StoreSnapshot,
 };
 
 const SHARDS: u32 = 2;
@@ -139,6 +140,41 @@ fn followers_applying_the_primarys_steps_hold_the_same_rows() {
     assert!(!rows_of(&primary).is_empty(), "rows seen twice were admitted");
 }
 
+/// Each push within the per-call limit, the step they make together past
+/// it: the followers take the step the primary applied (they refused it,
+/// and caught up from a snapshot after every such step).
+#[test]
+fn a_sync_step_past_the_per_call_limit_reaches_the_followers() {
+    let pl = placement(RowPolicy::default());
+    let mut primary = ParamStore::new(&pl, 0, SEED, sgd(), Mode::Sync).unwrap();
+    let mut follower = ParamStore::new(&pl, 0, SEED, sgd(), Mode::Sync).unwrap();
+    primary.record_steps();
+    for store in [&mut primary, &mut follower] {
+        store.join("a");
+        store.join("b");
+    }
+    let n = MAX_ROWS_PER_CALL / 2 + 1000;
+    let ids = ids_on(0, 2 * n);
+    let (a, b) = ids.split_at(n);
+    let p = push(&primary, "a", 1, 1.0, a, vec![1.0; n * DIM]);
+    assert!(matches!(primary.push(p).unwrap(), PushOutcome::Buffered { .. }));
+    let p = push(&primary, "b", 1, 1.0, b, vec![-1.0; n * DIM]);
+    assert_eq!(primary.push(p).unwrap(), PushOutcome::Applied { step: 1 });
+    let steps = primary.take_completed_steps();
+    assert_eq!(steps.len(), 1);
+    assert_eq!(steps[0].rows[0].ids.len(), 2 * n, "one step of more rows than one call may carry");
+    for step in steps {
+        follower.apply_step(step).unwrap();
+    }
+    assert_eq!(follower.step(), 1);
+    assert_eq!(rows_of(&follower), rows_of(&primary));
+    // A push is still held to the limit.
+    let many: Vec<u64> = ids_on(0, MAX_ROWS_PER_CALL + 1);
+    let p = push(&primary, "a", 2, 1.0, &many, vec![0.0; many.len() * DIM]);
+    let e = primary.push(p).unwrap_err();
+    assert!(matches!(e, Error::TooManyRows { .. }), "{e}");
+}
+
 #[test]
 fn checkpoints_carry_rows_and_their_statistics_bit_for_bit() {
     let pl = placement(RowPolicy { admit_after: 2, expire_after: Some(50), ..RowPolicy::default() });
@@ -165,6 +201,142 @@ fn checkpoints_carry_rows_and_their_statistics_bit_for_bit() {
     assert_eq!(restored_candidates, candidates);
     assert_eq!(restored.tables()[0].stats(), store.tables()[0].stats());
     assert_eq!(pull(&restored, &ids), pull(&store, &ids));
+}
+
+/// [`placement`] with dense blocks on every shard (blocks of 4 of a 24-value `w`).
+fn placement_with_blocks() -> Placement {
+    let specs = vec![ParamSpec::new("w", vec![24], Init::Uniform { low: -0.1, high: 0.1 })];
+    let emb = TableSpec::new("emb", DIM, Init::Uniform { low: -0.1, high: 0.1 });
+    Placement::new(&specs, SHARDS, 4).unwrap().with_tables(vec![emb]).unwrap()
+}
+
+/// Every block and row of `store`, floats as bits.
+fn held(store: &ParamStore) -> (Vec<Vec<u32>>, Vec<RowBits>) {
+    let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+    let blocks = store.blocks().map(|(_, p, s)| [bits(p), bits(&s.slots)].concat()).collect();
+    (blocks, rows_of(store))
+}
+
+/// A fresh replica of shard 0 caught up from `snapshot` (its blocks in
+/// small parts, its table's rows in one), as a follower's catch-up does.
+fn caught_up(pl: &Placement, opt: Box<dyn Optimizer>, snapshot: &StoreSnapshot) -> ParamStore {
+    let fresh = ParamStore::new_to_restore(pl, 0, SEED, opt, Mode::Async).unwrap();
+    let mut catch_up = CatchUp::new(0, 1, 0, History::starting(1, 1), fresh);
+    let mut parts = snapshot_parts(snapshot, 0, 1, 0, 4);
+    let table = &snapshot.tables()[0];
+    let rows = table
+        .records()
+        .map(|r| (r.id, r.params.to_vec(), r.step, r.slots.to_vec(), r.count, r.last_seen))
+        .collect();
+    let chunk = RowChunk {
+        table: 0,
+        index: 0,
+        rows,
+        candidates: table.candidates().collect(),
+        stats: Some(table.stats()),
+    };
+    let mut row_part = parts[0].clone();
+    row_part.blocks.clear();
+    row_part.rows = Some(chunk);
+    parts.push(row_part);
+    for mut part in parts {
+        part.row_parts = 1;
+        catch_up.part(part).unwrap();
+    }
+    let (store, ..) = catch_up.finish().unwrap().promote(2);
+    store
+}
+
+/// Saved, loaded into a fresh store and caught up from: what `store` held,
+/// bit for bit, both ways.
+fn round_trips(pl: &Placement, opt: &dyn Fn() -> Box<dyn Optimizer>, store: &ParamStore) {
+    let dir = tempfile::tempdir().unwrap();
+    let ckpt = CheckpointDir::new(dir.path(), 0);
+    ckpt.save(&store.snapshot().unwrap(), 2).unwrap();
+    let mut restored = ParamStore::new_to_restore(pl, 0, SEED, opt(), Mode::Async).unwrap();
+    let loaded = ckpt.load_latest(&mut restored).unwrap().unwrap();
+    assert!(loaded.skipped.is_empty(), "{:?}", loaded.skipped);
+    assert_eq!(held(&restored), held(store), "the checkpoint holds what the store held");
+    let follower = caught_up(pl, opt(), &store.snapshot().unwrap());
+    assert_eq!(held(&follower), held(store), "the catch-up carries what the store held");
+}
+
+/// The reviewer's case: a finite gradient whose square overflows `f32`
+/// (row `[1e20, 1, -3e30]`, a dense 1e25). AdaGrad's and Adam's state stays
+/// finite (it became `inf`), and the shard saves, loads and is caught up
+/// from as it was (the checkpoint was refused as corrupt, the catch-up
+/// failed).
+#[test]
+fn a_huge_finite_gradient_leaves_the_state_finite_and_the_shard_restorable() {
+    let pl = placement_with_blocks();
+    let adam = || -> Box<dyn Optimizer> { Box::new(Adam { lr: 0.01, beta1: 0.9, beta2: 0.999, eps: 1e-8 }) };
+    let adagrad = || -> Box<dyn Optimizer> { Box::new(AdaGrad { lr: 0.1, eps: 1e-10 }) };
+    for opt in [&adam as &dyn Fn() -> Box<dyn Optimizer>, &adagrad] {
+        let mut store = ParamStore::new(&pl, 0, SEED, opt(), Mode::Async).unwrap();
+        let ids = ids_on(0, 2);
+        for seq in 1..=3 {
+            let mut p = push(&store, "t", seq, 1.0, &ids, [[1e20, 1.0, -3e30], [0.5; DIM]].concat());
+            for (_, g) in &mut p.grads {
+                *g = Grad::Floats(vec![1e25; g.len()]);
+            }
+            store.push(p).unwrap();
+        }
+        let name = opt().name().to_string();
+        let (blocks, rows) = held(&store);
+        let finite = |bits: &[u32]| bits.iter().all(|&b| f32::from_bits(b).is_finite());
+        assert!(blocks.iter().all(|b| finite(b)), "{name}: a block's state overflowed");
+        assert!(
+            rows.iter().all(|r| finite(&r.1) && finite(&r.3)),
+            "{name}: a row's state overflowed: {rows:?}"
+        );
+        round_trips(&pl, &opt, &store);
+    }
+}
+
+/// A model that does diverge (SGD at rate 10: a gradient of 3e38 takes a
+/// parameter to -inf, one of -3e38 then to NaN) is checkpointed and caught
+/// up from as it was, NaN and infinities included, with every update it
+/// acknowledged (the checkpoint was refused as corrupt, the catch-up
+/// failed for good). A file whose count of them was altered is refused.
+#[test]
+fn a_diverged_shard_checkpoints_and_catches_up_as_it_was() {
+    let pl = placement_with_blocks();
+    let sgd = || -> Box<dyn Optimizer> { Box::new(Sgd { lr: 10.0 }) };
+    let mut store = ParamStore::new(&pl, 0, SEED, sgd(), Mode::Async).unwrap();
+    let ids = ids_on(0, 2);
+    for (seq, g) in [(1, 3e38), (2, -3e38)] {
+        let mut p = push(&store, "t", seq, 1.0, &ids, [[g, 1.0, g], [0.5; DIM]].concat());
+        for (_, grad) in &mut p.grads {
+            *grad = Grad::Floats(vec![g; grad.len()]);
+        }
+        store.push(p).unwrap();
+    }
+    let rows = rows_of(&store);
+    let row = |i: usize| rows[i].1.iter().map(|&b| f32::from_bits(b)).collect::<Vec<f32>>();
+    assert!(row(0)[0].is_nan() && row(0)[1].is_finite() && row(0)[2].is_nan(), "{:?}", row(0));
+    assert!(row(1).iter().all(|x| x.is_finite()));
+    assert!(store.blocks().count() > 0 && store.blocks().all(|(_, p, _)| p.iter().all(|x| x.is_nan())));
+    round_trips(&pl, &sgd, &store);
+
+    // The header records how many such values the file holds: two in the
+    // row, every parameter of the blocks.
+    let dir = tempfile::tempdir().unwrap();
+    let ckpt = CheckpointDir::new(dir.path(), 0);
+    let saved = ckpt.save(&store.snapshot().unwrap(), 2).unwrap();
+    let good = std::fs::read(&saved.path).unwrap();
+    let name_len = u32::from_le_bytes(good[56..60].try_into().unwrap()) as usize;
+    let at = 60 + name_len + 8;
+    let recorded = u64::from_le_bytes(good[at..at + 8].try_into().unwrap());
+    let blocks: usize = store.blocks().map(|(_, p, _)| p.len()).sum();
+    assert_eq!(recorded, (blocks + 2) as u64);
+    for (count, words) in [(recorded + 1, "the file holds"), (recorded - 1, "past the")] {
+        let mut b = good.clone();
+        b[at..at + 8].copy_from_slice(&count.to_le_bytes());
+        std::fs::write(&saved.path, with_crc(b)).unwrap();
+        let mut restored = ParamStore::new_to_restore(&pl, 0, SEED, sgd(), Mode::Async).unwrap();
+        let e = ckpt.load_latest(&mut restored).unwrap_err().to_string();
+        assert!(e.contains(words) && e.contains("non-finite"), "{e}");
+    }
 }
 
 /// Rewrites a checkpoint's trailing CRC so that only an edit is wrong.

@@ -3,6 +3,25 @@
 //! reader from any `Read + Seek` that verifies a whole file against a store
 //! before it restores anything. No files, names or directories here: those
 //! are [`CheckpointDir`](super::CheckpointDir)'s.
+//!
+//! **Non-finite values.** A checkpoint holds what the store held, NaN and
+//! infinities included, and loads it back exactly: a model that diverged
+//! (SGD's parameters past `f32::MAX`, say) is restored as it was, with
+//! every update acknowledged before the save, rather than refused as
+//! corrupt, which made the shard fall back to an older checkpoint (or to
+//! nothing) and a follower's catch-up fail for good. The built-in
+//! optimizers never turn a finite gradient into infinite state (see
+//! [`optimizer`](crate::optimizer)), so only a true divergence gets here.
+//! The file's CRC guards its bytes; besides, the header records how many
+//! non-finite values the file holds (a header extension after the pushes
+//! applied, `u64`, written only when there are some: a file of a finite
+//! store is byte for byte what earlier builds wrote, and their readers skip
+//! the field as the header length allows). A file whose header records
+//! none and that holds one (named by block or row and index), or holds
+//! another number than it records, is refused as altered. A file of a
+//! diverged store written by an earlier build records none, and stays
+//! refused as it was then (the reason says so). The format version stays 1:
+//! what a file of version 1 may hold only grew.
 
 use std::io::{self, BufReader, Read, Seek, SeekFrom, Write};
 use std::path::Path;
@@ -12,7 +31,7 @@ use crate::error::{Error, Result};
 use crate::optimizer::OptimizerState;
 use crate::origin::AppliedOrigins;
 use crate::sparse::{Candidate, RowRecord, TableStats};
-use crate::store::{ParamStore, StoreSnapshot};
+use crate::store::{count_non_finite, ParamStore, StoreSnapshot};
 
 /// The first 8 bytes of every checkpoint file.
 pub const MAGIC: [u8; 8] = *b"OARCKPT\0";
@@ -23,6 +42,8 @@ pub const FORMAT_VERSION: u32 = 1;
 const FIXED_HEADER: u64 = 60;
 /// Header bytes after the optimizer name: the pushes applied.
 const HEADER_EXTENSION: u64 = 8;
+/// More header bytes, in a file that holds non-finite values: how many.
+const NON_FINITE_EXTENSION: u64 = 8;
 /// param + block + len + optimizer step.
 const BLOCK_HEAD: u64 = 24;
 /// trainer id length + seq: the smallest last-seq entry.
@@ -41,6 +62,8 @@ pub(super) struct Encoder<'a> {
     name_len: u32,
     header_len: u32,
     slots: u32,
+    /// The snapshot's NaN and infinite values (see the module docs).
+    non_finite: u64,
 }
 
 impl<'a> Encoder<'a> {
@@ -49,11 +72,13 @@ impl<'a> Encoder<'a> {
         let too_big = |what: String| Error::Config(format!("cannot checkpoint: {what}"));
         let name_len = u32::try_from(name.len())
             .map_err(|_| too_big(format!("optimizer name of {} bytes is too long", name.len())))?;
-        let header_len = u32::try_from(FIXED_HEADER + u64::from(name_len) + HEADER_EXTENSION)
+        let non_finite = non_finite_in(snapshot);
+        let extension = HEADER_EXTENSION + if non_finite > 0 { NON_FINITE_EXTENSION } else { 0 };
+        let header_len = u32::try_from(FIXED_HEADER + u64::from(name_len) + extension)
             .map_err(|_| too_big(format!("optimizer name of {} bytes is too long", name.len())))?;
         let slots = u32::try_from(snapshot.state_slots())
             .map_err(|_| too_big(format!("{} optimizer state slots", snapshot.state_slots())))?;
-        Ok(Self { snapshot, name_len, header_len, slots })
+        Ok(Self { snapshot, name_len, header_len, slots, non_finite })
     }
 
     /// Write the whole checkpoint, its CRC last, to `w` (buffer it: the
@@ -81,6 +106,9 @@ impl<'a> Encoder<'a> {
         w.u32(self.name_len)?;
         w.put(snap.optimizer().as_bytes())?;
         w.u64(snap.pushes())?;
+        if self.non_finite > 0 {
+            w.u64(self.non_finite)?;
+        }
         for (id, params, state) in snap.blocks() {
             w.u32(id.param)?;
             w.u32(id.block)?;
@@ -143,6 +171,23 @@ impl<'a> Encoder<'a> {
         }
         Ok(())
     }
+}
+
+/// The NaN and infinite values of `snapshot`'s blocks and rows: one more
+/// pass over its values before any is written, at memory speed (the header
+/// that records them comes first).
+fn non_finite_in(snapshot: &StoreSnapshot) -> u64 {
+    let blocks: u64 = snapshot
+        .blocks()
+        .map(|(_, params, state)| count_non_finite(params) + count_non_finite(&state.slots))
+        .sum();
+    let rows: u64 = snapshot
+        .tables()
+        .iter()
+        .flat_map(|t| t.records())
+        .map(|r| count_non_finite(r.params) + count_non_finite(r.slots))
+        .sum();
+    blocks + rows
 }
 
 /// A writer that hashes and counts what goes through it.
@@ -260,6 +305,8 @@ struct Header {
     slots: u64,
     blocks: u64,
     optimizer: String,
+    /// The NaN and infinite values the file holds, by its writer's count.
+    non_finite: u64,
 }
 
 impl Header {
@@ -464,8 +511,58 @@ fn read_header<R: Read>(r: &mut Body<R>) -> Check<Header> {
         pushes = r.u64("pushes applied")?;
         extension -= HEADER_EXTENSION;
     }
+    let mut non_finite = 0;
+    if extension >= NON_FINITE_EXTENSION {
+        non_finite = r.u64("non-finite value count")?;
+        extension -= NON_FINITE_EXTENSION;
+    }
     r.skip(extension, "header extension")?;
-    Ok(Header { fingerprint, server, step, pushes, unix_time_ms, slots, blocks, optimizer })
+    Ok(Header { fingerprint, server, step, pushes, unix_time_ms, slots, blocks, optimizer, non_finite })
+}
+
+/// The non-finite values a scan met, against the count its header records.
+struct NonFinite {
+    recorded: u64,
+    seen: u64,
+}
+
+impl NonFinite {
+    /// Count those of `values` (`what` names them): a file that records
+    /// none may hold none (the first is named), one that records `n` at most `n`.
+    fn check(&mut self, values: &[f32], what: &dyn Fn() -> String) -> Check<()> {
+        let n = count_non_finite(values);
+        if n == 0 {
+            return Ok(());
+        }
+        if self.recorded == 0 {
+            let (i, v) = values.iter().enumerate().find(|(_, v)| !v.is_finite()).unwrap_or((0, &f32::NAN));
+            return Err(Reject::Corrupt(format!(
+                "{} hold non-finite value {v} at index {i}, where the header records none (the file was \
+                 altered, or written by a build that did not record them)",
+                what()
+            )));
+        }
+        self.seen += n;
+        if self.seen > self.recorded {
+            return Err(Reject::Corrupt(format!(
+                "{} bring the file's non-finite values past the {} its header records (the file was altered)",
+                what(),
+                self.recorded
+            )));
+        }
+        Ok(())
+    }
+
+    /// The whole file read: as many as recorded.
+    fn finish(&self) -> Check<()> {
+        if self.seen != self.recorded {
+            return Err(Reject::Corrupt(format!(
+                "the header records {} non-finite values, the file holds {} (the file was altered)",
+                self.recorded, self.seen
+            )));
+        }
+        Ok(())
+    }
 }
 
 /// Read a whole checkpoint through `r` (from its start to its end),
@@ -496,8 +593,9 @@ fn scan<R: Read + Seek>(
     let header = read_header(&mut r)?;
     let mut problem = header.mismatch(expect).map(Reject::Mismatch);
     let mut seqs = Vec::new();
+    let mut non_finite = NonFinite { recorded: header.non_finite, seen: 0 };
     if problem.is_none() {
-        problem = scan_blocks(&mut r, &header, expect, on_block)?;
+        problem = scan_blocks(&mut r, &header, expect, &mut non_finite, on_block)?;
     }
     if problem.is_none() {
         let n = r.u64("last-seq count")?;
@@ -511,7 +609,7 @@ fn scan<R: Read + Seek>(
     }
     let mut table_stats = Vec::new();
     if problem.is_none() {
-        match scan_tables(&mut r, &header, expect, on_row)? {
+        match scan_tables(&mut r, &header, expect, &mut non_finite, on_row)? {
             Ok(stats) => table_stats = stats,
             Err(p) => problem = Some(p),
         }
@@ -532,7 +630,10 @@ fn scan<R: Read + Seek>(
     let checksum = r.finish()?;
     match problem {
         Some(p) => Err(p),
-        None => Ok(Scanned { header, seqs, origins, table_stats, checksum, bytes: size }),
+        None => {
+            non_finite.finish()?;
+            Ok(Scanned { header, seqs, origins, table_stats, checksum, bytes: size })
+        }
     }
 }
 
@@ -542,6 +643,7 @@ fn scan_blocks<R: Read>(
     r: &mut Body<R>,
     h: &Header,
     expect: &Expect,
+    non_finite: &mut NonFinite,
     on_block: &mut dyn FnMut(BlockId, Vec<f32>, OptimizerState) -> Check<()>,
 ) -> Check<Option<Reject>> {
     r.need(h.blocks.saturating_mul(BLOCK_HEAD), &format!("{} blocks", h.blocks))?;
@@ -562,12 +664,7 @@ fn scan_blocks<R: Read>(
         let params = r.f32s(file_len, &format!("block {id} parameters"))?;
         let slots = r.f32s(file_len.saturating_mul(h.slots), &format!("block {id} optimizer slots"))?;
         for (what, v) in [("parameters", &params), ("optimizer slots", &slots)] {
-            if let Some(i) = v.iter().position(|x| !x.is_finite()) {
-                return Err(Reject::Corrupt(format!(
-                    "block {id} {what} hold non-finite value {} at index {i} (the model had diverged, or the file was altered)",
-                    v[i]
-                )));
-            }
+            non_finite.check(v, &|| format!("block {id} {what}"))?;
         }
         on_block(id, params, OptimizerState { step: opt_step, slots })?;
     }
@@ -587,6 +684,7 @@ fn scan_tables<R: Read>(
     r: &mut Body<R>,
     h: &Header,
     expect: &Expect,
+    non_finite: &mut NonFinite,
     on_row: &mut dyn FnMut(usize, TableEntry<'_>) -> Check<()>,
 ) -> Check<std::result::Result<Vec<TableStats>, Reject>> {
     let count = if r.remaining() == 0 { 0 } else { r.u64("table count")? };
@@ -637,8 +735,8 @@ fn scan_tables<R: Read>(
             let last_seen = r.u64("row last seen")?;
             let params = r.f32s(*dim, &format!("row {id} of table {name:?}"))?;
             let slots = r.f32s(dim.saturating_mul(h.slots), &format!("row {id} optimizer slots"))?;
-            if let Some(i) = params.iter().chain(&slots).position(|x| !x.is_finite()) {
-                return Err(corrupt("row", id, format!("holds a non-finite value at index {i}")));
+            for (what, v) in [("parameters", &params), ("optimizer slots", &slots)] {
+                non_finite.check(v, &|| format!("row {id} of table {name:?}: its {what}"))?;
             }
             if count == 0 {
                 return Err(corrupt("row", id, "has count 0 (a held row was pushed at least once)".into()));

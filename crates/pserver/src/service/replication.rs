@@ -8,7 +8,7 @@ use crate::{
     client::{Fresh, ShardSink},
     error::{ServiceError, ServiceResult},
     protocol::{PsReply, PsRequest, RowsPart, TableRows, UpdateKind, UpdateMeta, PSERVER_METHOD},
-    replica::{CatchUp, Forwarded, RowChunk, SnapshotPart, Update},
+    replica::{CatchUp, Forwarded, Links, RowChunk, SnapshotPart, Update},
     BlockId, CompletedStep, Grad, OptimizerState, Placement, Push, RowGrads, StoreSnapshot,
 };
 use bytes::{Bytes, BytesMut};
@@ -26,6 +26,9 @@ const MAX_BATCH_UPDATES: usize = 64;
 const MAX_BATCH_BYTES: usize = 8 << 20;
 /// The most parameter and state values one snapshot part carries.
 const MAX_PART_FLOATS: usize = 2 << 20;
+/// The most admission candidates one snapshot part carries: each is an id,
+/// a count and a step in the part's metadata, up to 23 bytes (6 MiB).
+const MAX_PART_CANDIDATES: usize = 1 << 18;
 /// How long a primary waits for a follower that caught up to say so before
 /// it asks (an empty forward).
 const PROBE_AFTER: Duration = Duration::from_millis(50);
@@ -138,6 +141,24 @@ async fn forward(shared: Arc<Shared>, slot: Arc<Slot>, follower: String) {
                             shared.publish(&slot, &state);
                             None
                         }
+                        Err(ServiceError::Transport(e @ oar_transport::Error::TooLarge { .. })) => {
+                            // One update (a large update goes alone) past
+                            // what a call may carry: sent again, it would be
+                            // refused for ever, and the shard acknowledge
+                            // nothing. The follower takes it in a snapshot's
+                            // parts instead.
+                            let seq = batch.first().map_or(0, |f| f.seq);
+                            tracing::warn!(
+                                shard = slot.shard,
+                                follower,
+                                seq,
+                                error = %e,
+                                "an update too large to forward: the follower catches up from a snapshot"
+                            );
+                            resync_from_snapshot(links, &follower);
+                            shared.publish(&slot, &state);
+                            None
+                        }
                         other => {
                             links.rewind(&follower);
                             Some(other)
@@ -167,6 +188,17 @@ async fn forward(shared: Arc<Shared>, slot: Arc<Slot>, follower: String) {
             }
         }
     }
+}
+
+/// Make `follower` sync again, from a snapshot: its link starts over as a
+/// new follower's does (unsynced, holding nothing the primary counts on,
+/// from the primary's last update on), so the forwarder asks it to sync and
+/// the primary answers with a snapshot, which holds what could not be
+/// forwarded.
+fn resync_from_snapshot(links: &mut Links, follower: &str) {
+    let others: Vec<String> = links.followers().filter(|f| *f != follower).map(str::to_string).collect();
+    links.set_followers(others.iter().map(String::as_str));
+    links.set_followers(others.iter().map(String::as_str).chain([follower]));
 }
 
 /// Call pserver `name`; a transport failure forgets its connection.
@@ -673,8 +705,18 @@ fn cut_parts(sizes: impl IntoIterator<Item = usize>) -> Vec<Range<usize>> {
 /// The row parts of `snapshot`, after its block parts: per table, runs
 /// of its arena's chunks of at most [`MAX_PART_FLOATS`] values (a larger
 /// chunk alone), at least one part per table (the first carries the
-/// candidates and counters).
+/// counters), then runs of at most [`MAX_PART_CANDIDATES`] of its
+/// candidates. A table's ranges are of one sequence: its chunks
+/// `0..chunks`, then its candidates in id order (candidate `i` at
+/// `chunks + i`), a part never both ([`encode_row_part`] reads them so).
+/// The candidates went whole in the table's first part: 75M of them were
+/// past the 1 GiB a call carries, and every catch-up of the shard failed.
 pub(super) fn row_part_ranges(snapshot: &StoreSnapshot) -> Vec<(u32, Range<usize>)> {
+    row_part_ranges_of(snapshot, MAX_PART_CANDIDATES)
+}
+
+/// [`row_part_ranges`] with at most `max_candidates` candidates a part.
+fn row_part_ranges_of(snapshot: &StoreSnapshot, max_candidates: usize) -> Vec<(u32, Range<usize>)> {
     let mut parts = Vec::new();
     for (t, table) in snapshot.tables().iter().enumerate() {
         // A chunk's floats, at most: its rows are not counted one by one.
@@ -690,11 +732,20 @@ pub(super) fn row_part_ranges(snapshot: &StoreSnapshot) -> Vec<(u32, Range<usize
             }
             start = end;
         }
+        let candidates = table.candidate_count();
+        let per_part = max_candidates.max(1);
+        parts.extend(
+            (0..candidates)
+                .step_by(per_part)
+                .map(|i| (t as u32, chunks + i..chunks + (i + per_part).min(candidates))),
+        );
     }
     parts
 }
 
-/// Row part `index` of `snapshot`: the rows of chunks `range` of table `table`.
+/// Row part `index` of `snapshot`, of [`row_part_ranges`]: the rows of
+/// chunks `range` of table `table` (with its counters if it is the
+/// table's first), or its candidates `range` less its chunk count.
 pub(super) fn encode_row_part(
     snapshot: &StoreSnapshot,
     row_parts: u32,
@@ -702,19 +753,23 @@ pub(super) fn encode_row_part(
     (table, range): (u32, Range<usize>),
 ) -> (PsReply, Bytes) {
     let t = &snapshot.tables()[table as usize];
-    let first = range.start == 0;
+    let chunks = t.chunks();
     let mut payload = BytesMut::new();
     let mut rows = Vec::new();
-    for r in t.records_in(range) {
-        oar_transport::put_f32s(&mut payload, r.params);
-        oar_transport::put_f32s(&mut payload, r.slots);
-        rows.push((r.id, r.step, r.count, r.last_seen));
+    let mut candidates = Vec::new();
+    let mut stats = None;
+    if range.start >= chunks && !range.is_empty() {
+        let range = range.start - chunks..range.end - chunks;
+        candidates = t.candidates_in(range).map(|c| (c.id, c.count, c.last_seen)).collect();
+    } else {
+        stats = (range.start == 0).then(|| t.stats());
+        for r in t.records_in(range) {
+            oar_transport::put_f32s(&mut payload, r.params);
+            oar_transport::put_f32s(&mut payload, r.slots);
+            rows.push((r.id, r.step, r.count, r.last_seen));
+        }
     }
-    let candidates = match first {
-        true => t.candidates().map(|c| (c.id, c.count, c.last_seen)).collect(),
-        false => Vec::new(),
-    };
-    let part = RowsPart { table, index, rows, candidates, stats: first.then(|| t.stats()) };
+    let part = RowsPart { table, index, rows, candidates, stats };
     (part_reply(snapshot, Vec::new(), row_parts, Some(part)), payload.freeze())
 }
 
@@ -921,7 +976,65 @@ fn decode_part(
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::{optimizer::Adam, Init, Mode, ParamSpec, ParamStore, Placement};
+    use crate::replica::History;
+    use crate::sparse::{RowPolicy, TableSpec};
+    use crate::{optimizer::Adam, Init, Mode, Optimizer, ParamSpec, ParamStore, Placement};
+
+    /// A table's candidates come in parts of their own, at most the limit
+    /// each (they came whole in the table's first part: 75M of them were
+    /// past the 1 GiB a call carries, and every catch-up of the shard
+    /// failed); every part encoded, decoded and taken by a catch-up
+    /// rebuilds the store's rows, candidates and counters exactly.
+    #[test]
+    fn a_tables_candidates_come_in_parts_of_their_own() {
+        let policy = RowPolicy { admit_after: 2, ..RowPolicy::default() };
+        let table = TableSpec { policy, ..TableSpec::new("emb", 2, Init::Uniform { low: -1.0, high: 1.0 }) };
+        let specs = vec![ParamSpec::new("b", vec![3], Init::Zeros)];
+        let pl = Placement::new(&specs, 1, 4).unwrap().with_tables(vec![table]).unwrap();
+        let adam =
+            || -> Box<dyn Optimizer> { Box::new(Adam { lr: 0.1, beta1: 0.9, beta2: 0.99, eps: 1e-8 }) };
+        let mut store = ParamStore::new(&pl, 0, 1, adam(), Mode::Async).unwrap();
+        // 5000 rows (pushed twice: admitted) and 1000 candidates (once).
+        let rows: Vec<u64> = (0..5000).collect();
+        let candidates: Vec<u64> = (10_000..11_000).collect();
+        let opt = adam();
+        let t = store.table_mut(0).unwrap();
+        for (now, ids) in [(1, &rows), (2, &rows), (3, &candidates)] {
+            t.apply(ids, &vec![0.25; ids.len() * 2], now, opt.as_ref());
+        }
+        let snapshot = store.catch_up_snapshot().unwrap();
+        let ranges = row_part_ranges_of(&snapshot, 300);
+        assert_eq!(ranges.len(), 1 + 4, "one part of rows, four of candidates: {ranges:?}");
+        assert_eq!(row_part_ranges(&snapshot).len(), 2, "under the real limit, one of candidates");
+
+        let fresh = ParamStore::new_to_restore(&pl, 0, 1, adam(), Mode::Async).unwrap();
+        let mut catch_up = CatchUp::new(0, 1, 0, History::starting(1, 1), fresh);
+        let row_parts = ranges.len() as u32;
+        for range in part_ranges(&snapshot) {
+            let (reply, payload) = encode_part(&snapshot, range, row_parts);
+            let payload = Bytes::from(payload.concat());
+            catch_up.part(decode_part(&pl, 0, 1, 0, 2, reply, payload).unwrap()).unwrap();
+        }
+        for (index, range) in ranges.into_iter().enumerate() {
+            let (reply, payload) = encode_row_part(&snapshot, row_parts, index as u32, range);
+            let part = decode_part(&pl, 0, 1, 0, 2, reply, payload).unwrap();
+            let chunk = part.rows.as_ref().unwrap();
+            assert!(chunk.candidates.len() <= 300, "part {index}: {} candidates", chunk.candidates.len());
+            assert!(chunk.rows.is_empty() || chunk.candidates.is_empty(), "part {index}: rows or candidates");
+            catch_up.part(part).unwrap();
+        }
+        let follower = catch_up.finish().unwrap();
+        let (theirs, ours) = (&follower.store().tables()[0].snapshot(), &snapshot.tables()[0]);
+        let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+        let rows = |t: &crate::sparse::TableSnapshot| {
+            t.records()
+                .map(|r| (r.id, bits(r.params), r.step, bits(r.slots), r.count, r.last_seen))
+                .collect::<Vec<_>>()
+        };
+        assert_eq!(rows(theirs), rows(ours));
+        assert_eq!(theirs.candidates().collect::<Vec<_>>(), ours.candidates().collect::<Vec<_>>());
+        assert_eq!((theirs.stats(), ours.candidate_count()), (ours.stats(), 1000));
+    }
 
     #[test]
     fn a_snapshot_part_is_views_of_its_large_blocks_and_one_copy_of_the_small_ones() {
