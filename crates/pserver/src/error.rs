@@ -285,18 +285,6 @@ pub enum Error {
         /// The length given.
         got: usize,
     },
-    /// A restored block holds NaN or an infinity.
-    #[error("restore of block {block}: {what} has non-finite value {value} at index {index}")]
-    RestoreNonFinite {
-        /// The block.
-        block: BlockId,
-        /// `"parameters"` or `"optimizer slots"`.
-        what: &'static str,
-        /// Index of the value.
-        index: usize,
-        /// The value found.
-        value: f32,
-    },
     /// The job's configuration is inconsistent.
     #[error("bad configuration: {0}")]
     Config(String),

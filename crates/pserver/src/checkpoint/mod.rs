@@ -25,7 +25,10 @@
 //! format version, every length against the file size before anything is
 //! allocated, the CRC32, and that the file fits this store: server index,
 //! placement fingerprint, optimizer name and state slots, every block's id
-//! and length, finite values) without touching the store; only a file that
+//! and length, and as many non-finite values as the header records: a
+//! diverged store is saved and restored as it was, since refusing it
+//! would lose every update acknowledged before the save) without touching
+//! the store; only a file that
 //! passed is read again and restored block by block, so a restore needs one
 //! block of extra memory, not a second copy of the store. A file that fails
 //! is skipped with a `warn!` line naming it and why, and the previous one is
@@ -47,6 +50,7 @@
 //! | 8 | number of blocks (`u64`) |
 //! | 4 + n | optimizer name: length (`u32`) and UTF-8 bytes |
 //! | 8 | pushes applied (`u64`, [`ParamStore::pushes`](crate::ParamStore::pushes)); a file without it reads as 0 |
+//! | 8 | non-finite values the file holds (`u64`), only when there are some; a file without it holds none |
 //! | | *(a later version may add header fields here; the header length skips them)* |
 //! | per block | param (`u32`), block (`u32`), len (`u64`), optimizer step (`u64`), `len` parameters, `slots * len` state values |
 //! | 8 | number of last-seq entries (`u64`), then per entry: trainer id length (`u32`), UTF-8 bytes, last seq (`u64`) |

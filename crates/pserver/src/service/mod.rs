@@ -389,7 +389,8 @@ struct HeldSnapshot {
     snapshot: crate::StoreSnapshot,
     /// Block positions of each part.
     parts: Vec<std::ops::Range<usize>>,
-    /// After them, the row parts: (table, a run of its arena chunks).
+    /// After them, the row parts: (table, a run of the table's arena
+    /// chunks, then of its admission candidates, numbered after the chunks).
     row_parts: Vec<(u32, std::ops::Range<usize>)>,
     taken: std::time::Instant,
 }
