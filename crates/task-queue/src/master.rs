@@ -48,7 +48,9 @@
 //! takes over resumes the source from the stored mark, and the tasks it
 //! appends again are the ones no trainer ever saw. The source closes by
 //! itself (its marker) or when [`StreamOptions::close_key`] appears in
-//! discovery; the job is then done once everything is trained. A close
+//! discovery ([`TaskSource::close`]: the same close as the marker's, what
+//! it leaves out reported); the job is then done once everything is
+//! trained. A close
 //! asked while the source fails to poll (its file removed or rotated, its
 //! directory gone) closes at the last good poll's mark, with the error
 //! listed among the stream's problems: retrying would keep a job whose
@@ -850,7 +852,9 @@ async fn poller(discovery: Arc<dyn Discovery>, shared: Arc<Shared>, stream: Stre
                 Some((mark, false)) => SourceMark(mark.to_vec()),
             }
         };
-        // Asked to close: this poll is the last, and what it finds is trained.
+        // Asked to close: this poll is the last, and what it finds is
+        // trained; the source closes as its marker would (reporting what it
+        // leaves out).
         let close_asked = match &close_key {
             Some(key) => matches!(discovery.get(key).await, Ok(Some(_))),
             None => false,
@@ -858,7 +862,12 @@ async fn poller(discovery: Arc<dyn Discovery>, shared: Arc<Shared>, stream: Stre
         let poll = {
             let (source, mark) = (source.clone(), mark.clone());
             tokio::task::spawn_blocking(move || {
-                source.lock().unwrap_or_else(PoisonError::into_inner).poll(&mark)
+                let mut source = source.lock().unwrap_or_else(PoisonError::into_inner);
+                if close_asked {
+                    source.close(&mark)
+                } else {
+                    source.poll(&mark)
+                }
             })
         };
         let polled = match poll.await {

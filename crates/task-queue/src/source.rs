@@ -79,6 +79,11 @@ pub struct Polled {
 /// * **Closed is final.** Once a poll says `closed`, polling its mark returns
 ///   no chunks, `closed` and the same mark, whatever the file system holds
 ///   then: the close is in the mark.
+/// * **Closed from outside** ([`close`](Self::close), the master's close
+///   key) is a poll that closes as the source's own marker does: it takes
+///   every complete record and reports, in `problems`, what it leaves
+///   untrained (a last line without its newline, a file never completed).
+///   So a stream ends the same whichever way the operator closes it.
 /// * **Slow.** `poll` lists directories, stats and reads files: run it off
 ///   the async runtime (`spawn_blocking`). It is `Send` for that.
 /// * **Errors** mean this poll returned nothing; the mark given is still
@@ -89,6 +94,11 @@ pub trait TaskSource: Send {
     fn describe(&self) -> String;
     /// The data that arrived after `mark` (see the trait docs).
     fn poll(&mut self, mark: &SourceMark) -> Result<Polled>;
+    /// The last poll: as [`poll`](Self::poll), but closing the source as if
+    /// its marker had appeared, so the result is `closed` (see the trait
+    /// docs). No default: a source that ignored it would drop, unreported,
+    /// what its own close reports.
+    fn close(&mut self, mark: &SourceMark) -> Result<Polled>;
 }
 
 /// The marker file whose presence closes a [`DirSource`].
@@ -262,6 +272,11 @@ impl TaskSource for GlobSource {
             Some(other) => Err(wrong_kind(&self.describe(), &other)),
         }
     }
+
+    /// As [`poll`](TaskSource::poll): a glob is closed from the start.
+    fn close(&mut self, mark: &SourceMark) -> Result<Polled> {
+        self.poll(mark)
+    }
 }
 
 fn wrong_kind(source: &str, mark: &Mark) -> Error {
@@ -351,9 +366,10 @@ impl DirSourceOptions {
 ///
 /// **Closed** when the marker exists at the start of a poll (checked before
 /// listing, so every file renamed in before the marker was created is in
-/// that listing): that poll takes every complete file present and reports,
-/// by path, files still named like files being written: they were never
-/// completed and are not trained.
+/// that listing), or at [`close`](TaskSource::close) (the master's close
+/// key, read before it): that poll takes every complete file present and
+/// reports, by path, files still named like files being written: they were
+/// never completed and are not trained.
 ///
 /// **Cost of a poll**: one directory listing and one `stat` per entry; a
 /// file's first 4 KiB are read once per source value (then remembered by
@@ -611,6 +627,18 @@ impl TaskSource for DirSource {
 
     /// See [`DirSource`].
     fn poll(&mut self, mark: &SourceMark) -> Result<Polled> {
+        self.poll_dir(mark, false)
+    }
+
+    /// As a poll that finds the marker (see [`DirSource`]).
+    fn close(&mut self, mark: &SourceMark) -> Result<Polled> {
+        self.poll_dir(mark, true)
+    }
+}
+
+impl DirSource {
+    /// A poll; `close_asked`: closing whether or not the marker exists.
+    fn poll_dir(&mut self, mark: &SourceMark, close_asked: bool) -> Result<Polled> {
         check_chunk_bytes(self.options.chunk_bytes)?;
         let was = match Mark::decode(mark, &self.describe())? {
             None => DirMark::default(),
@@ -629,7 +657,7 @@ impl TaskSource for DirSource {
         let dir_str = dir.display().to_string();
         // Before the listing: every file renamed in before the marker was
         // created is then in the listing.
-        let closing = exists(&dir.join(&self.options.closed_marker))?;
+        let closing = close_asked || exists(&dir.join(&self.options.closed_marker))?;
         let listing = fs::read_dir(&dir).map_err(Error::io(&dir_str, "list directory"))?;
 
         let mut problems = Vec::new();
@@ -747,7 +775,8 @@ impl FileSourceOptions {
 /// being written is not taken until its newline arrives). To end the stream,
 /// create the marker ([`FileSourceOptions::closed_marker`]) after the last
 /// append: the poll that sees it takes the rest, and reports a last line
-/// with no newline (not trained).
+/// with no newline (not trained). A [`close`](TaskSource::close) (the
+/// master's close key) does the same without the marker.
 ///
 /// **The mark** is the file's inode, the offset taken up to (right after a
 /// newline), and a hash of the file's first `min(offset, 4096)` bytes. A
@@ -836,6 +865,18 @@ impl TaskSource for FileSource {
 
     /// See [`FileSource`].
     fn poll(&mut self, mark: &SourceMark) -> Result<Polled> {
+        self.poll_file(mark, false)
+    }
+
+    /// As a poll that finds the marker (see [`FileSource`]).
+    fn close(&mut self, mark: &SourceMark) -> Result<Polled> {
+        self.poll_file(mark, true)
+    }
+}
+
+impl FileSource {
+    /// A poll; `close_asked`: closing whether or not the marker exists.
+    fn poll_file(&mut self, mark: &SourceMark, close_asked: bool) -> Result<Polled> {
         check_chunk_bytes(self.options.chunk_bytes)?;
         let described = self.describe();
         let prev = match Mark::decode(mark, &described)? {
@@ -859,7 +900,7 @@ impl TaskSource for FileSource {
         };
 
         // Before the file: every append made before the marker is then seen.
-        let closing = exists(&self.options.closed_marker)?;
+        let closing = close_asked || exists(&self.options.closed_marker)?;
         let file = match File::open(path) {
             Ok(file) => file,
             Err(e) if e.kind() == io::ErrorKind::NotFound => {

@@ -619,6 +619,52 @@ fn file_close_with_and_without_a_trailing_newline() {
     assert!(polled.problems.len() == 1 && polled.problems[0].contains(&path_str(&never)), "{polled:?}");
 }
 
+/// A close from outside ([`TaskSource::close`], the master's close key) is
+/// the marker's close: the same chunks, mark and problems, from a source
+/// that never sees the marker. Both kinds, and a mark already taken.
+#[test]
+fn a_close_from_outside_is_the_markers_close() {
+    let tmp = tempfile::tempdir().unwrap();
+    let path = tmp.path().join("ragged");
+    append(&path, b"a\n");
+    let p1 = file_source(&path, 100).poll(&SourceMark::default()).unwrap();
+    append(&path, b"b\ncd");
+    let closed = file_source(&path, 100).close(&p1.mark).unwrap();
+    assert!(closed.closed);
+    assert_eq!(lines(&closed.chunks), ["b"]);
+    assert_eq!(
+        closed.problems,
+        [format!("{}: the last line (bytes 4..6) has no newline at the close; not trained", path_str(&path))]
+    );
+    fs::write(tmp.path().join("ragged.closed"), b"").unwrap();
+    assert_eq!(file_source(&path, 100).poll(&p1.mark).unwrap(), closed, "as the marker closes it");
+    assert!(file_source(&path, 100).poll(&closed.mark).unwrap().chunks.is_empty(), "closed is final");
+    // Before the file appeared: closed, nothing trained, said so.
+    let never = tmp.path().join("never");
+    let polled = file_source(&never, 100).close(&SourceMark::default()).unwrap();
+    assert!(polled.closed && polled.chunks.is_empty());
+    assert!(polled.problems.len() == 1 && polled.problems[0].contains(&path_str(&never)), "{polled:?}");
+
+    let dir = tmp.path().join("in");
+    fs::create_dir(&dir).unwrap();
+    write_complete(&dir, "x", b"x\n");
+    let p1 = dir_source(&dir, 100).poll(&SourceMark::default()).unwrap();
+    write_complete(&dir, "y", b"y\n");
+    fs::write(dir.join("v.tmp"), b"half").unwrap();
+    let closed = dir_source(&dir, 100).close(&p1.mark).unwrap();
+    assert!(closed.closed);
+    assert_eq!(lines(&closed.chunks), ["y"]);
+    assert_eq!(
+        closed.problems,
+        [format!(
+            "{}: never completed (still named like a file being written); not trained",
+            path_str(&dir.join("v.tmp"))
+        )]
+    );
+    fs::write(dir.join("_CLOSED"), b"").unwrap();
+    assert_eq!(dir_source(&dir, 100).poll(&p1.mark).unwrap(), closed, "as the marker closes it");
+}
+
 // ---------------------------------------------------------------------------
 // GlobSource
 
