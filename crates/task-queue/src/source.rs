@@ -313,10 +313,25 @@ impl DirSourceOptions {
 ///
 /// **Writers' protocol.** Write a file under a name starting with `.` or
 /// ending in `.tmp`, then rename it into place: a file is complete when its
-/// name is neither. Never change a file after the rename (one that grows
-/// afterwards is a new file to this source, and all of it is taken again).
-/// To end the stream, create the marker file ([`DirSourceOptions::closed_marker`])
+/// name is neither. Never change a file after the rename. To end the
+/// stream, create the marker file ([`DirSourceOptions::closed_marker`])
 /// after the last rename.
+///
+/// **A file written in place** (`cp file dir/`, or appended to after the
+/// rename) may be taken half-written, and is then seen again, longer. It
+/// is told from a new file by keeping its inode and its first bytes (the
+/// taken identity's head hash matches the longer file's first bytes), is
+/// reported as a problem naming it, and only its bytes past those taken
+/// are taken: a chunk owns the lines that start in it, read to their ends,
+/// so the chunks taken before and the new ones split its lines, each
+/// trained once. The decision: take, not refuse. Refusing would leave the
+/// rest of the file untrained; taking it whole again (what an identity
+/// alone does: a longer file is another identity) trained its first part
+/// twice, with no warning. The cost of a file written in place: a line
+/// being written when a poll took the file is trained cut (or fails as a
+/// bad line) if a trainer reads it before it is complete. A file rewritten
+/// otherwise (truncated, or its first bytes changed) is a new file, taken
+/// whole.
 ///
 /// **What is taken.** Regular files directly in the directory (no recursion;
 /// symlinks followed), named neither like a file being written nor like the
@@ -374,10 +389,11 @@ impl DirSourceOptions {
 /// **Cost of a poll**: one directory listing and one `stat` per entry; a
 /// file's first 4 KiB are read once per source value (then remembered by
 /// inode, size, modification and change time: a file written since has a
-/// new change time). A file changed less than a second before it was read
-/// is read again at the next poll: time stamps are coarse (a clock tick),
-/// so a change within the same tick would keep the stamps it was
-/// remembered by. Entries that are not data (named like files being
+/// new change time), and again, up to the size taken, when a file under 4
+/// KiB is found longer with the inode of one taken. A file changed less
+/// than a second before it was read is read again at the next poll: time
+/// stamps are coarse (a clock tick), so a change within the same tick
+/// would keep the stamps it was remembered by. Entries that are not data (named like files being
 /// written, or unreadable) are stat'ed only by a poll that misses a file
 /// the mark holds.
 ///
@@ -556,6 +572,25 @@ impl DirSource {
     }
 }
 
+/// The identity taken before that `f` grew from, written in place: one the
+/// mark holds with `f`'s inode, shorter, not itself listed now, whose head
+/// hash is that of `f`'s first bytes (up to its size, or 4 KiB). A new file
+/// that reuses a deleted one's inode differs there, and is new data. The
+/// longest such, if several.
+fn grown_from(was: &DirMark, listed: &HashSet<FileId>, f: &Found) -> Option<FileId> {
+    let below =
+        FileId { inode: f.id.inode, len: 0, head: 0 }..FileId { inode: f.id.inode, len: f.id.len, head: 0 };
+    was.files.range(below).rev().map(|(id, _)| *id).filter(|id| !listed.contains(id)).find(|old| {
+        if old.len >= HEAD_BYTES as u64 {
+            // Both heads hash the first 4 KiB.
+            return old.head == f.id.head;
+        }
+        // Unreadable now: not known to be the same file, so a new one.
+        let head = File::open(&f.path).and_then(|file| read_head(&file, old.len as usize));
+        head.is_ok_and(|head| head.len() as u64 == old.len && fnv1a64(&head) == old.head)
+    })
+}
+
 /// The (inode, size) of a regular file that is in the directory but not
 /// identified as data (named like a file being written, or unreadable): a
 /// file taken and renamed so, or made unreadable, is still there.
@@ -702,23 +737,48 @@ impl DirSource {
         self.heads.retain(|key, _| seen.contains(key));
 
         found.sort_by(|a, b| (a.mtime, &a.name).cmp(&(b.mtime, &b.name)));
+        let listed: HashSet<FileId> = found.iter().map(|f| f.id).collect();
         let mut next = DirMark { closed: closing, files: BTreeMap::new(), ..was };
+        // What to take of each file: (path, from, to).
         let mut files = Vec::new();
+        // Identities taken before that files found grew from.
+        let mut grown = HashSet::new();
         for f in found {
             // A file found is present (not missed). It is new unless the
             // mark holds it, or it is a second name (hard link) of a file
-            // found earlier in this listing.
+            // found earlier in this listing; or, new, it is a file taken
+            // before that grew in place: then only its new bytes are taken.
             let first_name = next.files.insert(f.id, false).is_none();
             if first_name && !was.files.contains_key(&f.id) {
-                next.taken_files += 1;
-                next.taken_bytes = next.taken_bytes.saturating_add(f.id.len);
-                files.push((f.path, f.id.len));
+                let from = match grown_from(&was, &listed, &f) {
+                    Some(old) => {
+                        grown.insert(old);
+                        let problem = format!(
+                            "{}: written in place (it grew from {} to {} bytes after it was taken; \
+                             a file must be complete when it is renamed in): only bytes {}..{} are \
+                             taken now, and a line cut at byte {} may have been trained cut",
+                            f.path, old.len, f.id.len, old.len, f.id.len, old.len
+                        );
+                        self.note(&mut problems, problem);
+                        old.len
+                    }
+                    None => {
+                        next.taken_files += 1;
+                        0
+                    }
+                };
+                next.taken_bytes = next.taken_bytes.saturating_add(f.id.len - from);
+                files.push((f.path, from, f.id.len));
             }
         }
-        // The files the mark holds that this listing missed: held if still
-        // here under a name that is not data's, else missed once, else forgotten.
-        let missing: Vec<(FileId, bool)> =
-            was.files.into_iter().filter(|(id, _)| !next.files.contains_key(id)).collect();
+        // The files the mark holds that this listing missed (not grown
+        // into a file found): held if still here under a name that is not
+        // data's, else missed once, else forgotten.
+        let missing: Vec<(FileId, bool)> = was
+            .files
+            .into_iter()
+            .filter(|(id, _)| !next.files.contains_key(id) && !grown.contains(id))
+            .collect();
         if !missing.is_empty() {
             let held: HashSet<(u64, u64)> = others.iter().filter_map(|path| held_key(path)).collect();
             for (id, was_missed) in missing {
@@ -729,7 +789,10 @@ impl DirSource {
                 }
             }
         }
-        let chunks = chunk_files(&files, self.options.chunk_bytes)?;
+        let chunks = files
+            .iter()
+            .flat_map(|(path, from, to)| cut(path, *from, *to, self.options.chunk_bytes))
+            .collect();
 
         incomplete.sort();
         for path in incomplete {
