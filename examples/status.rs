@@ -14,8 +14,10 @@
 //!
 //! With `--close-stream` it closes a streaming job's source
 //! (`oar::job::role::close_stream`): the master trains what the source
-//! holds and ends the job. The status of a streaming job shows its source's
-//! position, its backlog and the lag from arrival to training.
+//! holds and ends the job. Refused (exit 2, saying why, nothing written)
+//! unless the job is a streaming job that has not ended. The status of a
+//! streaming job shows its source's position, its backlog and the lag from
+//! arrival to training.
 //!
 //! Exits 1 when etcd holds nothing of the job, 2 on an error.
 

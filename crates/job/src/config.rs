@@ -117,7 +117,8 @@ pub struct JobConfig {
     pub test_data: Option<String>,
     /// How lines are parsed.
     pub format: Format,
-    /// Skip and count bad lines instead of failing their task.
+    /// Skip and count bad lines (that do not parse, or are not UTF-8)
+    /// instead of failing their task.
     pub skip_bad_lines: bool,
     /// The model.
     pub model: ModelConfig,

@@ -52,6 +52,15 @@ pub enum Error {
         /// How it ended.
         state: crate::report::JobEnd,
     },
+    /// A close of a stream that is not one to close (no such job, a batch
+    /// job, or one that ended): nothing was written.
+    #[error("cannot close the stream of job {job:?}: {why}")]
+    CannotCloseStream {
+        /// The job named.
+        job: String,
+        /// Why not.
+        why: String,
+    },
     /// The run was stopped by its shutdown signal before the job ended.
     #[error("shut down before the job ended")]
     ShutDown,

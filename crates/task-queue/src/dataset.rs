@@ -187,6 +187,28 @@ pub fn read_chunk_lines(chunk: &Chunk) -> Result<Vec<Line>> {
 /// chunk, so a chunk costs no allocation per line (readers that parse
 /// lines into examples as they come use this).
 pub fn for_each_chunk_line(chunk: &Chunk, mut each: impl FnMut(u64, &str) -> ControlFlow<()>) -> Result<()> {
+    let mut bad = None;
+    for_each_chunk_line_bytes(chunk, |offset, line| match std::str::from_utf8(line) {
+        Ok(text) => each(offset, text),
+        Err(e) => {
+            bad = Some(Error::InvalidUtf8 {
+                path: chunk.path.clone(),
+                offset: offset + e.valid_up_to() as u64,
+                line_start: offset,
+            });
+            ControlFlow::Break(())
+        }
+    })?;
+    bad.map_or(Ok(()), Err)
+}
+
+/// [`for_each_chunk_line`] with each line's bytes as they are, UTF-8 or
+/// not: for a reader that skips a line that is not text as it skips any
+/// other bad line, instead of failing the chunk.
+pub fn for_each_chunk_line_bytes(
+    chunk: &Chunk,
+    mut each: impl FnMut(u64, &[u8]) -> ControlFlow<()>,
+) -> Result<()> {
     let path = chunk.path.as_str();
     if chunk.start > chunk.end {
         return Err(Error::BadChunk { path: path.to_string(), start: chunk.start, end: chunk.end });
@@ -218,12 +240,7 @@ pub fn for_each_chunk_line(chunk: &Chunk, mut each: impl FnMut(u64, &str) -> Con
         if let Some(rest) = line.strip_suffix(b"\n") {
             line = rest.strip_suffix(b"\r").unwrap_or(rest);
         }
-        let text = std::str::from_utf8(line).map_err(|e| Error::InvalidUtf8 {
-            path: path.to_string(),
-            offset: offset + e.valid_up_to() as u64,
-            line_start: offset,
-        })?;
-        if each(offset, text).is_break() {
+        if each(offset, line).is_break() {
             break;
         }
     }

@@ -48,14 +48,20 @@
 //! takes over resumes the source from the stored mark, and the tasks it
 //! appends again are the ones no trainer ever saw. The source closes by
 //! itself (its marker) or when [`StreamOptions::close_key`] appears in
-//! discovery; the job is then done once everything is trained.
+//! discovery ([`TaskSource::close`]: the same close as the marker's, what
+//! it leaves out reported); the job is then done once everything is
+//! trained. A close
+//! asked while the source fails to poll (its file removed or rotated, its
+//! directory gone) closes at the last good poll's mark, with the error
+//! listed among the stream's problems: retrying would keep a job whose
+//! data is gone open for ever.
 
 use crate::{
     protocol::{
         MasterRequest, MasterStatus, PassStats, ReportReply, StreamStatus, TaskReply, MASTER_METHOD,
         MAX_TRAINER_ID_BYTES,
     },
-    source::{SourceMark, TaskSource},
+    source::{Polled, SourceMark, TaskSource},
     Changes, Error, GetTask, JobState, JournalRecord, QueueConfig, QueueEvent, Report, Result, StoredState,
     TaskQueue, TaskSpec, TaskState, MAX_DISCARDS_LISTED,
 };
@@ -821,7 +827,9 @@ async fn ticker(shared: Arc<Shared>, every: Duration) {
 /// Streaming: poll the source every `poll_every` from the mark the queue
 /// holds and append what it yields, until the source is closed or the
 /// master stops. A poll that fails is logged and retried (the operator may
-/// fix a file; the status lists the error meanwhile); a problem the source
+/// fix a file; the status lists the error meanwhile), unless the close was
+/// asked: then the stream closes at the last good poll's mark, and the
+/// status lists the error as what was left out; a problem the source
 /// reports (bad input, naming its file) is logged once and listed in the
 /// status; a poll that panics stops the master.
 async fn poller(discovery: Arc<dyn Discovery>, shared: Arc<Shared>, stream: StreamOptions) {
@@ -844,7 +852,9 @@ async fn poller(discovery: Arc<dyn Discovery>, shared: Arc<Shared>, stream: Stre
                 Some((mark, false)) => SourceMark(mark.to_vec()),
             }
         };
-        // Asked to close: this poll is the last, and what it finds is trained.
+        // Asked to close: this poll is the last, and what it finds is
+        // trained; the source closes as its marker would (reporting what it
+        // leaves out).
         let close_asked = match &close_key {
             Some(key) => matches!(discovery.get(key).await, Ok(Some(_))),
             None => false,
@@ -852,11 +862,30 @@ async fn poller(discovery: Arc<dyn Discovery>, shared: Arc<Shared>, stream: Stre
         let poll = {
             let (source, mark) = (source.clone(), mark.clone());
             tokio::task::spawn_blocking(move || {
-                source.lock().unwrap_or_else(PoisonError::into_inner).poll(&mark)
+                let mut source = source.lock().unwrap_or_else(PoisonError::into_inner);
+                if close_asked {
+                    source.close(&mark)
+                } else {
+                    source.poll(&mark)
+                }
             })
         };
         let polled = match poll.await {
             Ok(Ok(polled)) => polled,
+            Ok(Err(e)) if close_asked => {
+                // The operator ends the stream and the source cannot be
+                // read (a file removed or rotated may never come back):
+                // close where the last good poll left it, and say what that
+                // leaves out. Retrying would keep the job open for ever.
+                let position = shared.core().stream.as_ref().map(|s| s.position.clone()).unwrap_or_default();
+                let problem = format!(
+                    "closed while polling the source failed ({e}): nothing after the last good poll \
+                     ({position}) is trained"
+                );
+                tracing::warn!(%problem, "the stream is closed with its source failing");
+                note_problem(&shared, problem);
+                Polled { mark: mark.clone(), closed: true, position, ..Polled::default() }
+            }
             Ok(Err(e)) => {
                 let e = e.to_string();
                 if last_error.as_ref() != Some(&e) {

@@ -79,6 +79,11 @@ pub struct Polled {
 /// * **Closed is final.** Once a poll says `closed`, polling its mark returns
 ///   no chunks, `closed` and the same mark, whatever the file system holds
 ///   then: the close is in the mark.
+/// * **Closed from outside** ([`close`](Self::close), the master's close
+///   key) is a poll that closes as the source's own marker does: it takes
+///   every complete record and reports, in `problems`, what it leaves
+///   untrained (a last line without its newline, a file never completed).
+///   So a stream ends the same whichever way the operator closes it.
 /// * **Slow.** `poll` lists directories, stats and reads files: run it off
 ///   the async runtime (`spawn_blocking`). It is `Send` for that.
 /// * **Errors** mean this poll returned nothing; the mark given is still
@@ -89,6 +94,11 @@ pub trait TaskSource: Send {
     fn describe(&self) -> String;
     /// The data that arrived after `mark` (see the trait docs).
     fn poll(&mut self, mark: &SourceMark) -> Result<Polled>;
+    /// The last poll: as [`poll`](Self::poll), but closing the source as if
+    /// its marker had appeared, so the result is `closed` (see the trait
+    /// docs). No default: a source that ignored it would drop, unreported,
+    /// what its own close reports.
+    fn close(&mut self, mark: &SourceMark) -> Result<Polled>;
 }
 
 /// The marker file whose presence closes a [`DirSource`].
@@ -262,6 +272,11 @@ impl TaskSource for GlobSource {
             Some(other) => Err(wrong_kind(&self.describe(), &other)),
         }
     }
+
+    /// As [`poll`](TaskSource::poll): a glob is closed from the start.
+    fn close(&mut self, mark: &SourceMark) -> Result<Polled> {
+        self.poll(mark)
+    }
 }
 
 fn wrong_kind(source: &str, mark: &Mark) -> Error {
@@ -298,10 +313,25 @@ impl DirSourceOptions {
 ///
 /// **Writers' protocol.** Write a file under a name starting with `.` or
 /// ending in `.tmp`, then rename it into place: a file is complete when its
-/// name is neither. Never change a file after the rename (one that grows
-/// afterwards is a new file to this source, and all of it is taken again).
-/// To end the stream, create the marker file ([`DirSourceOptions::closed_marker`])
+/// name is neither. Never change a file after the rename. To end the
+/// stream, create the marker file ([`DirSourceOptions::closed_marker`])
 /// after the last rename.
+///
+/// **A file written in place** (`cp file dir/`, or appended to after the
+/// rename) may be taken half-written, and is then seen again, longer. It
+/// is told from a new file by keeping its inode and its first bytes (the
+/// taken identity's head hash matches the longer file's first bytes), is
+/// reported as a problem naming it, and only its bytes past those taken
+/// are taken: a chunk owns the lines that start in it, read to their ends,
+/// so the chunks taken before and the new ones split its lines, each
+/// trained once. The decision: take, not refuse. Refusing would leave the
+/// rest of the file untrained; taking it whole again (what an identity
+/// alone does: a longer file is another identity) trained its first part
+/// twice, with no warning. The cost of a file written in place: a line
+/// being written when a poll took the file is trained cut (or fails as a
+/// bad line) if a trainer reads it before it is complete. A file rewritten
+/// otherwise (truncated, or its first bytes changed) is a new file, taken
+/// whole.
 ///
 /// **What is taken.** Regular files directly in the directory (no recursion;
 /// symlinks followed), named neither like a file being written nor like the
@@ -351,17 +381,19 @@ impl DirSourceOptions {
 ///
 /// **Closed** when the marker exists at the start of a poll (checked before
 /// listing, so every file renamed in before the marker was created is in
-/// that listing): that poll takes every complete file present and reports,
-/// by path, files still named like files being written: they were never
-/// completed and are not trained.
+/// that listing), or at [`close`](TaskSource::close) (the master's close
+/// key, read before it): that poll takes every complete file present and
+/// reports, by path, files still named like files being written: they were
+/// never completed and are not trained.
 ///
 /// **Cost of a poll**: one directory listing and one `stat` per entry; a
 /// file's first 4 KiB are read once per source value (then remembered by
 /// inode, size, modification and change time: a file written since has a
-/// new change time). A file changed less than a second before it was read
-/// is read again at the next poll: time stamps are coarse (a clock tick),
-/// so a change within the same tick would keep the stamps it was
-/// remembered by. Entries that are not data (named like files being
+/// new change time), and again, up to the size taken, when a file under 4
+/// KiB is found longer with the inode of one taken. A file changed less
+/// than a second before it was read is read again at the next poll: time
+/// stamps are coarse (a clock tick), so a change within the same tick
+/// would keep the stamps it was remembered by. Entries that are not data (named like files being
 /// written, or unreadable) are stat'ed only by a poll that misses a file
 /// the mark holds.
 ///
@@ -540,6 +572,25 @@ impl DirSource {
     }
 }
 
+/// The identity taken before that `f` grew from, written in place: one the
+/// mark holds with `f`'s inode, shorter, not itself listed now, whose head
+/// hash is that of `f`'s first bytes (up to its size, or 4 KiB). A new file
+/// that reuses a deleted one's inode differs there, and is new data. The
+/// longest such, if several.
+fn grown_from(was: &DirMark, listed: &HashSet<FileId>, f: &Found) -> Option<FileId> {
+    let below =
+        FileId { inode: f.id.inode, len: 0, head: 0 }..FileId { inode: f.id.inode, len: f.id.len, head: 0 };
+    was.files.range(below).rev().map(|(id, _)| *id).filter(|id| !listed.contains(id)).find(|old| {
+        if old.len >= HEAD_BYTES as u64 {
+            // Both heads hash the first 4 KiB.
+            return old.head == f.id.head;
+        }
+        // Unreadable now: not known to be the same file, so a new one.
+        let head = File::open(&f.path).and_then(|file| read_head(&file, old.len as usize));
+        head.is_ok_and(|head| head.len() as u64 == old.len && fnv1a64(&head) == old.head)
+    })
+}
+
 /// The (inode, size) of a regular file that is in the directory but not
 /// identified as data (named like a file being written, or unreadable): a
 /// file taken and renamed so, or made unreadable, is still there.
@@ -611,6 +662,18 @@ impl TaskSource for DirSource {
 
     /// See [`DirSource`].
     fn poll(&mut self, mark: &SourceMark) -> Result<Polled> {
+        self.poll_dir(mark, false)
+    }
+
+    /// As a poll that finds the marker (see [`DirSource`]).
+    fn close(&mut self, mark: &SourceMark) -> Result<Polled> {
+        self.poll_dir(mark, true)
+    }
+}
+
+impl DirSource {
+    /// A poll; `close_asked`: closing whether or not the marker exists.
+    fn poll_dir(&mut self, mark: &SourceMark, close_asked: bool) -> Result<Polled> {
         check_chunk_bytes(self.options.chunk_bytes)?;
         let was = match Mark::decode(mark, &self.describe())? {
             None => DirMark::default(),
@@ -629,7 +692,7 @@ impl TaskSource for DirSource {
         let dir_str = dir.display().to_string();
         // Before the listing: every file renamed in before the marker was
         // created is then in the listing.
-        let closing = exists(&dir.join(&self.options.closed_marker))?;
+        let closing = close_asked || exists(&dir.join(&self.options.closed_marker))?;
         let listing = fs::read_dir(&dir).map_err(Error::io(&dir_str, "list directory"))?;
 
         let mut problems = Vec::new();
@@ -674,23 +737,48 @@ impl TaskSource for DirSource {
         self.heads.retain(|key, _| seen.contains(key));
 
         found.sort_by(|a, b| (a.mtime, &a.name).cmp(&(b.mtime, &b.name)));
+        let listed: HashSet<FileId> = found.iter().map(|f| f.id).collect();
         let mut next = DirMark { closed: closing, files: BTreeMap::new(), ..was };
+        // What to take of each file: (path, from, to).
         let mut files = Vec::new();
+        // Identities taken before that files found grew from.
+        let mut grown = HashSet::new();
         for f in found {
             // A file found is present (not missed). It is new unless the
             // mark holds it, or it is a second name (hard link) of a file
-            // found earlier in this listing.
+            // found earlier in this listing; or, new, it is a file taken
+            // before that grew in place: then only its new bytes are taken.
             let first_name = next.files.insert(f.id, false).is_none();
             if first_name && !was.files.contains_key(&f.id) {
-                next.taken_files += 1;
-                next.taken_bytes = next.taken_bytes.saturating_add(f.id.len);
-                files.push((f.path, f.id.len));
+                let from = match grown_from(&was, &listed, &f) {
+                    Some(old) => {
+                        grown.insert(old);
+                        let problem = format!(
+                            "{}: written in place (it grew from {} to {} bytes after it was taken; \
+                             a file must be complete when it is renamed in): only bytes {}..{} are \
+                             taken now, and a line cut at byte {} may have been trained cut",
+                            f.path, old.len, f.id.len, old.len, f.id.len, old.len
+                        );
+                        self.note(&mut problems, problem);
+                        old.len
+                    }
+                    None => {
+                        next.taken_files += 1;
+                        0
+                    }
+                };
+                next.taken_bytes = next.taken_bytes.saturating_add(f.id.len - from);
+                files.push((f.path, from, f.id.len));
             }
         }
-        // The files the mark holds that this listing missed: held if still
-        // here under a name that is not data's, else missed once, else forgotten.
-        let missing: Vec<(FileId, bool)> =
-            was.files.into_iter().filter(|(id, _)| !next.files.contains_key(id)).collect();
+        // The files the mark holds that this listing missed (not grown
+        // into a file found): held if still here under a name that is not
+        // data's, else missed once, else forgotten.
+        let missing: Vec<(FileId, bool)> = was
+            .files
+            .into_iter()
+            .filter(|(id, _)| !next.files.contains_key(id) && !grown.contains(id))
+            .collect();
         if !missing.is_empty() {
             let held: HashSet<(u64, u64)> = others.iter().filter_map(|path| held_key(path)).collect();
             for (id, was_missed) in missing {
@@ -701,7 +789,10 @@ impl TaskSource for DirSource {
                 }
             }
         }
-        let chunks = chunk_files(&files, self.options.chunk_bytes)?;
+        let chunks = files
+            .iter()
+            .flat_map(|(path, from, to)| cut(path, *from, *to, self.options.chunk_bytes))
+            .collect();
 
         incomplete.sort();
         for path in incomplete {
@@ -747,7 +838,8 @@ impl FileSourceOptions {
 /// being written is not taken until its newline arrives). To end the stream,
 /// create the marker ([`FileSourceOptions::closed_marker`]) after the last
 /// append: the poll that sees it takes the rest, and reports a last line
-/// with no newline (not trained).
+/// with no newline (not trained). A [`close`](TaskSource::close) (the
+/// master's close key) does the same without the marker.
 ///
 /// **The mark** is the file's inode, the offset taken up to (right after a
 /// newline), and a hash of the file's first `min(offset, 4096)` bytes. A
@@ -836,6 +928,18 @@ impl TaskSource for FileSource {
 
     /// See [`FileSource`].
     fn poll(&mut self, mark: &SourceMark) -> Result<Polled> {
+        self.poll_file(mark, false)
+    }
+
+    /// As a poll that finds the marker (see [`FileSource`]).
+    fn close(&mut self, mark: &SourceMark) -> Result<Polled> {
+        self.poll_file(mark, true)
+    }
+}
+
+impl FileSource {
+    /// A poll; `close_asked`: closing whether or not the marker exists.
+    fn poll_file(&mut self, mark: &SourceMark, close_asked: bool) -> Result<Polled> {
         check_chunk_bytes(self.options.chunk_bytes)?;
         let described = self.describe();
         let prev = match Mark::decode(mark, &described)? {
@@ -859,7 +963,7 @@ impl TaskSource for FileSource {
         };
 
         // Before the file: every append made before the marker is then seen.
-        let closing = exists(&self.options.closed_marker)?;
+        let closing = close_asked || exists(&self.options.closed_marker)?;
         let file = match File::open(path) {
             Ok(file) => file,
             Err(e) if e.kind() == io::ErrorKind::NotFound => {

@@ -1,12 +1,13 @@
 //! A streaming master end to end on the in-memory discovery and transport:
 //! files arriving in a directory become tasks; a master that crashes (no
 //! final write) is followed by one that resumes the source from the stored
-//! mark; the close key ends the job once everything is trained; every byte
-//! of every file is in exactly one accepted task.
+//! mark; the close key ends the job once everything is trained, even with
+//! its source failing, and reports what the source leaves out as its marker
+//! would; every byte of every file is in exactly one accepted task.
 
 use oar_discovery::{Discovery, MemDiscovery};
 use oar_task_queue::{
-    source::{DirSource, DirSourceOptions},
+    source::{DirSource, DirSourceOptions, FileSource, FileSourceOptions},
     Chunk, JobState, Master, MasterClient, MasterClientOptions, MasterKeys, MasterOptions, QueueConfig,
     ReportReply, StreamOptions, TaskReply, TaskStats,
 };
@@ -202,6 +203,12 @@ async fn a_source_that_panics_stops_the_master_and_says_why() {
         ) -> oar_task_queue::Result<oar_task_queue::source::Polled> {
             panic!("a bug in the source")
         }
+        fn close(
+            &mut self,
+            mark: &oar_task_queue::source::SourceMark,
+        ) -> oar_task_queue::Result<oar_task_queue::source::Polled> {
+            self.poll(mark)
+        }
     }
     let discovery: Arc<dyn Discovery> = Arc::new(MemDiscovery::new());
     let transport: Arc<dyn Transport> = Arc::new(MemTransport::new(MemNetwork::new()));
@@ -211,4 +218,89 @@ async fn a_source_that_panics_stops_the_master_and_says_why() {
     let ended = tokio::time::timeout(Duration::from_secs(10), master.wait()).await.expect("the master stops");
     let why = ended.unwrap_err().to_string();
     assert!(why.contains("the broken source") && why.contains("panicked"), "{why}");
+}
+
+/// A close asked while the source cannot be polled (its file removed after
+/// some of it was trained) ends the job at the last good poll, and the
+/// stream's problems say what was left out. The poll's error used to be
+/// retried for ever: the job never ended.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_close_ends_a_stream_whose_source_fails_and_names_the_error() {
+    let dir = tempfile::tempdir().unwrap();
+    let file = dir.path().join("log.libsvm");
+    std::fs::write(&file, "0 1:1\n1 1:2\n").unwrap();
+    let discovery: Arc<dyn Discovery> = Arc::new(MemDiscovery::new());
+    let transport: Arc<dyn Transport> = Arc::new(MemTransport::new(MemNetwork::new()));
+    let stream = StreamOptions {
+        source: Box::new(FileSource::new(FileSourceOptions::new(&file, 64))),
+        ..stream(dir.path())
+    };
+    let master = Master::start_stream(discovery.clone(), transport.clone(), "mem:0", stream, options("m1"))
+        .await
+        .unwrap();
+    let client = MasterClient::new(
+        discovery.clone(),
+        transport.clone(),
+        MasterClientOptions { call_timeout: Duration::from_secs(2), ..MasterClientOptions::new(keys().addr) },
+    );
+    cut(&master, "byte 12").await;
+    let mut finished = Vec::new();
+    drain(&client, "t", &mut finished).await;
+    assert_eq!(finished, [Chunk { path: file.display().to_string(), start: 0, end: 12 }]);
+
+    std::fs::remove_file(&file).unwrap();
+    discovery.put(CLOSE, b"closed".to_vec(), None).await.unwrap();
+    let ended = tokio::time::timeout(Duration::from_secs(10), master.wait()).await;
+    let status = master.status().borrow().clone();
+    assert!(matches!(ended, Ok(Ok(JobState::Done))), "the job did not end: {ended:?} {status:?}");
+    let stream = status.stream.expect("a stream's status");
+    assert!(stream.closed, "{stream:?}");
+    let named = stream.problems.iter().any(|p| {
+        p.contains("closed while polling the source failed")
+            && p.contains("gone")
+            && p.contains("byte 12 of 12")
+    });
+    assert!(named, "the close names the error and where it stopped: {:?}", stream.problems);
+    assert_eq!(client.get_task("t").await.unwrap(), TaskReply::Done);
+}
+
+/// The close key closes a FileSource as its marker does: a last line with
+/// no newline is reported, not dropped in silence.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_close_key_reports_a_last_line_without_its_newline() {
+    let dir = tempfile::tempdir().unwrap();
+    let file = dir.path().join("log.libsvm");
+    std::fs::write(&file, "0 1:1\n1 1:2").unwrap();
+    let discovery: Arc<dyn Discovery> = Arc::new(MemDiscovery::new());
+    let transport: Arc<dyn Transport> = Arc::new(MemTransport::new(MemNetwork::new()));
+    let stream = StreamOptions {
+        source: Box::new(FileSource::new(FileSourceOptions::new(&file, 64))),
+        ..stream(dir.path())
+    };
+    discovery.put(CLOSE, b"closed".to_vec(), None).await.unwrap();
+    let master = Master::start_stream(discovery.clone(), transport.clone(), "mem:0", stream, options("m1"))
+        .await
+        .unwrap();
+    let client = MasterClient::new(
+        discovery.clone(),
+        transport.clone(),
+        MasterClientOptions { call_timeout: Duration::from_secs(2), ..MasterClientOptions::new(keys().addr) },
+    );
+    let mut finished = Vec::new();
+    let done = tokio::time::timeout(Duration::from_secs(10), async {
+        while master.status().borrow().queue.state == JobState::Running {
+            drain(&client, "t", &mut finished).await;
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    })
+    .await;
+    assert!(done.is_ok(), "the job did not end: {:?}", master.status().borrow());
+    assert_eq!(master.wait().await.unwrap(), JobState::Done);
+    let path = file.display().to_string();
+    assert_eq!(finished, [Chunk { path: path.clone(), start: 0, end: 6 }]);
+    let stream = master.status().borrow().stream.clone().expect("a stream's status");
+    assert_eq!(
+        stream.problems,
+        [format!("{path}: the last line (bytes 6..11) has no newline at the close; not trained")]
+    );
 }

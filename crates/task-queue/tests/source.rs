@@ -254,6 +254,57 @@ fn in_and_out() -> (tempfile::TempDir, PathBuf, PathBuf) {
     (tmp, dir, out)
 }
 
+/// A file written in place (`cp file dir/`), taken half-written, is seen
+/// again longer: reported by name, and only its new bytes are taken, so
+/// every line is trained once. (It was taken whole again, unreported.)
+#[test]
+fn dir_a_file_written_in_place_is_reported_and_its_new_bytes_taken_once() {
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = tmp.path();
+    let path = dir.join("part-0.libsvm");
+    let name = path_str(&path);
+    let mut source = dir_source(dir, 1 << 20);
+    append(&path, b"0 1:1\n1 1:2\n0 1:");
+    let p1 = source.poll(&SourceMark::default()).unwrap();
+    assert_eq!(p1.chunks, [Chunk { path: name.clone(), start: 0, end: 16 }]);
+    append(&path, b"3\n1 1:4\n");
+    let p2 = source.poll(&p1.mark).unwrap();
+    assert_eq!(p2.chunks, [Chunk { path: name.clone(), start: 16, end: 24 }], "only the new bytes");
+    assert_eq!(
+        p2.problems,
+        [format!(
+            "{name}: written in place (it grew from 16 to 24 bytes after it was taken; a file must be \
+             complete when it is renamed in): only bytes 16..24 are taken now, and a line cut at byte 16 \
+             may have been trained cut"
+        )]
+    );
+    assert_eq!(p2.position, "1 file, 24 bytes taken");
+    // Read now, the two polls' chunks hold every line once.
+    assert_eq!(lines(&[p1.chunks, p2.chunks.clone()].concat()), ["0 1:1", "1 1:2", "0 1:3", "1 1:4"]);
+    let p3 = source.poll(&p2.mark).unwrap();
+    assert!(p3.chunks.is_empty() && p3.problems.is_empty(), "{p3:?}");
+    assert_eq!(p3.mark, p2.mark, "the file is held as it is now");
+    assert_eq!(dir_source(dir, 1 << 20).poll(&p1.mark).unwrap(), p2, "a restarted master agrees");
+
+    // Past the 4 KiB its identity hashes: the same.
+    let big = dir.join("big");
+    let line = "1 1:1\n".repeat(1000);
+    append(&big, line.as_bytes());
+    let p4 = source.poll(&p3.mark).unwrap();
+    assert_eq!(p4.chunks, [Chunk { path: path_str(&big), start: 0, end: 6000 }]);
+    append(&big, b"0 1:2\n");
+    let p5 = source.poll(&p4.mark).unwrap();
+    assert_eq!(p5.chunks, [Chunk { path: path_str(&big), start: 6000, end: 6006 }]);
+    assert!(p5.problems.len() == 1 && p5.problems[0].contains("written in place"), "{:?}", p5.problems);
+
+    // Rewritten from its first byte, longer (what a new file reusing the
+    // inode looks like): its first bytes differ, so it is new, taken whole.
+    fs::write(&path, "2 1:1\n".repeat(5)).unwrap();
+    let p6 = source.poll(&p5.mark).unwrap();
+    assert_eq!(p6.chunks, [Chunk { path: name, start: 0, end: 30 }]);
+    assert!(p6.problems.is_empty(), "{:?}", p6.problems);
+}
+
 #[test]
 fn dir_a_file_missed_by_one_poll_is_not_taken_again() {
     let (_tmp, dir, out) = in_and_out();
@@ -617,6 +668,52 @@ fn file_close_with_and_without_a_trailing_newline() {
     let polled = file_source(&never, 100).poll(&SourceMark::default()).unwrap();
     assert!(polled.closed && polled.chunks.is_empty());
     assert!(polled.problems.len() == 1 && polled.problems[0].contains(&path_str(&never)), "{polled:?}");
+}
+
+/// A close from outside ([`TaskSource::close`], the master's close key) is
+/// the marker's close: the same chunks, mark and problems, from a source
+/// that never sees the marker. Both kinds, and a mark already taken.
+#[test]
+fn a_close_from_outside_is_the_markers_close() {
+    let tmp = tempfile::tempdir().unwrap();
+    let path = tmp.path().join("ragged");
+    append(&path, b"a\n");
+    let p1 = file_source(&path, 100).poll(&SourceMark::default()).unwrap();
+    append(&path, b"b\ncd");
+    let closed = file_source(&path, 100).close(&p1.mark).unwrap();
+    assert!(closed.closed);
+    assert_eq!(lines(&closed.chunks), ["b"]);
+    assert_eq!(
+        closed.problems,
+        [format!("{}: the last line (bytes 4..6) has no newline at the close; not trained", path_str(&path))]
+    );
+    fs::write(tmp.path().join("ragged.closed"), b"").unwrap();
+    assert_eq!(file_source(&path, 100).poll(&p1.mark).unwrap(), closed, "as the marker closes it");
+    assert!(file_source(&path, 100).poll(&closed.mark).unwrap().chunks.is_empty(), "closed is final");
+    // Before the file appeared: closed, nothing trained, said so.
+    let never = tmp.path().join("never");
+    let polled = file_source(&never, 100).close(&SourceMark::default()).unwrap();
+    assert!(polled.closed && polled.chunks.is_empty());
+    assert!(polled.problems.len() == 1 && polled.problems[0].contains(&path_str(&never)), "{polled:?}");
+
+    let dir = tmp.path().join("in");
+    fs::create_dir(&dir).unwrap();
+    write_complete(&dir, "x", b"x\n");
+    let p1 = dir_source(&dir, 100).poll(&SourceMark::default()).unwrap();
+    write_complete(&dir, "y", b"y\n");
+    fs::write(dir.join("v.tmp"), b"half").unwrap();
+    let closed = dir_source(&dir, 100).close(&p1.mark).unwrap();
+    assert!(closed.closed);
+    assert_eq!(lines(&closed.chunks), ["y"]);
+    assert_eq!(
+        closed.problems,
+        [format!(
+            "{}: never completed (still named like a file being written); not trained",
+            path_str(&dir.join("v.tmp"))
+        )]
+    );
+    fs::write(dir.join("_CLOSED"), b"").unwrap();
+    assert_eq!(dir_source(&dir, 100).poll(&p1.mark).unwrap(), closed, "as the marker closes it");
 }
 
 // ---------------------------------------------------------------------------

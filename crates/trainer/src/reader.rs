@@ -3,7 +3,10 @@
 //!
 //! Both formats share these rules: blank lines and lines starting with `#` are
 //! skipped; surrounding whitespace (including a `\r` line ending) is ignored;
-//! feature values must be finite numbers.
+//! feature values must be finite numbers. A line that is not valid UTF-8 is
+//! a bad line: skipped and counted with `skip_bad_lines` like any other (one
+//! stray byte, a Latin-1 `é`, must not cost a whole task); without it, it
+//! fails the chunk, as a line that does not parse does.
 //!
 //! Labels: with `classes == 2`, `-1` and `0` mean class 0 and `1` and `+1` mean
 //! class 1; otherwise the label is an integer in `[0, classes)`. A label written
@@ -13,7 +16,7 @@ use std::fmt;
 use std::ops::ControlFlow;
 use std::str::FromStr;
 
-use oar_task_queue::{for_each_chunk_line, line_number_at, Chunk};
+use oar_task_queue::{for_each_chunk_line_bytes, line_number_at, Chunk};
 use serde::{Deserialize, Serialize};
 
 use crate::model::Example;
@@ -60,7 +63,8 @@ pub struct ReaderOptions {
     pub features: usize,
     /// Number of classes; labels must map into `[0, classes)`.
     pub classes: usize,
-    /// Count and skip bad lines instead of failing the chunk.
+    /// Count and skip bad lines (that do not parse, or are not UTF-8)
+    /// instead of failing the chunk.
     pub skip_bad_lines: bool,
 }
 
@@ -171,6 +175,9 @@ pub struct ChunkData {
 /// A bad line fails the chunk with [`Error::BadLine`] naming the file and the
 /// 1-based line number, unless `skip_bad_lines` is set: then it is counted in
 /// [`ChunkData::skipped`] and the chunk logs one warning naming the first one.
+/// A line that is not valid UTF-8 is a bad line too when skipping (one stray
+/// byte must not cost the whole chunk); without skipping it fails the chunk
+/// with [`Error::Chunk`] naming the file and the byte offset.
 pub fn read_chunk(chunk: &Chunk, opts: &ReaderOptions) -> Result<ChunkData> {
     let (examples, skipped) = parse_chunk(chunk, opts.skip_bad_lines, |line| parse_line(line, opts))?;
     Ok(ChunkData { examples, skipped })
@@ -187,8 +194,25 @@ pub(crate) fn parse_chunk<T>(
     let (mut examples, mut skipped) = (Vec::new(), 0);
     let mut first_bad: Option<(u64, String)> = None;
     let mut fatal: Option<(u64, String)> = None;
-    for_each_chunk_line(chunk, |offset, text| {
-        match parse(text) {
+    let mut unreadable = None;
+    for_each_chunk_line_bytes(chunk, |offset, line| {
+        // A line that is not text is a bad line like any other when bad
+        // lines are skipped; otherwise it fails the chunk as unreadable.
+        let parsed = match std::str::from_utf8(line) {
+            Ok(text) => parse(text),
+            Err(e) if skip_bad_lines => {
+                Err(format!("invalid UTF-8 at byte offset {}", offset + e.valid_up_to() as u64))
+            }
+            Err(e) => {
+                unreadable = Some(oar_task_queue::Error::InvalidUtf8 {
+                    path: chunk.path.clone(),
+                    offset: offset + e.valid_up_to() as u64,
+                    line_start: offset,
+                });
+                return ControlFlow::Break(());
+            }
+        };
+        match parsed {
             Ok(Some(example)) => examples.push(example),
             Ok(None) => {}
             Err(reason) if skip_bad_lines => {
@@ -204,6 +228,7 @@ pub(crate) fn parse_chunk<T>(
         }
         ControlFlow::Continue(())
     })
+    .and_then(|()| unreadable.map_or(Ok(()), Err))
     .map_err(|e| Error::Chunk(format!("{} bytes {}..{}: {e}", chunk.path, chunk.start, chunk.end)))?;
     if let Some((offset, reason)) = fatal {
         let (line, reason) = locate(&chunk.path, offset, reason);
@@ -413,11 +438,29 @@ mod tests {
         let chunk = Chunk { path: path.clone(), start: 0, end: bytes.len() as u64 };
         let err = read_chunk(&chunk, &opts(Format::Libsvm, 2, 2)).unwrap_err();
         assert!(matches!(&err, Error::BadLine { line: 2, .. }), "{err}");
-        // Skipping bad lines reads on, and the unreadable line fails the chunk.
+        // Skipping bad lines reads on, and skips the line that is not UTF-8 too.
         let mut skip = opts(Format::Libsvm, 2, 2);
         skip.skip_bad_lines = true;
-        let err = read_chunk(&chunk, &skip).unwrap_err();
-        assert!(err.to_string().contains("UTF-8") && err.to_string().contains(&path), "{err}");
+        let data = read_chunk(&chunk, &skip).unwrap();
+        assert_eq!((data.examples.len(), data.skipped), (1, 2));
+    }
+
+    #[test]
+    fn a_line_that_is_not_utf8_is_a_bad_line_skipped_or_fails_the_chunk() {
+        // A stray Latin-1 byte ("caf\xe9") on line 2 of 3.
+        let dir = tempfile::tempdir().unwrap();
+        let bytes = b"1 1:0.5\n0 1:1 # caf\xe9\n1 2:1\n";
+        let path = temp_file(&dir, "latin1.libsvm", "");
+        std::fs::write(&path, bytes).unwrap();
+        let chunk = Chunk { path: path.clone(), start: 0, end: bytes.len() as u64 };
+        let mut skip = opts(Format::Libsvm, 2, 2);
+        skip.skip_bad_lines = true;
+        let data = read_chunk(&chunk, &skip).unwrap();
+        assert_eq!(data.skipped, 1, "the line is skipped and counted");
+        assert_eq!(data.examples, [ex(1, &[(0, 0.5)]).unwrap(), ex(1, &[(1, 1.0)]).unwrap()]);
+        // Without skipping, the chunk fails, naming the file and the byte.
+        let err = read_chunk(&chunk, &opts(Format::Libsvm, 2, 2)).unwrap_err().to_string();
+        assert!(err.contains(&path) && err.contains("invalid UTF-8 at byte offset 19"), "{err}");
     }
 
     #[test]

@@ -507,9 +507,37 @@ async fn follow_stream(
 
 /// Close streaming job `job`'s source: its master polls the source once
 /// more, trains everything it holds, and ends the job (done). Works from
-/// any process that reaches the job's discovery; closing twice is harmless.
+/// any process that reaches the job's discovery; closing twice, while the
+/// job has not ended, is harmless.
+///
+/// Refused ([`Error::CannotCloseStream`], nothing written) unless `job` is
+/// a streaming job that has not ended: its master published its options,
+/// they are a stream's, and no report is written. The close key outlives
+/// the job, so one left under a mistyped name or a batch job's would close
+/// a later streaming job of that name at its first poll, and the caller
+/// would have been told the close worked.
 pub async fn close_stream(discovery: &dyn oar_discovery::Discovery, job: &str) -> Result<()> {
-    discovery.put(&JobKeys::new(job)?.stream_close(), b"closed".to_vec(), None).await?;
+    let keys = JobKeys::new(job)?;
+    let refuse = |why: String| Error::CannotCloseStream { job: job.to_string(), why };
+    let Some(published) = discovery.get(&keys.config()).await? else {
+        return Err(refuse(format!(
+            "{} is not set: no master has published the job's options (no such job, or its master has \
+             not started yet)",
+            keys.config()
+        )));
+    };
+    let config = JobConfig::decode(&published.value)
+        .map_err(|e| refuse(format!("the options under {} do not decode: {e}", keys.config())))?;
+    if config.stream.is_none() {
+        return Err(refuse(format!(
+            "it is a batch job (data {:?}), not a streaming one: it ends when its passes are trained",
+            config.data
+        )));
+    }
+    if let Some(report) = read_result(discovery, job).await? {
+        return Err(refuse(format!("it has already ended ({})", report.state)));
+    }
+    discovery.put(&keys.stream_close(), b"closed".to_vec(), None).await?;
     Ok(())
 }
 
@@ -637,5 +665,67 @@ async fn while_coordinating<T>(
     tokio::select! {
         out = run => Ok(out),
         stopped = coordinator.stopped() => Err(stopped),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::config::StreamSource;
+    use oar_discovery::{Discovery, MemDiscovery};
+    use oar_trainer::ModelConfig;
+
+    const MODEL: ModelConfig = ModelConfig::Softmax { features: 4, classes: 2 };
+
+    /// Publishes `config` as job `job`'s master does.
+    async fn publish(discovery: &MemDiscovery, job: &str, config: &JobConfig) {
+        let key = JobKeys::new(job).unwrap().config();
+        discovery.put(&key, config.encode().unwrap(), None).await.unwrap();
+    }
+
+    async fn close_key_set(discovery: &MemDiscovery, job: &str) -> bool {
+        discovery.get(&JobKeys::new(job).unwrap().stream_close()).await.unwrap().is_some()
+    }
+
+    /// Only a streaming job that has not ended is closed: a close key left
+    /// under another name would close a later stream of that name at once.
+    #[tokio::test]
+    async fn close_stream_refuses_what_is_not_a_running_stream_and_writes_nothing() {
+        let discovery = MemDiscovery::new();
+        publish(&discovery, "batch", &JobConfig::new("data/*.libsvm", MODEL)).await;
+        publish(&discovery, "stream", &JobConfig::streaming(StreamSource::dir("/data/in"), MODEL)).await;
+        publish(&discovery, "ended", &JobConfig::streaming(StreamSource::dir("/data/in"), MODEL)).await;
+        let report = JobReport {
+            state: JobEnd::Done,
+            reason: None,
+            passes: 1,
+            final_loss: 0.5,
+            train_accuracy: f32::NAN,
+            test_accuracy: f32::NAN,
+            examples_per_second: 1.0,
+            tasks_done: 1,
+            tasks_failed: 0,
+            tasks_discarded: 0,
+            discarded: Vec::new(),
+            skipped_lines: 0,
+            wall_seconds: 1.0,
+        };
+        let result = JobKeys::new("ended").unwrap().result();
+        discovery.put(&result, report.to_json().into_bytes(), None).await.unwrap();
+
+        for (job, why) in [
+            ("strem", "no master has published the job's options"),
+            ("batch", "it is a batch job (data \"data/*.libsvm\")"),
+            ("ended", "it has already ended (done)"),
+        ] {
+            let err = close_stream(&discovery, job).await.unwrap_err();
+            assert!(matches!(err, Error::CannotCloseStream { .. }), "{job}: {err:?}");
+            let msg = err.to_string();
+            assert!(msg.contains(&format!("job {job:?}")) && msg.contains(why), "{job}: {msg}");
+            assert!(!close_key_set(&discovery, job).await, "{job}: the close key was written");
+        }
+        close_stream(&discovery, "stream").await.unwrap();
+        assert!(close_key_set(&discovery, "stream").await);
+        close_stream(&discovery, "stream").await.expect("closing twice is harmless");
     }
 }
