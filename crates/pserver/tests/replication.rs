@@ -55,6 +55,15 @@ impl Env {
     }
 
     async fn pserver(&self) -> Pserver {
+        self.pserver_with(None).await
+    }
+
+    /// A pserver whose shards' checkpoints are under `dir`.
+    async fn pserver_checkpointing(&self, dir: &std::path::Path) -> Pserver {
+        self.pserver_with(Some(dir.to_path_buf())).await
+    }
+
+    async fn pserver_with(&self, checkpoint_dir: Option<std::path::PathBuf>) -> Pserver {
         let options = PserverOptions {
             keys: keys(),
             specs: specs(self.len),
@@ -64,6 +73,7 @@ impl Env {
             optimizer: OptimizerConfig::Sgd { lr: 1.0 },
             lease_ttl: Duration::from_secs(30),
             replication_timeout: Duration::from_secs(2),
+            checkpoint_dir,
             ..Default::default()
         };
         Pserver::start(self.discovery.clone(), self.transport.clone(), "mem:0", options).await.unwrap()
@@ -971,21 +981,7 @@ async fn a_shard_whose_checkpoints_do_not_load_waits_and_harms_no_other() {
     let bad = dir.path().join("shard-1").join("ckpt-00000000000000000005.oarckpt");
     std::fs::create_dir_all(bad.parent().unwrap()).unwrap();
     std::fs::write(&bad, vec![7u8; 200]).unwrap();
-    let start = || {
-        let options = PserverOptions {
-            keys: keys(),
-            specs: specs(env.len),
-            shards: env.shards,
-            block_size: env.block_size,
-            mode: env.mode,
-            optimizer: OptimizerConfig::Sgd { lr: 1.0 },
-            lease_ttl: Duration::from_secs(30),
-            checkpoint_dir: Some(dir.path().to_path_buf()),
-            ..Default::default()
-        };
-        Pserver::start(env.discovery.clone(), env.transport.clone(), "mem:0", options)
-    };
-    let (a, b) = (start().await.unwrap(), start().await.unwrap());
+    let (a, b) = (env.pserver_checkpointing(dir.path()).await, env.pserver_checkpointing(dir.path()).await);
     let status = env.wait_status_because("UNHEALTHY", "cannot restore shard 1").await;
     assert!(status["reason"].as_str().unwrap_or_default().contains("no valid checkpoint"), "{status}");
     let map = env.cluster.map().await.expect("a map");
@@ -1029,21 +1025,7 @@ async fn a_restore_that_hangs_holds_up_no_later_map() {
         }
     }
     let _unblock = Unblock(fifo.clone());
-    let start = || {
-        let options = PserverOptions {
-            keys: keys(),
-            specs: specs(env.len),
-            shards: env.shards,
-            block_size: env.block_size,
-            mode: env.mode,
-            optimizer: OptimizerConfig::Sgd { lr: 1.0 },
-            lease_ttl: Duration::from_secs(30),
-            checkpoint_dir: Some(dir.path().to_path_buf()),
-            ..Default::default()
-        };
-        Pserver::start(env.discovery.clone(), env.transport.clone(), "mem:0", options)
-    };
-    let (a, b) = (start().await.unwrap(), start().await.unwrap());
+    let (a, b) = (env.pserver_checkpointing(dir.path()).await, env.pserver_checkpointing(dir.path()).await);
     let first = env.cluster.wait_primary(&[&a, &b], 0, "").await;
     let stuck_name = first.primary(1).expect("shard 1 has a primary").to_string();
     let (stuck, other) = if a.name() == stuck_name { (a, b) } else { (b, a) };

@@ -47,6 +47,24 @@ fn stream(dir: &Path) -> StreamOptions {
     }
 }
 
+/// A master streaming `file` (a FileSource in 64-byte chunks, closed by
+/// [`CLOSE`]) on `discovery` and an in-memory transport, and a client of it.
+async fn file_stream_master(discovery: &Arc<dyn Discovery>, file: &Path) -> (Master, MasterClient) {
+    let transport: Arc<dyn Transport> = Arc::new(MemTransport::new(MemNetwork::new()));
+    let dir = file.parent().expect("the file is in a directory");
+    let stream =
+        StreamOptions { source: Box::new(FileSource::new(FileSourceOptions::new(file, 64))), ..stream(dir) };
+    let master = Master::start_stream(discovery.clone(), transport.clone(), "mem:0", stream, options("m1"))
+        .await
+        .unwrap();
+    let client = MasterClient::new(
+        discovery.clone(),
+        transport,
+        MasterClientOptions { call_timeout: Duration::from_secs(2), ..MasterClientOptions::new(keys().addr) },
+    );
+    (master, client)
+}
+
 /// Write `name` in `dir` as a writer should: under a temporary name, then renamed into place.
 fn arrive(dir: &Path, name: &str, lines: usize) -> u64 {
     let body: String = (0..lines).map(|i| format!("{} 1:{i}\n", i % 2)).collect();
@@ -230,19 +248,7 @@ async fn a_close_ends_a_stream_whose_source_fails_and_names_the_error() {
     let file = dir.path().join("log.libsvm");
     std::fs::write(&file, "0 1:1\n1 1:2\n").unwrap();
     let discovery: Arc<dyn Discovery> = Arc::new(MemDiscovery::new());
-    let transport: Arc<dyn Transport> = Arc::new(MemTransport::new(MemNetwork::new()));
-    let stream = StreamOptions {
-        source: Box::new(FileSource::new(FileSourceOptions::new(&file, 64))),
-        ..stream(dir.path())
-    };
-    let master = Master::start_stream(discovery.clone(), transport.clone(), "mem:0", stream, options("m1"))
-        .await
-        .unwrap();
-    let client = MasterClient::new(
-        discovery.clone(),
-        transport.clone(),
-        MasterClientOptions { call_timeout: Duration::from_secs(2), ..MasterClientOptions::new(keys().addr) },
-    );
+    let (master, client) = file_stream_master(&discovery, &file).await;
     cut(&master, "byte 12").await;
     let mut finished = Vec::new();
     drain(&client, "t", &mut finished).await;
@@ -272,20 +278,8 @@ async fn the_close_key_reports_a_last_line_without_its_newline() {
     let file = dir.path().join("log.libsvm");
     std::fs::write(&file, "0 1:1\n1 1:2").unwrap();
     let discovery: Arc<dyn Discovery> = Arc::new(MemDiscovery::new());
-    let transport: Arc<dyn Transport> = Arc::new(MemTransport::new(MemNetwork::new()));
-    let stream = StreamOptions {
-        source: Box::new(FileSource::new(FileSourceOptions::new(&file, 64))),
-        ..stream(dir.path())
-    };
     discovery.put(CLOSE, b"closed".to_vec(), None).await.unwrap();
-    let master = Master::start_stream(discovery.clone(), transport.clone(), "mem:0", stream, options("m1"))
-        .await
-        .unwrap();
-    let client = MasterClient::new(
-        discovery.clone(),
-        transport.clone(),
-        MasterClientOptions { call_timeout: Duration::from_secs(2), ..MasterClientOptions::new(keys().addr) },
-    );
+    let (master, client) = file_stream_master(&discovery, &file).await;
     let mut finished = Vec::new();
     let done = tokio::time::timeout(Duration::from_secs(10), async {
         while master.status().borrow().queue.state == JobState::Running {
