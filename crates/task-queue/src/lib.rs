@@ -85,7 +85,9 @@ pub use dataset::{
 pub use error::{Error, Result};
 pub use journal::{Changes, Delta};
 #[cfg(feature = "service")]
-pub use master::{Master, MasterKeys, MasterOptions, StreamOptions, JOURNAL_MAX_RECORDS};
+pub use master::{
+    Master, MasterKeys, MasterOptions, StreamOptions, JOURNAL_MAX_RECORDS, STATE_WARN_FRACTION,
+};
 pub use protocol::{
     MasterStatus, PassStats, ReportReply, StreamStatus, TaskReply, TaskStats, MAX_TRAINER_ID_BYTES,
 };

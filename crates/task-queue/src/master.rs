@@ -25,7 +25,11 @@
 //!   discards, so a job discarding every task stays under it too. A state
 //!   or record over [`MasterOptions::max_state_bytes`] (by default the
 //!   discovery backend's limit: etcd's) is
-//!   [`Error::StateTooLarge`]: the master does not start, or stops.
+//!   [`Error::StateTooLarge`]: the master does not start, or stops. Past
+//!   [`STATE_WARN_FRACTION`] of it, the master warns once, in its log and
+//!   in a stream's problems: a stream's state grows with the files present
+//!   in its directory (about 24 bytes each, so some 60,000 files reach
+//!   etcd's default limit), and trained files must be removed.
 //! - `master/journal/<version>` holds one [`JournalRecord`] per write since
 //!   then: the tasks that changed ([`Delta`](crate::Delta)), the current pass's statistics
 //!   and new discards; a few dozen bytes per report.
@@ -279,6 +283,8 @@ struct Shared {
     status: watch::Sender<MasterStatus>,
     /// [`MasterOptions::max_state_bytes`].
     max_state_bytes: usize,
+    /// The state passed [`STATE_WARN_FRACTION`] of its limit, and was said so.
+    state_size_warned: std::sync::atomic::AtomicBool,
     /// Trainers whose registration was seen to end, until one of them asks
     /// for a task again ([`MasterHandler::check_departed`]).
     departed: DepartedMembers,
@@ -500,6 +506,7 @@ impl Master {
             stopped: watch::channel(None).0,
             status: status_tx,
             max_state_bytes: options.max_state_bytes.or(discovery.max_value_bytes()).unwrap_or(usize::MAX),
+            state_size_warned: Default::default(),
             departed: DepartedMembers::new(&keys.members),
         });
         // Trainers that left while no master watched (between the last
@@ -727,6 +734,19 @@ async fn persist(
         Write::Record(record) => (keys.journal_record(version), record.encode()),
     };
     let size = bytes.len();
+    if size as f64 > shared.max_state_bytes as f64 * STATE_WARN_FRACTION
+        && !shared.state_size_warned.swap(true, std::sync::atomic::Ordering::SeqCst)
+    {
+        let problem = format!(
+            "the master's state is {size} bytes, past {:.0}% of its limit of {} bytes: at the limit \
+             the master stops. A stream from a directory keeps about 24 bytes in it per file \
+             present: remove files once trained (or write fewer, larger ones)",
+            STATE_WARN_FRACTION * 100.0,
+            shared.max_state_bytes
+        );
+        tracing::warn!(%problem, "the master's state nears its limit");
+        note_problem(shared, problem);
+    }
     if size > shared.max_state_bytes {
         journal.snapshot_due = true;
         return Err(Error::StateTooLarge { key, bytes: size, max: shared.max_state_bytes });
@@ -977,6 +997,12 @@ fn describe(source: &Mutex<Box<dyn TaskSource>>) -> String {
 }
 
 /// List a problem of the source in the status (the last ones).
+/// The share of [`MasterOptions::max_state_bytes`] past which the master
+/// warns, once (in its log, and in a stream's problems): a stream's state
+/// grows with the files present in its directory, and the master stops
+/// when it reaches the limit.
+pub const STATE_WARN_FRACTION: f64 = 0.75;
+
 fn note_problem(shared: &Shared, problem: String) {
     let mut core = shared.core();
     if let Some(status) = &mut core.stream {
@@ -1299,6 +1325,7 @@ mod tests {
             stopped: watch::channel(None).0,
             status: watch::channel(status).0,
             max_state_bytes: usize::MAX,
+            state_size_warned: Default::default(),
             departed: DepartedMembers::new("/t/trainer/"),
         });
         let handler = Arc::new(MasterHandler {

@@ -386,6 +386,15 @@ impl DirSourceOptions {
 /// reports, by path, files still named like files being written: they were
 /// never completed and are not trained.
 ///
+/// **Size of the mark**: 24 bytes per file present in the directory (a
+/// file deleted is forgotten two polls later), stored with the master's
+/// state at every poll that finds a new file; some 60,000 files reach
+/// etcd's default request limit, where the master stops (it warns past
+/// 3/4 of it: [`STATE_WARN_FRACTION`](crate::STATE_WARN_FRACTION)). A
+/// long-running stream should have its files removed once trained
+/// (removing one whose tasks are still open fails those tasks: keep, say,
+/// the last hour's), or get fewer, larger files.
+///
 /// **Cost of a poll**: one directory listing and one `stat` per entry; a
 /// file's first 4 KiB are read once per source value (then remembered by
 /// inode, size, modification and change time: a file written since has a

@@ -298,3 +298,53 @@ async fn the_close_key_reports_a_last_line_without_its_newline() {
         [format!("{path}: the last line (bytes 6..11) has no newline at the close; not trained")]
     );
 }
+
+/// A stream's state grows with the files present in its directory (the
+/// mark remembers each): past 3/4 of the limit the master says so in the
+/// stream's problems, files before it reaches the limit and stops.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_state_nearing_its_limit_is_reported_before_the_master_stops() {
+    let dir = tempfile::tempdir().unwrap();
+    let discovery: Arc<dyn Discovery> = Arc::new(MemDiscovery::new());
+    let transport: Arc<dyn Transport> = Arc::new(MemTransport::new(MemNetwork::new()));
+    let mut options = options("m1");
+    options.max_state_bytes = Some(3000);
+    let master =
+        Master::start_stream(discovery, transport, "mem:0", stream(dir.path()), options).await.unwrap();
+    let warned = |status: &oar_task_queue::MasterStatus| {
+        let problems = status.stream.as_ref().map(|s| s.problems.clone()).unwrap_or_default();
+        problems
+            .iter()
+            .any(|p| p.contains("past 75% of its limit of 3000 bytes") && p.contains("remove files"))
+    };
+    let (mut first_warned, mut stopped) = (None, None);
+    for i in 1..=300 {
+        arrive(dir.path(), &format!("f{i:03}"), 2);
+        let mut status = master.status();
+        // "1 file, ...", "2 files, ...".
+        let files = format!("{i} file");
+        let cut = status.wait_for(|s| s.stream.as_ref().is_some_and(|st| st.position.starts_with(&files)));
+        let outcome = tokio::time::timeout(Duration::from_secs(10), async {
+            tokio::select! {
+                _ = cut => None,
+                ended = master.wait() => Some(ended),
+            }
+        })
+        .await
+        .unwrap_or_else(|_| {
+            panic!("file {i} is not cut, the master goes on: {:?}", master.status().borrow())
+        });
+        if first_warned.is_none() && warned(&master.status().borrow()) {
+            first_warned = Some(i);
+        }
+        if let Some(ended) = outcome {
+            stopped = Some((i, ended));
+            break;
+        }
+    }
+    let (at, ended) = stopped.expect("the master stops at its limit");
+    let why = ended.expect_err("stopped, not ended").to_string();
+    assert!(why.contains("over its limit of 3000"), "{why}");
+    let warned_at = first_warned.expect("warned before it stopped");
+    assert!(warned_at + 3 <= at, "warned files before the limit: at {warned_at}, stopped at {at}");
+}
