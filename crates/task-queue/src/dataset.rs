@@ -20,6 +20,14 @@ use crate::{Error, Result};
 /// small enough that many readers at once cost little.
 const READ_BUFFER: usize = 64 * 1024;
 
+/// The longest line a chunk's reader takes (64 MiB): a longer one fails
+/// its chunk with [`Error::LineTooLong`] (with or without skipping bad
+/// lines) instead of being read whole into memory: no record of a line
+/// format is that long, and a file with no newline at all (a binary or a
+/// one-line dump dropped among the data) would otherwise be read entire by
+/// every trainer given a chunk of it.
+pub const MAX_LINE_BYTES: usize = 64 << 20;
+
 /// A byte range `[start, end)` of one file: a pointer to data, never the data.
 #[derive(Clone, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
 pub struct Chunk {
@@ -225,14 +233,22 @@ pub fn for_each_chunk_line_bytes(
     } else {
         let from = chunk.start - 1;
         reader.seek(SeekFrom::Start(from)).map_err(Error::io(path, "seek"))?;
-        from + skip_through_newline(&mut reader).map_err(Error::io(path, "read"))?
+        // No further than the chunk's end: past it, no line starts in the
+        // chunk (a chunk inside a long line reads only itself).
+        from + skip_through_newline(&mut (&mut reader).take(chunk.end - from))
+            .map_err(Error::io(path, "read"))?
     };
     let mut buf = Vec::new();
     while pos < chunk.end {
         buf.clear();
-        let n = reader.read_until(b'\n', &mut buf).map_err(Error::io(path, "read"))?;
+        let limit = MAX_LINE_BYTES as u64 + 1;
+        let n = (&mut reader).take(limit).read_until(b'\n', &mut buf).map_err(Error::io(path, "read"))?;
         if n == 0 {
             break;
+        }
+        // The limit reached without the newline: the line goes on.
+        if n as u64 == limit && buf.last() != Some(&b'\n') {
+            return Err(Error::LineTooLong { path: path.to_string(), offset: pos, max: MAX_LINE_BYTES });
         }
         let offset = pos;
         pos += n as u64;
@@ -343,6 +359,31 @@ mod tests {
             start = next;
         }
         out
+    }
+
+    #[test]
+    fn a_line_past_the_limit_fails_its_chunk_without_being_read_whole() {
+        let dir = tempfile::tempdir().unwrap();
+        let mut bytes = b"0 1:1\n".to_vec();
+        // A line of exactly the limit is taken; the next, one byte longer, is not.
+        bytes.extend(std::iter::repeat_n(b'x', MAX_LINE_BYTES));
+        bytes.push(b'\n');
+        let long_at = bytes.len() as u64;
+        bytes.extend(std::iter::repeat_n(b'y', MAX_LINE_BYTES + 1));
+        let path = write_file(dir.path(), "no-newlines", &bytes);
+        let chunk = Chunk { path: path.clone(), start: 0, end: bytes.len() as u64 };
+        let mut lens = Vec::new();
+        let err = for_each_chunk_line_bytes(&chunk, |_, line| {
+            lens.push(line.len());
+            ControlFlow::Continue(())
+        })
+        .unwrap_err();
+        assert_eq!(lens, [5, MAX_LINE_BYTES], "the lines before it are handed out");
+        assert!(
+            matches!(&err, Error::LineTooLong { path: p, offset, max } if *p == path && *offset == long_at && *max == MAX_LINE_BYTES),
+            "{err}"
+        );
+        assert!(err.to_string().contains("longer than"), "{err}");
     }
 
     #[test]

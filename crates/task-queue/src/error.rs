@@ -68,6 +68,17 @@ pub enum Error {
         /// Byte offset at which the line starts.
         line_start: u64,
     },
+    /// A line longer than [`MAX_LINE_BYTES`](crate::MAX_LINE_BYTES): no
+    /// record of a line format, more likely a file that is not line data.
+    #[error("{path}: the line starting at byte {offset} is longer than {max} bytes; not line data?")]
+    LineTooLong {
+        /// The file holding the line.
+        path: String,
+        /// Byte offset at which the line starts.
+        offset: u64,
+        /// The longest line read.
+        max: usize,
+    },
     /// An offset beyond the end of a file (in [`line_number_at`](crate::line_number_at)).
     #[error("{path}: byte offset {offset} is past the end of the file ({len} bytes)")]
     OffsetPastEnd {

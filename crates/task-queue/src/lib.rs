@@ -80,7 +80,7 @@ pub use client::{MasterClient, MasterClientOptions};
 pub use dataset::{
     auto_chunk_bytes, chunk_files, chunks_from_glob, for_each_chunk_line, for_each_chunk_line_bytes,
     glob_files, line_number_at, read_chunk_lines, tasks_from_chunks, Chunk, Line, TaskId, TaskSpec,
-    AUTO_CHUNK_MAX, AUTO_CHUNK_MIN, AUTO_TASKS_PER_PASS,
+    AUTO_CHUNK_MAX, AUTO_CHUNK_MIN, AUTO_TASKS_PER_PASS, MAX_LINE_BYTES,
 };
 pub use error::{Error, Result};
 pub use journal::{Changes, Delta};
