@@ -39,11 +39,14 @@
 //! - **Health.** It writes the cluster's status: `OK` when every shard has
 //!   all its replicas, every replica has caught up, nothing moves or is
 //!   left to balance and the job has the pservers it wants, else `UNHEALTHY` with the reason
-//!   (`UNKNOWN` before the first map). A map key whose value cannot be
-//!   decoded (a hand edit, a newer format) is never written over: pservers
-//!   serving the last good map would keep it, and a fresh first map would
-//!   name a second primary for its shards. The status is `UNHEALTHY`,
-//!   naming the key, until it is mended or deleted.
+//!   (`UNKNOWN` before the first map). A coordinator that has seen no
+//!   good map (a master that just took over) never writes a first map over
+//!   a map key whose value cannot be decoded (a hand edit, a newer format):
+//!   pservers serving the last good map would keep it, and a fresh first
+//!   map would name a second primary for its shards. The status is
+//!   `UNHEALTHY`, naming the key, until it is mended or deleted. One that
+//!   has seen a good map carries on from it (a map read back older is
+//!   ignored), and its next map, one version higher, replaces the value.
 //!
 //! Several changes found at once go out as one new map; moves go one at a
 //! time.

@@ -998,33 +998,44 @@ async fn a_shard_whose_checkpoints_do_not_load_waits_and_harms_no_other() {
     env.wait_status("OK").await;
 }
 
-/// A restore that hangs (its checkpoint on a volume that does not answer:
-/// here a FIFO no one writes, whose open blocks) holds up neither the maps
-/// that come meanwhile nor the pserver's other shards: when the other
-/// pserver dies, the one stuck restoring shard 1 adopts the new map and
-/// serves shard 0 too. (Restores were awaited inside the reconciler, one
-/// map at a time: the second map waited for the first restore for ever.)
+/// Makes shard `shard`'s newest checkpoint under `dir` a FIFO no one
+/// writes: its open blocks, as a read from a volume that does not answer.
+/// Dropped, the open returns (a writer comes and goes: the file is empty,
+/// so refused) and the FIFO goes; however a test ends, so that no thread is
+/// left blocked to keep the runtime from shutting down.
+struct HungCheckpoint(std::path::PathBuf);
+
+impl HungCheckpoint {
+    fn new(dir: &std::path::Path, shard: u32) -> HungCheckpoint {
+        use std::os::unix::ffi::OsStrExt;
+        let fifo = dir.join(format!("shard-{shard}")).join("ckpt-00000000000000000005.oarckpt");
+        std::fs::create_dir_all(fifo.parent().unwrap()).unwrap();
+        let path = std::ffi::CString::new(fifo.as_os_str().as_bytes()).unwrap();
+        // SAFETY: a valid NUL-terminated path; mkfifo only reads it.
+        assert_eq!(unsafe { libc::mkfifo(path.as_ptr(), 0o600) }, 0, "mkfifo");
+        HungCheckpoint(fifo)
+    }
+}
+
+impl Drop for HungCheckpoint {
+    fn drop(&mut self) {
+        use std::os::unix::fs::OpenOptionsExt;
+        let _ = std::fs::File::options().write(true).custom_flags(libc::O_NONBLOCK).open(&self.0);
+        let _ = std::fs::remove_file(&self.0);
+    }
+}
+
+/// A restore that hangs (its checkpoint on a volume that does not answer)
+/// holds up neither the maps that come meanwhile nor the pserver's other
+/// shards: when the other pserver dies, the one stuck restoring shard 1
+/// adopts the new map and serves shard 0 too. (Restores were awaited inside
+/// the reconciler, one map at a time: the second map waited for the first
+/// restore for ever.)
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_restore_that_hangs_holds_up_no_later_map() {
-    use std::os::unix::{ffi::OsStrExt, fs::OpenOptionsExt};
     let env = Env::new(2, 1, 2, 16, Mode::Async).await;
     let dir = tempfile::tempdir().unwrap();
-    let fifo = dir.path().join("shard-1").join("ckpt-00000000000000000005.oarckpt");
-    std::fs::create_dir_all(fifo.parent().unwrap()).unwrap();
-    let path = std::ffi::CString::new(fifo.as_os_str().as_bytes()).unwrap();
-    // SAFETY: a valid NUL-terminated path; mkfifo only reads it.
-    assert_eq!(unsafe { libc::mkfifo(path.as_ptr(), 0o600) }, 0, "mkfifo");
-    // Ends the hung open however the test ends (a blocked thread would
-    // keep the runtime from shutting down): a writer comes and goes, so the
-    // reader sees an empty file, and the FIFO goes.
-    struct Unblock(std::path::PathBuf);
-    impl Drop for Unblock {
-        fn drop(&mut self) {
-            let _ = std::fs::File::options().write(true).custom_flags(libc::O_NONBLOCK).open(&self.0);
-            let _ = std::fs::remove_file(&self.0);
-        }
-    }
-    let _unblock = Unblock(fifo.clone());
+    let hung = HungCheckpoint::new(dir.path(), 1);
     let (a, b) = (env.pserver_checkpointing(dir.path()).await, env.pserver_checkpointing(dir.path()).await);
     let first = env.cluster.wait_primary(&[&a, &b], 0, "").await;
     let stuck_name = first.primary(1).expect("shard 1 has a primary").to_string();
@@ -1033,9 +1044,43 @@ async fn a_restore_that_hangs_holds_up_no_later_map() {
     env.kill(other).await;
     let map = env.cluster.wait_primary(&[&stuck], 0, &other_name).await;
     assert!(map.version() > first.version());
-    // The hung open returns (the file is empty, so refused), and with the
-    // FIFO gone the next try starts the shard afresh.
-    drop(Unblock(fifo.clone()));
-    assert!(!fifo.exists());
+    // With the FIFO gone, the next try starts the shard afresh.
+    drop(hung);
     env.cluster.wait_primary(&[&stuck], 1, "").await;
+}
+
+/// A map of the same epoch that changes a shard's followers while its
+/// primary restores it reaches the restore: it ends serving the followers
+/// the map names then, not those it started with (a dead one, whose
+/// acknowledgements never come, and no new one, whose catch-up is refused).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn followers_changed_while_a_restore_runs_are_the_ones_it_serves() {
+    let env = Env::new(1, 2, 2, 16, Mode::Async).await;
+    let dir = tempfile::tempdir().unwrap();
+    let hung = HungCheckpoint::new(dir.path(), 0);
+    let (a, b) = (env.pserver_checkpointing(dir.path()).await, env.pserver_checkpointing(dir.path()).await);
+    let first = loop {
+        if let Some(map) = env.cluster.map().await {
+            break map;
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    };
+    let primary = first.primary(0).expect("a primary").to_string();
+    let (primary, follower) = if a.name() == primary { (a, b) } else { (b, a) };
+    let gone = follower.name().to_string();
+    let newcomer = env.pserver_checkpointing(dir.path()).await;
+    env.kill(follower).await;
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(20);
+    loop {
+        let map = env.cluster.map().await.expect("a map");
+        let set = map.replica_set(0);
+        if set.iter().any(|n| n == newcomer.name()) && !set.contains(&gone) {
+            assert_eq!(map.epoch(0), first.epoch(0), "the same epoch: the primary did not change");
+            break;
+        }
+        assert!(tokio::time::Instant::now() < deadline, "no map with the newcomer as follower: {map}");
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    drop(hung);
+    env.cluster.wait_serving(&[&primary, &newcomer]).await;
 }

@@ -28,6 +28,15 @@ pub const TMP_STALE: Duration = Duration::from_secs(600);
 /// Makes every temp file name of this process unique.
 static TMP_COUNTER: AtomicU64 = AtomicU64::new(0);
 
+/// A random tag of this process for its temp files' names: pserver
+/// processes in containers often share one pid (1), and two writers of a
+/// directory must not pick one name.
+fn process_tag() -> u64 {
+    use std::hash::{BuildHasher, RandomState};
+    static TAG: std::sync::OnceLock<u64> = std::sync::OnceLock::new();
+    *TAG.get_or_init(|| RandomState::new().hash_one((std::process::id(), now_ms())))
+}
+
 /// Where one logical shard's checkpoints go: `<root>/shard-<index>/ckpt-<step:020>.oarckpt`,
 /// written by whichever pserver is the shard's primary (so a shard's
 /// checkpoints stay in one place as its primary changes).
@@ -84,7 +93,7 @@ impl CheckpointDir {
     /// [`Error::CheckpointAbandoned`]; the temp file goes.
     ///
     /// Each save writes a temp file of its own (created exclusively, named
-    /// by process and call), so two writers in one directory never write
+    /// by a random tag of the process and a count of its saves), so two writers in one directory never write
     /// into or rename each other's file.
     pub fn save_checked(
         &self,
@@ -113,7 +122,7 @@ impl CheckpointDir {
         let unique = TMP_COUNTER.fetch_add(1, Ordering::Relaxed);
         let tmp = self
             .dir
-            .join(format!("{PREFIX}{step:020}.{EXTENSION}.{}-{unique}{TMP_SUFFIX}", std::process::id()));
+            .join(format!("{PREFIX}{step:020}.{EXTENSION}.{:016x}-{unique}{TMP_SUFFIX}", process_tag()));
         let unix_time_ms = now_ms();
         let written = write_file(&tmp, &encoder, unix_time_ms).and_then(|v| {
             still_owner().map_err(|why| Error::CheckpointAbandoned { step, why })?;
@@ -137,7 +146,8 @@ impl CheckpointDir {
     /// Load the newest checkpoint that verifies and fits into `store` (see
     /// the module docs for what is checked). Newer ones that fail are
     /// skipped with a `warn!` line each and listed in the result. Leftover
-    /// `*.tmp` files of interrupted saves are ignored and removed.
+    /// `*.tmp` files of interrupted saves are ignored, and removed once
+    /// [`TMP_STALE`] (a newer one may be another writer's save in progress).
     ///
     /// `Ok(None)` when there is no checkpoint at all;
     /// [`Error::NoValidCheckpoint`] naming every file and why when there are

@@ -9,7 +9,7 @@
 //! **Saving** writes a [`StoreSnapshot`] (taken under the store's lock by
 //! [`ParamStore::snapshot`], written with no lock held) block by block
 //! through a buffered writer into a temp file of its own
-//! (`ckpt-<step:020>.oarckpt.<pid>-<n>.tmp`, created exclusively), fsyncs
+//! (`ckpt-<step:020>.oarckpt.<process tag>-<n>.tmp`, created exclusively), fsyncs
 //! it, renames it to `ckpt-<step:020>.oarckpt` and fsyncs the directory, so
 //! a crash leaves either the old set of checkpoints or the new one, plus at
 //! worst a `*.tmp` file that a save or load removes once it is

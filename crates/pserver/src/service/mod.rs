@@ -1098,7 +1098,7 @@ async fn reconcile(shared: &Arc<Shared>, map: Arc<ShardMap>) {
                     if !matches!(current, SlotState::Syncing) {
                         tracing::warn!(shard, version, "made primary without a caught-up replica: restoring");
                     }
-                    restore.push((slot.clone(), epoch, followers.clone()));
+                    restore.push((slot.clone(), epoch));
                     (SlotState::Syncing, Action::None)
                 }
                 (Role::Follower, SlotState::Primary { .. }) => {
@@ -1116,6 +1116,10 @@ async fn reconcile(shared: &Arc<Shared>, map: Arc<ShardMap>) {
                 }
                 (Role::Follower, _) => (SlotState::Syncing, Action::Sync),
             };
+            // A restore's error stands only while the slot waits for it.
+            if !(role == Role::Primary && matches!(next, SlotState::Syncing)) {
+                *slot.restore_error.lock().unwrap_or_else(PoisonError::into_inner) = None;
+            }
             *state = next;
             shared.publish(&slot, &state);
             action
@@ -1137,14 +1141,18 @@ async fn reconcile(shared: &Arc<Shared>, map: Arc<ShardMap>) {
             }
         }
     }
-    for (slot, epoch, followers) in restore {
-        spawn_restore(shared, &slot, epoch, followers);
+    for (slot, epoch) in restore {
+        spawn_restore(shared, &slot, epoch);
     }
 }
 
-/// How long between two tries at restoring a shard whose checkpoints would
-/// not load.
+/// How long after a failed restore of a shard it is tried again, the
+/// first time; the pause doubles with each failure, up to
+/// [`RESTORE_RETRY_MAX`] (each try reads the shard's checkpoints again).
 const RESTORE_RETRY: Duration = Duration::from_secs(5);
+
+/// The longest pause between two tries at a shard's restore.
+const RESTORE_RETRY_MAX: Duration = Duration::from_secs(60);
 
 /// The name of the slot task that restores it at `epoch`.
 fn restore_task(epoch: u64) -> String {
@@ -1153,7 +1161,7 @@ fn restore_task(epoch: u64) -> String {
 
 /// Record why `slot`'s restore failed, for the replica's published state.
 fn restore_failed(shared: &Shared, slot: &Slot, why: String) {
-    tracing::error!(shard = slot.shard, %why, retry_in = ?RESTORE_RETRY, "cannot restore the shard; its other shards are served meanwhile");
+    tracing::error!(shard = slot.shard, %why, "cannot restore the shard; tried again later, its other shards are served meanwhile");
     *slot.restore_error.lock().unwrap_or_else(PoisonError::into_inner) = Some(why);
     shared.role_changed.notify_one();
 }
@@ -1163,12 +1171,15 @@ fn restore_failed(shared: &Shared, slot: &Slot, why: String) {
 /// up the maps that come meanwhile: a follower busy restoring another
 /// shard still adopts them, and stays eligible to take over its shards.
 /// One restore per slot and epoch: a new map that leaves it primary at the
-/// same epoch lets the running one go on. A restore whose checkpoints do
-/// not load is tried again every [`RESTORE_RETRY`] while the map still
-/// makes this pserver the primary at `epoch`: a checkpoint directory
-/// mended (a bad file removed, a volume back) then serves the shard
-/// without a restart, and the pserver's other shards were never stopped.
-fn spawn_restore(shared: &Arc<Shared>, slot: &Arc<Slot>, epoch: u64, followers: Vec<String>) {
+/// same epoch lets the running one go on (the followers it starts with are
+/// the map's when it ends). A restore whose checkpoints do not load is
+/// tried again after [`RESTORE_RETRY`], doubling to [`RESTORE_RETRY_MAX`],
+/// while the map still makes this pserver the primary at `epoch`: a
+/// checkpoint directory mended (a bad file removed, a volume back) then
+/// serves the shard without a restart, and the pserver's other shards were
+/// never stopped. A pserver whose own mount is broken keeps the shard
+/// waiting too (the status names the error): restarting it moves the shard.
+fn spawn_restore(shared: &Arc<Shared>, slot: &Arc<Slot>, epoch: u64) {
     let name = restore_task(epoch);
     let mut tasks = slot.tasks.lock().unwrap_or_else(PoisonError::into_inner);
     if tasks.get(&name).is_some_and(|t| !t.is_finished()) {
@@ -1178,12 +1189,14 @@ fn spawn_restore(shared: &Arc<Shared>, slot: &Arc<Slot>, epoch: u64, followers: 
     let (shared_task, slot_task) = (shared.clone(), slot.clone());
     let task = tokio::spawn(async move {
         let (shared, slot) = (shared_task, slot_task);
+        let mut pause = RESTORE_RETRY;
         loop {
-            match restore_primary(&shared, &slot, epoch, &followers).await {
+            match restore_primary(&shared, &slot, epoch).await {
                 Ok(()) => return,
                 Err(why) => restore_failed(&shared, &slot, why),
             }
-            tokio::time::sleep(RESTORE_RETRY).await;
+            tokio::time::sleep(pause).await;
+            pause = (pause * 2).min(RESTORE_RETRY_MAX);
             let wanted = shared.map().is_some_and(|m| {
                 m.role(slot.shard, &shared.name) == Some(Role::Primary) && m.epoch(slot.shard) == epoch
             });
@@ -1253,12 +1266,7 @@ fn initialize(store: &mut ParamStore, placement: &Placement, seed: u64, threads:
 /// job's, the directory unreadable): serving fresh values would throw the
 /// training away, so the shard waits, and the caller tries again. A store
 /// that cannot be built stops the pserver (nothing any retry could mend).
-async fn restore_primary(
-    shared: &Arc<Shared>,
-    slot: &Arc<Slot>,
-    epoch: u64,
-    followers: &[String],
-) -> Result<(), String> {
+async fn restore_primary(shared: &Arc<Shared>, slot: &Arc<Slot>, epoch: u64) -> Result<(), String> {
     let shard = slot.shard;
     let checkpoints = shared.options.checkpoint_dir.clone();
     // With checkpoints, the store's values come from one: it is built
@@ -1314,16 +1322,21 @@ async fn restore_primary(
     shared.set_recording(&mut store, shard);
     slot.restored_epoch.store(epoch, Ordering::SeqCst);
     let mut links = Links::new(shard, epoch, 0, History::default());
-    links.set_followers(followers.iter().map(String::as_str));
     {
         let mut state = slot.state.lock().unwrap_or_else(PoisonError::into_inner);
-        // The map may have moved on meanwhile: serve only if still primary of this epoch.
-        let still = shared
+        // The map may have moved on meanwhile: serve only if still primary
+        // of this epoch, with the followers the map names now (a map of
+        // the same epoch may have changed them while the restore ran).
+        let Some(map) = shared
             .map()
-            .is_some_and(|m| m.role(shard, &shared.name) == Some(Role::Primary) && m.epoch(shard) == epoch);
-        if !still || !matches!(*state, SlotState::Syncing) {
+            .filter(|m| m.role(shard, &shared.name) == Some(Role::Primary) && m.epoch(shard) == epoch)
+        else {
+            return Ok(());
+        };
+        if !matches!(*state, SlotState::Syncing) {
             return Ok(());
         }
+        links.set_followers(map.replica_set(shard).iter().skip(1).map(String::as_str));
         *slot.restore_error.lock().unwrap_or_else(PoisonError::into_inner) = None;
         *state = SlotState::Primary { store, links };
         shared.publish(slot, &state);
@@ -1573,7 +1586,7 @@ async fn save_and_record(shared: &Arc<Shared>, slot: &Slot) -> ServiceResult<Opt
     let mut gate: Option<CheckpointGate<'_>> = None;
     // When a push last reached the store while the gate was closed.
     let mut progress = started;
-    let snapshot = loop {
+    let (snapshot, epoch) = loop {
         // Registered before looking, so a push completing in between wakes it.
         let stepped = slot.stepped.notified();
         let taken = {
@@ -1583,7 +1596,9 @@ async fn save_and_record(shared: &Arc<Shared>, slot: &Slot) -> ServiceResult<Opt
             }
             match &*state {
                 // A shard without blocks has nothing to checkpoint.
-                SlotState::Primary { store, .. } if store.block_ids().next().is_some() => store.snapshot(),
+                SlotState::Primary { store, links } if store.block_ids().next().is_some() => {
+                    store.snapshot().map(|snapshot| (snapshot, links.epoch()))
+                }
                 _ => return Ok(None),
             }
         };
@@ -1614,7 +1629,6 @@ async fn save_and_record(shared: &Arc<Shared>, slot: &Slot) -> ServiceResult<Opt
     let dir = CheckpointDir::new(root, slot.shard);
     let keep = shared.options.checkpoint_keep;
     let saver = shared.clone();
-    let role = slot.role.load(Ordering::SeqCst);
     let info = tokio::task::spawn_blocking(move || {
         let _one_at_a_time = saver.saving.lock().unwrap_or_else(PoisonError::into_inner);
         // Paused past its lease while writing (or the map moved on), this
@@ -1627,9 +1641,16 @@ async fn save_and_record(shared: &Arc<Shared>, slot: &Slot) -> ServiceResult<Opt
             if let Some(why) = saver.stopped.borrow().as_ref() {
                 return Err(format!("the pserver stopped: {why}"));
             }
-            match saver.slot(snapshot.server()) {
-                Some(now) if now.role.load(Ordering::SeqCst) == role => Ok(()),
-                _ => Err("the shard is no longer primary here".to_string()),
+            // Still the primary of the epoch the snapshot was taken at.
+            let slot = saver.slot(snapshot.server());
+            let primary = slot.is_some_and(|slot| {
+                let state = slot.state.lock().unwrap_or_else(PoisonError::into_inner);
+                matches!(&*state, SlotState::Primary { links, .. } if links.epoch() == epoch)
+            });
+            if primary {
+                Ok(())
+            } else {
+                Err(format!("the shard is no longer primary here at epoch {epoch}"))
             }
         };
         dir.save_checked(&snapshot, keep, still_owner)
