@@ -996,13 +996,13 @@ fn describe(source: &Mutex<Box<dyn TaskSource>>) -> String {
     source.lock().unwrap_or_else(PoisonError::into_inner).describe()
 }
 
-/// List a problem of the source in the status (the last ones).
 /// The share of [`MasterOptions::max_state_bytes`] past which the master
 /// warns, once (in its log, and in a stream's problems): a stream's state
 /// grows with the files present in its directory, and the master stops
 /// when it reaches the limit.
 pub const STATE_WARN_FRACTION: f64 = 0.75;
 
+/// List a problem of the source in the status (the last ones).
 fn note_problem(shared: &Shared, problem: String) {
     let mut core = shared.core();
     if let Some(status) = &mut core.stream {
