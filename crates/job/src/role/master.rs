@@ -91,10 +91,14 @@ async fn run_master(
                 differ.join(", ")
             )));
         }
+    } else {
+        // A new job: its run id, before the options are published, so a
+        // pserver that read them finds it (kept if a master starting at
+        // the same time made it). A job whose options are there already
+        // keeps what it has: one started by an oar before run ids has
+        // none, and its checkpoints stay where its pservers wrote them.
+        ctx.discovery.create_if_absent(&keys.instance(), super::new_instance_id().into_bytes(), None).await?;
     }
-    // This run's id, before the options are published: a pserver that read
-    // them finds it. Kept if a master of this run created it already.
-    ctx.discovery.create_if_absent(&keys.instance(), super::new_instance_id().into_bytes(), None).await?;
     let model = ctx.model(config)?;
     let placement = Arc::new(config.placement_for(&model)?);
     // Scoring skips bad lines; training reports them through its tasks.

@@ -155,17 +155,15 @@ pub(crate) fn new_instance_id() -> String {
 }
 
 /// The id of this run of the job, which its first master created before it
-/// published the options (read those first). A value that is not a short
-/// run of hex digits is refused: it names a directory.
-pub async fn read_instance(discovery: &dyn Discovery, job: &str) -> Result<String> {
+/// published the options (read those first). `None` for a job whose
+/// options were published by a master of an oar before run ids: its
+/// checkpoints stay where they were, `<root>/shard-<s>`. A value that is
+/// not a short run of hex digits is refused: it names a directory.
+pub async fn read_instance(discovery: &dyn Discovery, job: &str) -> Result<Option<String>> {
     let key = JobKeys::new(job)?.instance();
-    let Some(kv) = discovery.get(&key).await? else {
-        return Err(Error::BadConfig(format!(
-            "the job has options but no instance id at {key} (a master of an older oar started it?)"
-        )));
-    };
+    let Some(kv) = discovery.get(&key).await? else { return Ok(None) };
     match String::from_utf8(kv.value) {
-        Ok(id) if (1..=32).contains(&id.len()) && id.bytes().all(|b| b.is_ascii_hexdigit()) => Ok(id),
+        Ok(id) if (1..=32).contains(&id.len()) && id.bytes().all(|b| b.is_ascii_hexdigit()) => Ok(Some(id)),
         _ => Err(Error::BadConfig(format!("the job's instance id at {key} is not 1 to 32 hex digits"))),
     }
 }
@@ -173,9 +171,13 @@ pub async fn read_instance(discovery: &dyn Discovery, job: &str) -> Result<Strin
 /// Where a run of a job keeps its checkpoints under the pservers'
 /// `--checkpoint-dir`: `<root>/<job>/<instance>/` (a shard's in
 /// `shard-<s>/` there). Another job, or the same name run afresh after its
-/// keys were deleted, never resumes from this run's checkpoints.
-pub fn job_checkpoint_dir(root: &std::path::Path, job: &str, instance: &str) -> PathBuf {
-    root.join(job).join(instance)
+/// keys were deleted, never resumes from this run's checkpoints. A job
+/// without a run id (see [`read_instance`]) keeps `<root>` itself.
+pub fn job_checkpoint_dir(root: &std::path::Path, job: &str, instance: Option<&str>) -> PathBuf {
+    match instance {
+        Some(instance) => root.join(job).join(instance),
+        None => root.to_path_buf(),
+    }
 }
 
 /// Wait up to `timeout` for the job's options under `/oar/<job>/config`.
@@ -206,5 +208,28 @@ async fn unless_shut_down<T>(
         biased;
         _ = shutdown.cancelled() => None,
         out = future => Some(out),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use oar_discovery::MemDiscovery;
+    use std::path::Path;
+
+    #[tokio::test]
+    async fn a_run_id_names_the_checkpoint_directory_and_a_job_without_one_keeps_the_root() {
+        let discovery = MemDiscovery::new();
+        let key = JobKeys::new("j").unwrap().instance();
+        // A job an oar before run ids started: no id, the directory as it was.
+        assert_eq!(read_instance(&discovery, "j").await.unwrap(), None);
+        assert_eq!(job_checkpoint_dir(Path::new("/c"), "j", None), Path::new("/c"));
+        discovery.put(&key, new_instance_id().into_bytes(), None).await.unwrap();
+        let id = read_instance(&discovery, "j").await.unwrap().expect("an id");
+        assert_eq!(id.len(), 16);
+        assert_eq!(job_checkpoint_dir(Path::new("/c"), "j", Some(&id)), Path::new("/c/j").join(&id));
+        discovery.put(&key, b"../../etc".to_vec(), None).await.unwrap();
+        let err = read_instance(&discovery, "j").await.unwrap_err().to_string();
+        assert!(err.contains(&key) && err.contains("hex"), "{err}");
     }
 }

@@ -77,7 +77,13 @@ async fn run_pserver(
     let checkpoint_dir = match &options.checkpoint_dir {
         Some(root) => {
             let instance = read_instance(&*ctx.discovery, &ctx.job).await?;
-            Some(job_checkpoint_dir(root, &ctx.job, &instance))
+            if instance.is_none() {
+                tracing::warn!(
+                    dir = %root.display(),
+                    "the job has no run id (a master of an older oar started it): its checkpoints stay in the directory itself"
+                );
+            }
+            Some(job_checkpoint_dir(root, &ctx.job, instance.as_deref()))
         }
         None => None,
     };
