@@ -673,6 +673,14 @@ struct Link {
     overflowed: bool,
 }
 
+impl Link {
+    /// Forwards stop; the follower syncs again, from a snapshot.
+    fn must_resync(&mut self) {
+        self.queue.clear();
+        self.overflowed = true;
+    }
+}
+
 /// The primary's side of a shard's replication: its sequence, its epochs,
 /// and per follower what was sent and what it holds. The shell forwards
 /// [`batch`](Self::batch)es, reports the answers ([`taken`](Self::taken)),
@@ -765,8 +773,7 @@ impl Links {
             }
             if link.queue.len() >= self.max_queued {
                 // Too far behind to keep up by forwards: it resyncs.
-                link.queue.clear();
-                link.overflowed = true;
+                link.must_resync();
                 continue;
             }
             link.queue.push_back(forwarded.clone());
@@ -868,6 +875,15 @@ impl Links {
             link.acked = Some(link.acked.map_or(applied, |a| a.max(applied)));
             link.queue.retain(|f| f.seq > applied);
             link.base = link.base.max(applied);
+        }
+    }
+
+    /// `follower` cannot be sent what is queued for it (an update too large
+    /// for one call): it catches up from a snapshot, as one that fell too
+    /// far behind does ([`needs_sync`](Self::needs_sync)).
+    pub fn resync(&mut self, follower: &str) {
+        if let Some(link) = self.links.get_mut(follower) {
+            link.must_resync();
         }
     }
 

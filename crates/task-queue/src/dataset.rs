@@ -73,16 +73,20 @@ pub fn chunk_files(files: &[(String, u64)], chunk_bytes: u64) -> Result<Vec<Chun
     if chunk_bytes == 0 {
         return Err(Error::InvalidArgument("chunk_bytes must be at least 1, got 0".into()));
     }
+    Ok(files.iter().flat_map(|(path, len)| cut(path, 0, *len, chunk_bytes)).collect())
+}
+
+/// Bytes `start..end` of `path` in chunks of `chunk_bytes` (at least 1),
+/// the last one shorter.
+pub(crate) fn cut(path: &str, start: u64, end: u64, chunk_bytes: u64) -> Vec<Chunk> {
     let mut chunks = Vec::new();
-    for (path, len) in files {
-        let mut start = 0u64;
-        while start < *len {
-            let end = start.saturating_add(chunk_bytes).min(*len);
-            chunks.push(Chunk { path: path.clone(), start, end });
-            start = end;
-        }
+    let mut at = start;
+    while at < end {
+        let next = at.saturating_add(chunk_bytes).min(end);
+        chunks.push(Chunk { path: path.to_string(), start: at, end: next });
+        at = next;
     }
-    Ok(chunks)
+    chunks
 }
 
 /// Expands a glob pattern (regular files only, sorted by path), reads each
@@ -199,11 +203,7 @@ pub fn for_each_chunk_line(chunk: &Chunk, mut each: impl FnMut(u64, &str) -> Con
     for_each_chunk_line_bytes(chunk, |offset, line| match std::str::from_utf8(line) {
         Ok(text) => each(offset, text),
         Err(e) => {
-            bad = Some(Error::InvalidUtf8 {
-                path: chunk.path.clone(),
-                offset: offset + e.valid_up_to() as u64,
-                line_start: offset,
-            });
+            bad = Some(Error::invalid_utf8(&chunk.path, offset, &e));
             ControlFlow::Break(())
         }
     })?;

@@ -142,6 +142,12 @@ pub enum Error {
 pub type Result<T> = std::result::Result<T, Error>;
 
 impl Error {
+    /// [`Error::InvalidUtf8`] for the line of `path` starting at byte
+    /// `line_start`, whose bytes failed as `e` says.
+    pub fn invalid_utf8(path: &str, line_start: u64, e: &std::str::Utf8Error) -> Error {
+        Error::InvalidUtf8 { path: path.to_string(), offset: line_start + e.valid_up_to() as u64, line_start }
+    }
+
     /// Wraps an I/O error with the file and the operation.
     pub(crate) fn io<'a>(path: &'a str, op: &'static str) -> impl FnOnce(std::io::Error) -> Error + 'a {
         move |source| Error::Io { path: path.to_string(), op, source }

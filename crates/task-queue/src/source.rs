@@ -33,7 +33,7 @@ use std::time::{Duration, SystemTime};
 
 use serde::{Deserialize, Serialize};
 
-use crate::dataset::{chunk_files, glob_files, Chunk};
+use crate::dataset::{chunk_files, cut, glob_files, Chunk};
 use crate::{Error, Result};
 
 /// A source's position: opaque bytes the master journals with its state and
@@ -916,18 +916,6 @@ fn read_head(file: &File, want: usize) -> io::Result<Vec<u8>> {
     }
     head.truncate(got);
     Ok(head)
-}
-
-/// `[start, end)` of `path` in chunks of at most `chunk_bytes`.
-fn cut(path: &str, start: u64, end: u64, chunk_bytes: u64) -> Vec<Chunk> {
-    let mut chunks = Vec::new();
-    let mut at = start;
-    while at < end {
-        let next = at.saturating_add(chunk_bytes).min(end);
-        chunks.push(Chunk { path: path.to_string(), start: at, end: next });
-        at = next;
-    }
-    chunks
 }
 
 impl TaskSource for FileSource {

@@ -204,11 +204,7 @@ pub(crate) fn parse_chunk<T>(
                 Err(format!("invalid UTF-8 at byte offset {}", offset + e.valid_up_to() as u64))
             }
             Err(e) => {
-                unreadable = Some(oar_task_queue::Error::InvalidUtf8 {
-                    path: chunk.path.clone(),
-                    offset: offset + e.valid_up_to() as u64,
-                    line_start: offset,
-                });
+                unreadable = Some(oar_task_queue::Error::invalid_utf8(&chunk.path, offset, &e));
                 return ControlFlow::Break(());
             }
         };

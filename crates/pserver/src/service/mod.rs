@@ -528,6 +528,12 @@ impl Shared {
         self.map.borrow().clone()
     }
 
+    /// The map now, if it still makes this pserver `shard`'s primary at
+    /// `epoch` (a restore serves only then).
+    fn map_if_primary(&self, shard: u32, epoch: u64) -> Option<Arc<ShardMap>> {
+        self.map().filter(|m| m.role(shard, &self.name) == Some(Role::Primary) && m.epoch(shard) == epoch)
+    }
+
     fn map_version(&self) -> u64 {
         self.map.borrow().as_ref().map_or(0, |m| m.version())
     }
@@ -1197,9 +1203,7 @@ fn spawn_restore(shared: &Arc<Shared>, slot: &Arc<Slot>, epoch: u64) {
             }
             tokio::time::sleep(pause).await;
             pause = (pause * 2).min(RESTORE_RETRY_MAX);
-            let wanted = shared.map().is_some_and(|m| {
-                m.role(slot.shard, &shared.name) == Some(Role::Primary) && m.epoch(slot.shard) == epoch
-            });
+            let wanted = shared.map_if_primary(slot.shard, epoch).is_some();
             let syncing =
                 matches!(*slot.state.lock().unwrap_or_else(PoisonError::into_inner), SlotState::Syncing);
             if !wanted || !syncing || shared.stopped.borrow().is_some() {
@@ -1327,12 +1331,7 @@ async fn restore_primary(shared: &Arc<Shared>, slot: &Arc<Slot>, epoch: u64) -> 
         // The map may have moved on meanwhile: serve only if still primary
         // of this epoch, with the followers the map names now (a map of
         // the same epoch may have changed them while the restore ran).
-        let Some(map) = shared
-            .map()
-            .filter(|m| m.role(shard, &shared.name) == Some(Role::Primary) && m.epoch(shard) == epoch)
-        else {
-            return Ok(());
-        };
+        let Some(map) = shared.map_if_primary(shard, epoch) else { return Ok(()) };
         if !matches!(*state, SlotState::Syncing) {
             return Ok(());
         }
@@ -1424,12 +1423,8 @@ async fn trainer_watcher(mut departures: Departures, shared: Arc<Shared>) {
                     return;
                 }
                 shared.departed.remember(&trainer);
-                for slot in shared.slots() {
-                    let Ok(mut state) = shared.lock(&slot) else { return };
-                    if let Err(e) = leave(&shared, &slot, &mut state, &trainer) {
-                        tracing::warn!(error = %e.message, trainer, "cannot take a trainer out of the barrier");
-                        return;
-                    }
+                if !leave_every_barrier(&shared, &trainer) {
+                    return;
                 }
                 tracing::info!(trainer, "trainer gone; it leaves the barrier");
             }
@@ -1452,17 +1447,24 @@ async fn trainer_watcher(mut departures: Departures, shared: Arc<Shared>) {
 /// join cannot miss a departure: one after the read is seen by the
 /// trainer watcher, which takes it out again.
 async fn verify_registration(shared: Arc<Shared>, trainer: String) {
-    if !shared.departed.still_gone(&*shared.discovery, &trainer).await {
-        return;
+    if shared.departed.still_gone(&*shared.discovery, &trainer).await
+        && leave_every_barrier(&shared, &trainer)
+    {
+        tracing::warn!(trainer, "a trainer whose registration ended joined a barrier; it leaves it again");
     }
+}
+
+/// `trainer` leaves the barrier of every shard held here; false when that
+/// could not be done (the pserver stopped, or a leave failed: logged).
+fn leave_every_barrier(shared: &Shared, trainer: &str) -> bool {
     for slot in shared.slots() {
-        let Ok(mut state) = shared.lock(&slot) else { return };
-        if let Err(e) = leave(&shared, &slot, &mut state, &trainer) {
+        let Ok(mut state) = shared.lock(&slot) else { return false };
+        if let Err(e) = leave(shared, &slot, &mut state, trainer) {
             tracing::warn!(error = %e.message, trainer, "cannot take a trainer out of the barrier");
-            return;
+            return false;
         }
     }
-    tracing::warn!(trainer, "a trainer whose registration ended joined a barrier; it leaves it again");
+    true
 }
 
 /// Publish each replica's state under `<replicas><shard>/<name>` (JSON)

@@ -8,7 +8,7 @@ use crate::{
     client::{Fresh, ShardSink},
     error::{ServiceError, ServiceResult},
     protocol::{PsReply, PsRequest, RowsPart, TableRows, UpdateKind, UpdateMeta, PSERVER_METHOD},
-    replica::{CatchUp, Forwarded, Links, RowChunk, SnapshotPart, Update},
+    replica::{CatchUp, Forwarded, RowChunk, SnapshotPart, Update},
     BlockId, CompletedStep, Grad, OptimizerState, Placement, Push, RowGrads, StoreSnapshot,
 };
 use bytes::{Bytes, BytesMut};
@@ -155,7 +155,7 @@ async fn forward(shared: Arc<Shared>, slot: Arc<Slot>, follower: String) {
                                 error = %e,
                                 "an update too large to forward: the follower catches up from a snapshot"
                             );
-                            resync_from_snapshot(links, &follower);
+                            links.resync(&follower);
                             shared.publish(&slot, &state);
                             None
                         }
@@ -188,17 +188,6 @@ async fn forward(shared: Arc<Shared>, slot: Arc<Slot>, follower: String) {
             }
         }
     }
-}
-
-/// Make `follower` sync again, from a snapshot: its link starts over as a
-/// new follower's does (unsynced, holding nothing the primary counts on,
-/// from the primary's last update on), so the forwarder asks it to sync and
-/// the primary answers with a snapshot, which holds what could not be
-/// forwarded.
-fn resync_from_snapshot(links: &mut Links, follower: &str) {
-    let others: Vec<String> = links.followers().filter(|f| *f != follower).map(str::to_string).collect();
-    links.set_followers(others.iter().map(String::as_str));
-    links.set_followers(others.iter().map(String::as_str).chain([follower]));
 }
 
 /// Call pserver `name`; a transport failure forgets its connection.
