@@ -172,7 +172,7 @@ pub use optimizer::{
     AdaGrad, Adam, Momentum, Optimizer, OptimizerConfig, OptimizerState, Sgd, OPTIMIZER_NAMES,
 };
 pub use origin::{AppliedOrigins, Origin, TaskKey};
-pub use placement::{BlockInfo, Placement};
+pub use placement::{BlockInfo, Placement, SMALL_BLOCK_DIVISOR};
 pub use rng::{hash_str, SplitMix64};
 #[cfg(feature = "service")]
 pub use service::{OptimizerFactory, PrimaryAtStop, Pserver, PserverKeys, PserverOptions};

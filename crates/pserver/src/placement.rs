@@ -33,6 +33,18 @@ pub struct BlockInfo {
 /// then taken largest first (ties by [`BlockId`]) and each goes to the shard
 /// with the fewest elements so far (ties to the lowest index), so loads differ
 /// by at most one block.
+///
+/// **Small blocks share a shard.** A block of fewer than `block_size /`
+/// [`SMALL_BLOCK_DIVISOR`] elements (under 1,024 floats with the default
+/// blocks of 65,536: a bias, a small layer, a model of a few hundred
+/// weights) goes to the least loaded shard that holds blocks already and
+/// stays within `block_size` elements with it, and only where there is
+/// none, to the least loaded shard. Every shard a step touches costs a
+/// call (a round trip to its pserver, batched per pserver), which a few
+/// KiB do not pay for: spread one block per shard, a model of two small
+/// parameters made two calls a step to two pservers, where it now makes
+/// one. Loads still differ by at most one block, and a placement whose
+/// blocks are all larger is the same as without the rule.
 #[derive(Clone, Debug, PartialEq)]
 pub struct Placement {
     specs: Vec<ParamSpec>,
@@ -51,6 +63,15 @@ pub struct Placement {
     /// Each table's name hashed, so a row's shard costs no string hash.
     table_hashes: Vec<u64>,
     fingerprint: u64,
+}
+
+/// Blocks of fewer than `block_size / SMALL_BLOCK_DIVISOR` elements are
+/// small: they share a shard with others (see [`Placement`]).
+pub const SMALL_BLOCK_DIVISOR: usize = 64;
+
+/// Whether a block of `len` elements is small among blocks of `block_size`.
+fn is_small(len: usize, block_size: usize) -> bool {
+    len.saturating_mul(SMALL_BLOCK_DIVISOR) < block_size
 }
 
 impl Placement {
@@ -101,13 +122,39 @@ impl Placement {
             (0..servers).map(|s| Reverse((0usize, s))).collect();
         let mut loads = vec![0usize; servers as usize];
         for i in order {
-            // The heap is never empty: it always holds `servers >= 1` entries.
-            if let Some(Reverse((load, s))) = heap.pop() {
-                let load = load.saturating_add(blocks[i].len);
-                blocks[i].server = s;
-                loads[s as usize] = load;
-                heap.push(Reverse((load, s)));
-            }
+            let len = blocks[i].len;
+            // A small block shares a shard that holds blocks already, while
+            // that shard stays within one block's worth.
+            let shared = is_small(len, block_size)
+                .then(|| {
+                    (0..servers)
+                        .filter(|&s| loads[s as usize] > 0 && loads[s as usize] + len <= block_size)
+                        .min_by_key(|&s| (loads[s as usize], s))
+                })
+                .flatten();
+            let s = match shared {
+                Some(s) => {
+                    // Its heap entry is stale now: found and skipped below.
+                    heap.push(Reverse((loads[s as usize] + len, s)));
+                    s
+                }
+                None => {
+                    // The least loaded shard: the heap's first entry that is
+                    // not stale. (It always holds one per shard, so the
+                    // fallback to shard 0 is never taken.)
+                    let mut least = 0;
+                    while let Some(Reverse((load, s))) = heap.pop() {
+                        if load == loads[s as usize] {
+                            least = s;
+                            break;
+                        }
+                    }
+                    heap.push(Reverse((loads[least as usize].saturating_add(len), least)));
+                    least
+                }
+            };
+            blocks[i].server = s;
+            loads[s as usize] = loads[s as usize].saturating_add(len);
         }
         let mut by_server = vec![Vec::new(); servers as usize];
         for (i, b) in blocks.iter().enumerate() {
@@ -301,6 +348,34 @@ mod tests {
         assert_eq!(p.blocks_of(0).len(), 3);
         assert_eq!(p.blocks_of(7).len(), 0);
         assert_eq!(BlockId::new(3, 1).to_string(), "3.1");
+    }
+
+    #[test]
+    fn small_blocks_share_a_shard() {
+        // a1a's softmax model: 246 weights and 2 biases, in the default
+        // blocks, over 64 shards: one shard, so one call a step.
+        let p = Placement::new(&specs(&[246, 2]), 64, 1 << 16).unwrap();
+        assert_eq!(p.blocks().iter().map(|b| b.server).collect::<Vec<_>>(), vec![0, 0]);
+        assert_eq!(p.load(0), 248);
+
+        // Small blocks fill a shard up to one block's worth, then the next:
+        // 200 parameters of 50 in blocks of 6,400 are 10,000 elements over
+        // two shards (128 parameters, then 72), none alone.
+        let p = Placement::new(&specs(&[50; 200]), 8, 6400).unwrap();
+        let loads: Vec<usize> = (0..8).map(|s| p.load(s)).collect();
+        assert_eq!(loads, vec![6400, 3600, 0, 0, 0, 0, 0, 0]);
+
+        // A small block goes with a partial block, not with a full one:
+        // 100 -> s0 (full), 70 -> s1, 1 -> s1 (71 of 100; s0 would pass 100).
+        let p = Placement::new(&specs(&[170, 1]), 4, 100).unwrap();
+        let got: Vec<(u32, u32, u32)> =
+            p.blocks().iter().map(|b| (b.id.param, b.id.block, b.server)).collect();
+        assert_eq!(got, vec![(0, 0, 0), (0, 1, 1), (1, 0, 1)]);
+
+        // Blocks that are not small spread as before: 246 and 2 in blocks
+        // of 128 (2 is not under 128 / 64) take three shards.
+        let p = Placement::new(&specs(&[246, 2]), 8, 128).unwrap();
+        assert_eq!(p.blocks().iter().map(|b| b.server).collect::<Vec<_>>(), vec![0, 1, 2]);
     }
 
     #[test]
