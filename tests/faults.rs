@@ -6,7 +6,7 @@
 
 use crate::support;
 
-use std::time::Duration;
+use std::time::{Duration, Instant};
 use support::{
     a1a_job, assert_each_task_once, dump, exits, is_named, log_field, seed_from, wait_until, Cluster, Lcg,
     Proc,
@@ -263,6 +263,35 @@ fn a_pserver_cut_off_from_etcd_stops_serving_and_is_replaced() {
     assert_each_task_once(&trainers.iter().collect::<Vec<_>>(), &report, passes, TASKS_PER_PASS);
 }
 
+/// A trainer cut off from etcd stops once its lease is lost, as a master
+/// or a pserver does. The master is frozen first, so the trainer is inside
+/// a call to it (retried for minutes) when its lease goes: the loop's own
+/// lease check between steps is not reached.
+#[test]
+fn a_trainer_cut_off_from_etcd_stops_by_itself() {
+    let cluster = Cluster::start("trainer-partition");
+    let proxy = support::Proxy::start(cluster.etcd.client_addr());
+    let mut master = cluster.master("master", &job(100));
+    let pservers: Vec<_> = (0..2).map(|i| cluster.pserver(&format!("pserver-{i}"), 1.0)).collect();
+    let mut cut_off = cluster.trainer_via("trainer-cut", &proxy.url());
+    wait_for_pass(&mut master, 1, &[]);
+    master.stop();
+    // Its task ends in well under a second; then it waits on the master.
+    std::thread::sleep(Duration::from_secs(2));
+    proxy.cut();
+    let cut_at = Instant::now();
+    // A lease of 2 s: lost within about that, then a moment to stop. The
+    // master's calls alone would be retried for 300 s.
+    let status = cut_off.wait(Duration::from_secs(30));
+    let took = cut_at.elapsed();
+    master.signal("CONT");
+    let status = status.unwrap_or_else(|| panic!("the cut-off trainer did not stop\n{}", cut_off.dump()));
+    assert!(!status.success(), "it must exit with an error\n{}", cut_off.dump());
+    assert!(cut_off.stderr().contains("lease"), "it names its lost lease\n{}", cut_off.dump());
+    eprintln!("the cut-off trainer stopped {:.1} s after the cut", took.as_secs_f64());
+    drop(pservers);
+}
+
 /// A pserver that takes a shard over from its checkpoints skips a corrupt
 /// newest one (saying which and why) and restores the one before; with
 /// every one corrupt it stops, naming them, rather than serve the shard
@@ -460,6 +489,16 @@ fn count_pushes(
     live_trainers: &[usize],
 ) {
     let mut shards = 0;
+    // Each trainer's first seq, from its log (a killed one's too): its
+    // pushes are numbered from there.
+    let first_seq = |trainer: &str| -> u64 {
+        let proc =
+            trainers.iter().find(|t| t.name == trainer).unwrap_or_else(|| panic!("no trainer {trainer}"));
+        let log = proc.stderr();
+        let line = log.lines().find(|l| l.contains("pushes numbered from first_seq"));
+        let first = line.and_then(|l| log_field(l, "first_seq")).and_then(|v| v.parse().ok());
+        first.unwrap_or_else(|| panic!("{trainer} logged no first seq\n{}", proc.dump()))
+    };
     // Each trainer's pushes applied, per model shard.
     let mut seqs_of: std::collections::BTreeMap<String, Vec<u64>> = Default::default();
     for &i in live_pservers {
@@ -470,7 +509,7 @@ fn count_pushes(
             let step = steps[shard].as_u64().unwrap();
             let mut applied = 0;
             for (trainer, seq) in seqs.as_object().unwrap() {
-                let pushes = seq.as_u64().unwrap() + 1;
+                let pushes = seq.as_u64().unwrap() + 1 - first_seq(trainer);
                 applied += pushes;
                 seqs_of.entry(trainer.clone()).or_default().push(pushes);
             }

@@ -1019,6 +1019,11 @@ mod cluster {
             self.trainer_with(id, &[])
         }
 
+        /// A trainer reaching etcd at `etcd` (a [`Proxy`], say).
+        pub fn trainer_via(&self, id: &str, etcd: &str) -> Proc {
+            self.spawn_via(id, "trainer", "trainer", etcd, &["--id".to_string(), id.to_string()])
+        }
+
         /// A trainer with more flags.
         pub fn trainer_with(&self, id: &str, flags: &[&str]) -> Proc {
             let mut extra = vec!["--id".to_string(), id.to_string()];

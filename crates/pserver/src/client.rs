@@ -124,6 +124,29 @@ pub struct PserverClientOptions {
     /// (a larger block goes alone): smaller parts bound what a pserver holds
     /// in flight, larger ones cost fewer calls.
     pub max_part_bytes: usize,
+    /// The sequence number of this client's first push to each shard
+    /// ([`first_seq_now`] by default). A shard takes a trainer's push
+    /// whose seq is below one it took already for a retry, answered
+    /// `Duplicate` and not applied, so a trainer restarted under its id
+    /// (the trainer role re-registers it; a Kubernetes pod restarted in
+    /// place keeps its name) must start above every seq it used before.
+    pub first_seq: u64,
+}
+
+/// A first sequence number above those of any earlier client of the same
+/// trainer: the wall clock in microseconds since the Unix epoch.
+///
+/// Why it holds: a client pushes to a shard far less than once a
+/// microsecond (a push is a round trip, tens of microseconds at least), so
+/// its seqs stay below the clock; and a restarted trainer registers its id
+/// only once the old process's lease has expired, so a clock set back by
+/// less than that lease plus the old process's life still starts above.
+/// Seqs only need to grow per trainer: a skewed clock between machines
+/// matters only to a trainer moved to one behind by more than that.
+pub fn first_seq_now() -> u64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| u64::try_from(d.as_micros()).unwrap_or(u64::MAX / 2))
 }
 
 impl PserverClientOptions {
@@ -137,6 +160,7 @@ impl PserverClientOptions {
             call_timeout: Duration::from_secs(10),
             retry: RetryPolicy::default(),
             max_part_bytes: DEFAULT_MAX_PART_BYTES,
+            first_seq: first_seq_now(),
         }
     }
 }
@@ -217,7 +241,7 @@ impl PserverClient {
         };
         Self {
             inner: Arc::new(inner),
-            shards: vec![ShardState::default(); servers],
+            shards: vec![ShardState { seq: options.first_seq, ..ShardState::default() }; servers],
             max_part_bytes: options.max_part_bytes.max(1),
             origin: None,
             in_barrier: false,

@@ -355,7 +355,14 @@ async fn a_shard_whose_only_replica_stopped_is_restored_from_its_checkpoint_else
 async fn a_push_pull_applies_once_and_answers_the_parameters_after_it() {
     let env = Env::new().await;
     let _ps = env.pserver(Mode::Async).await;
-    let mut trainer = env.client("t1", Duration::from_secs(2));
+    // Its first push has seq 0, which the retry below names.
+    let options = PserverClientOptions {
+        call_timeout: Duration::from_secs(2),
+        first_seq: 0,
+        ..client_options("t1", Duration::from_secs(2))
+    };
+    let mut trainer =
+        PserverClient::new(env.discovery.clone(), env.transport.clone(), env.placement.clone(), options);
     let mut reader = env.client("reader", Duration::from_secs(2));
     let mut before = ParamBuf::zeros(&specs());
     reader.pull(&mut before).await.unwrap();
@@ -398,6 +405,40 @@ async fn a_push_pull_applies_once_and_answers_the_parameters_after_it() {
     .unwrap();
     assert_eq!(reply, PsReply::PushedPulled { outcome: PushOutcome::Duplicate, step: 1 });
     assert_eq!(payload, f32s_to_bytes(got.as_slice()));
+}
+
+/// A trainer restarted under its id (a new client, as a restarted process
+/// makes) has its pushes applied: its seqs start above the old process's,
+/// which a shard would take for retries and answer `Duplicate` without
+/// applying them, while the client counted them acknowledged.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_trainer_restarted_under_its_id_has_its_pushes_applied() {
+    let env = Env::new().await;
+    let _ps = env.pserver(Mode::Async).await;
+    let mut reader = env.client("reader", Duration::from_secs(2));
+    let mut grads = ParamBuf::zeros(&specs());
+    grads.fill(1.0);
+    {
+        let mut first = env.client("t1", Duration::from_secs(2));
+        for _ in 0..3 {
+            assert_eq!(first.push(&grads, 1.0).await.unwrap(), PushResult::Accepted);
+        }
+    }
+    let mut before = ParamBuf::zeros(&specs());
+    reader.pull(&mut before).await.unwrap();
+
+    let mut restarted = env.client("t1", Duration::from_secs(2));
+    assert_eq!(restarted.push(&grads, 1.0).await.unwrap(), PushResult::Accepted);
+    assert_eq!(restarted.acknowledged(0), 1);
+    assert_eq!(restarted.applied_before(), 0);
+    let mut after = ParamBuf::zeros(&specs());
+    reader.pull(&mut after).await.unwrap();
+    for (a, b) in after.as_slice().iter().zip(before.as_slice()) {
+        assert!(
+            (a - (b - 0.5)).abs() < 1e-6,
+            "the restarted trainer's push applied once (lr 0.5): {b} -> {a}"
+        );
+    }
 }
 
 /// Sync, a push-pull is one round trip per step: it answers when its step
@@ -774,7 +815,11 @@ impl Pushing {
         let stop = Arc::new(AtomicBool::new(false));
         let pushers = (0..Self::TRAINERS)
             .map(|t| {
-                let options = client_options(&format!("t{t}"), Duration::from_secs(10));
+                // Numbered from 0: a trainer's last seq + 1 is its pushes.
+                let options = PserverClientOptions {
+                    first_seq: 0,
+                    ..client_options(&format!("t{t}"), Duration::from_secs(10))
+                };
                 let mut client =
                     PserverClient::new(discovery.clone(), transport.clone(), placement.clone(), options);
                 client.set_max_part_bytes(Self::BLOCK * 4);

@@ -79,16 +79,15 @@ async fn run_trainer_role(
             ..MasterClientOptions::new(keys.master_addr())
         },
     );
-    let pservers = PserverClient::new(
-        ctx.discovery.clone(),
-        ctx.transport.clone(),
-        placement,
-        PserverClientOptions {
-            call_timeout: options.call_timeout,
-            retry: options.retry(),
-            ..PserverClientOptions::new(keys.pserver(), id.clone())
-        },
-    );
+    let client_options = PserverClientOptions {
+        call_timeout: options.call_timeout,
+        retry: options.retry(),
+        ..PserverClientOptions::new(keys.pserver(), id.clone())
+    };
+    // Above the seqs of any earlier process of this id (see first_seq).
+    tracing::info!(trainer = id, first_seq = client_options.first_seq, "pushes numbered from first_seq");
+    let pservers =
+        PserverClient::new(ctx.discovery.clone(), ctx.transport.clone(), placement, client_options);
     // The pservers come up, or the job ends meanwhile (they never will).
     let up = async {
         tokio::select! {
@@ -120,9 +119,16 @@ async fn run_trainer_role(
             let training =
                 run_trainer(Arc::new(master), pservers, model, session.guard(), trainer_options, shutdown);
             let training = AbortOnDropHandle::new(tokio::spawn(training.in_current_span()));
-            match training.await {
-                Ok(trained) => trained.map_err(Error::from),
-                Err(e) => Err(Error::Panicked(format!("trainer {id}: {e}"))),
+            // The loop checks the lease before each step, but a call to a
+            // master or pserver that is away is retried for `retry_for`:
+            // a trainer cut off from etcd stops when its lease is lost,
+            // not minutes later, as a master or pserver does.
+            tokio::select! {
+                trained = training => match trained {
+                    Ok(trained) => trained.map_err(Error::from),
+                    Err(e) => Err(Error::Panicked(format!("trainer {id}: {e}"))),
+                },
+                () = session.lost_signal() => Err(Error::from(oar_trainer::Error::LeaseLost)),
             }
         }
     };
