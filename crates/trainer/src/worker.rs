@@ -264,9 +264,12 @@ pub struct TrainerReport {
 
 /// Train on tasks from `master` against `pservers` until the master says
 /// the job is over, or `stop` is cancelled: then the task fetched ahead is
-/// handed back, the task in hand trains for at most
-/// [`TrainerOptions::stop_grace`] more (and is handed back if unfinished),
-/// every gradient is pushed and every report waited for. The caller
+/// handed back (once the master named it, its data read or not), the task
+/// in hand trains for at most [`TrainerOptions::stop_grace`] more (and is
+/// handed back if unfinished), every gradient is pushed and every report
+/// waited for, each call bounded by [`STOP_CALLS_FOR`] (the reports of
+/// tasks acknowledged before go even when a push cannot) and the whole
+/// stop by the grace plus three times that. The caller
 /// registers the trainer with the job and holds its lease; `lease` is
 /// checked before every step, so a trainer whose lease may have expired
 /// (the job has given it up) stops pushing at once.
@@ -505,43 +508,62 @@ impl Loop {
     async fn run_tasks(&mut self, master: &Arc<MasterClient>) -> Result<()> {
         let id = self.options.id.clone();
         // The next task, asked for while the current one trains.
-        let mut ahead: Option<AbortOnDropHandle<Result<Fetched>>> = None;
+        let mut ahead: Option<Ahead> = None;
         loop {
             lease_held(&self.lease)?;
             if self.stopping() {
                 self.report.shut_down = true;
-                // What was trained goes out first; then the task fetched
-                // ahead goes back. Both are bounded and best effort: the job
-                // may be stopping too, and what is not acknowledged was
-                // never promised (its lease's end returns the task anyway).
-                match tokio::time::timeout(STOP_CALLS_FOR, self.drain(master)).await {
-                    Ok(Ok(())) => {}
-                    Ok(Err(e)) => {
-                        tracing::warn!(trainer = id, error = %e, "could not push or report at the stop")
-                    }
-                    Err(_) => tracing::warn!(trainer = id, "gave up pushing and reporting at the stop"),
-                }
-                if let Some(next) = ahead.take() {
-                    if let Ok(Ok(Ok(Fetched::Task { task_ref, .. }))) =
-                        tokio::time::timeout(STOP_CALLS_FOR, joined(next)).await
-                    {
+                // Each step bounded and best effort: the job may be stopping
+                // too, and what is not acknowledged was never promised (its
+                // lease's end returns the tasks anyway). The task fetched
+                // ahead goes back first, since that needs the master only;
+                // then what was trained goes out, and the reports of tasks
+                // acknowledged before go even if the rest cannot.
+                if let Some(Ahead { fetch, assigned }) = ahead.take() {
+                    // The master's answer is all a hand-back needs: the
+                    // task's data, if still being read, is dropped once it
+                    // came (not before: a call cut short may have been
+                    // assigned a task whose answer is then lost).
+                    let answer = tokio::time::timeout(STOP_CALLS_FOR, assigned).await;
+                    drop(fetch);
+                    if let Ok(Ok(task_ref)) = answer {
                         self.hand_back(master, task_ref).await;
+                    }
+                }
+                let drained = match tokio::time::timeout(STOP_CALLS_FOR, self.drain(master)).await {
+                    Ok(Ok(())) => true,
+                    Ok(Err(e)) => {
+                        tracing::warn!(trainer = id, error = %e, "could not push or report at the stop");
+                        false
+                    }
+                    Err(_) => {
+                        tracing::warn!(trainer = id, "gave up pushing and reporting at the stop");
+                        false
+                    }
+                };
+                if !drained {
+                    match tokio::time::timeout(STOP_CALLS_FOR, self.send_reports(master, true)).await {
+                        Ok(Ok(())) => {}
+                        Ok(Err(e)) => {
+                            tracing::warn!(trainer = id, error = %e, "could not report at the stop")
+                        }
+                        Err(_) => tracing::warn!(trainer = id, "gave up reporting at the stop"),
                     }
                 }
                 tracing::info!(trainer = id, "stopped at the stop signal");
                 return Ok(());
             }
             let fetched = match ahead.take() {
-                Some(next) => match joined(next).await?? {
+                Some(Ahead { fetch: next, .. }) => match joined(next).await?? {
                     task @ Fetched::Task { .. } => task,
                     // A Wait, Done or Failed from before the current task
                     // ended is stale: finish what is in flight and ask again.
                     _ => {
                         self.drain(master).await?;
-                        fetch(master, &id, &self.model, &self.options.reader).await?
+                        fetch(master, &id, &self.model, &self.options.reader, None).await?
                     }
                 },
-                None => fetch(master, &id, &self.model, &self.options.reader).await?,
+                None => fetch(master, &id, &self.model, &self.options.reader, None).await?,
             };
             match fetched {
                 Fetched::Task { task, task_ref, open_from, data } => {
@@ -556,9 +578,12 @@ impl Loop {
                         let (master, id, model, reader) =
                             (master.clone(), id.clone(), self.model.clone(), self.options.reader.clone());
                         let span = tracing::Span::current();
-                        ahead = Some(spawn(
-                            async move { fetch(&master, &id, &model, &reader).await }.instrument(span),
-                        ));
+                        let (assigning, assigned) = tokio::sync::oneshot::channel();
+                        let fetch = spawn(
+                            async move { fetch(&master, &id, &model, &reader, Some(assigning)).await }
+                                .instrument(span),
+                        );
+                        ahead = Some(Ahead { fetch, assigned });
                     }
                     let span = tracing::info_span!("task", task = task.id.0, pass = task_ref.pass);
                     match self.do_task(master, task, task_ref, data).instrument(span).await? {
@@ -681,12 +706,15 @@ impl Loop {
         Ok(())
     }
 
-    /// Wait for the reports in flight and count them.
+    /// Wait for the reports in flight and count them. Cancel-safe like
+    /// [`join`](Self::join): reports cut short stay on their way.
     async fn settle(&mut self) -> Result<()> {
-        let Some(reporting) = self.reporting.take() else {
+        let Some(reporting) = self.reporting.as_mut() else {
             return Ok(());
         };
-        for (task_ref, reply) in joined(reporting).await?? {
+        let replies = background(reporting.await);
+        self.reporting = None;
+        for (task_ref, reply) in replies?? {
             let accepted = reply == ReportReply::Accepted;
             let (id, task, pass) = (&self.options.id, task_ref.task.0, task_ref.pass);
             tracing::info!(trainer = id, task, pass, accepted, "task reported");
@@ -1110,12 +1138,21 @@ impl Loop {
     /// Take back the exchange in flight, waiting for it: its parameters
     /// become the ones trained on, and the tasks it pushed the last
     /// gradients of become ready to report.
+    ///
+    /// Cancel-safe: the exchange is awaited where it is and taken only
+    /// once it ended, so a join cut short (the stop's bounded drain) leaves
+    /// it in flight for the next join, as the schedule has it.
     async fn join(&mut self) -> Result<()> {
-        let Some(InFlight { done, started, pulls, reports, origin }) = self.in_flight.take() else {
-            // The schedule and the loop disagree: a bug, not a reason to spin.
-            return Err(Error::Panicked("the schedule waits for an exchange that is not in flight".into()));
+        // The schedule and the loop disagree: a bug, not a reason to spin.
+        let disagree = || Error::Panicked("the schedule waits for an exchange that is not in flight".into());
+        let outcome = match self.in_flight.as_mut() {
+            Some(in_flight) => (&mut in_flight.done).await,
+            None => return Err(disagree()),
         };
-        let (mut sum, params, result, ended) = joined(done).await?;
+        let Some(InFlight { started, pulls, reports, origin, .. }) = self.in_flight.take() else {
+            return Err(disagree());
+        };
+        let (mut sum, params, result, ended) = background(outcome)?;
         result?;
         metrics().exchange.observe(ended.saturating_duration_since(started).as_secs_f64());
         if let Some(schedule) = &mut self.schedule {
@@ -1167,10 +1204,30 @@ enum Fetched {
     Failed,
 }
 
-/// Ask the master for a task and read its data (on the blocking pool).
-async fn fetch(master: &MasterClient, id: &str, model: &AnyModel, reader: &ReaderOptions) -> Result<Fetched> {
+/// The next task, asked for while the current one trains.
+struct Ahead {
+    /// The master's answer, with the task's data read.
+    fetch: AbortOnDropHandle<Result<Fetched>>,
+    /// The task assigned, as soon as the master answered (before the
+    /// read): what a stop hands back, read or not.
+    assigned: tokio::sync::oneshot::Receiver<TaskRef>,
+}
+
+/// Ask the master for a task and read its data (on the blocking pool);
+/// `assigned` learns the task as soon as the master answers.
+async fn fetch(
+    master: &MasterClient,
+    id: &str,
+    model: &AnyModel,
+    reader: &ReaderOptions,
+    assigned: Option<tokio::sync::oneshot::Sender<TaskRef>>,
+) -> Result<Fetched> {
     match master.get_task(id).await? {
         TaskReply::Assigned { task, task_ref, open_from, .. } => {
+            if let Some(assigned) = assigned {
+                // Nobody listening: the loop took the whole fetch instead.
+                let _ = assigned.send(task_ref);
+            }
             let data = read_task(&task, model.clone(), reader.clone()).await;
             Ok(Fetched::Task { task, task_ref, open_from, data })
         }
@@ -1236,7 +1293,12 @@ fn spawn<T: Send + 'static>(
 
 /// The output of a spawned task, or why it has none.
 async fn joined<T>(task: AbortOnDropHandle<T>) -> Result<T> {
-    task.await.map_err(|e| Error::Panicked(format!("a background task: {e}")))
+    background(task.await)
+}
+
+/// A spawned task's output, or why it has none.
+fn background<T>(outcome: std::result::Result<T, tokio::task::JoinError>) -> Result<T> {
+    outcome.map_err(|e| Error::Panicked(format!("a background task: {e}")))
 }
 
 /// [`Error::LeaseLost`] once a trainer's lease may have ended: it must not
