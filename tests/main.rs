@@ -21,6 +21,7 @@ mod replication;
 mod shutdown;
 mod sparse;
 mod sparse_training;
+mod startup;
 mod streaming;
 mod streaming_cluster;
 mod support;

@@ -400,12 +400,16 @@ impl Display {
             0 => "no task trained".to_string(),
             _ => format!("train loss {:.4}", p.train_loss),
         };
+        // No test examples (an empty test file): no score to print, as
+        // the report's JSON gives none.
+        let test = match p.test_accuracy.is_finite() && p.test_loss.is_finite() {
+            true => format!("test loss {:.4}, test accuracy {:.2}%", p.test_loss, p.test_accuracy * 100.0),
+            false => "no test score".to_string(),
+        };
         let line = format!(
-            "pass {}/{}: {train}, test loss {:.4}, test accuracy {:.2}%, tasks done {}, discarded {}",
+            "pass {}/{}: {train}, {test}, tasks done {}, discarded {}",
             p.pass + 1,
             self.passes,
-            p.test_loss,
-            p.test_accuracy * 100.0,
             p.tasks_done,
             p.tasks_discarded
         );

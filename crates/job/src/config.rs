@@ -15,6 +15,13 @@ use std::time::Duration;
 /// job is likely to use, small enough that a shard's calls stay large.
 pub const DEFAULT_SHARDS: u32 = 64;
 
+/// The most logical shards a job may have. Every pserver keeps a slot per
+/// shard and the shard map a row per shard, rewritten whole at each
+/// change: far more shards than pservers cost at every map change and buy
+/// nothing (a count of billions, a typo, made the master allocate tens of
+/// GB and abort). 4,096 is far above any pserver count.
+pub const MAX_SHARDS: u32 = 4096;
+
 /// A streaming job's chunk size when `chunk_bytes` is 0: a stream's size
 /// is not known up front, and small tasks keep the lag from arrival to
 /// training short (64 KiB is about 1,000 a1a lines).
@@ -256,8 +263,8 @@ impl JobConfig {
         if self.pservers == 0 {
             return bad("pservers must be at least 1");
         }
-        if self.shards == 0 {
-            return bad("shards must be at least 1");
+        if self.shards == 0 || self.shards > MAX_SHARDS {
+            return bad(&format!("shards must be from 1 to {MAX_SHARDS}, got {}", self.shards));
         }
         if self.replicas == 0 || self.replicas > self.pservers {
             return bad(&format!(
@@ -383,12 +390,13 @@ mod tests {
     #[test]
     fn each_bad_option_is_named() {
         type Change = fn(&mut JobConfig);
-        let cases: [(Change, &str); 7] = [
+        let cases: [(Change, &str); 8] = [
             (|c| c.passes = 0, "passes"),
             (|c| c.batch_size = 0, "batch size"),
             (|c| c.push_every = 2, "async mode only"),
             (|c| c.pservers = 0, "pservers"),
-            (|c| c.shards = 0, "shards"),
+            (|c| c.shards = 0, "shards must be from 1 to 4096, got 0"),
+            (|c| c.shards = 4_000_000_000, "shards must be from 1 to 4096, got 4000000000"),
             (|c| c.replicas = 3, "replicas must be from 1 to the pserver count (2), got 3"),
             (|c| c.data.clear(), "data"),
         ];

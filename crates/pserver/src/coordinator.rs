@@ -233,6 +233,17 @@ impl Coordinator {
         Ok(Coordinator { task: AbortOnDropHandle::new(task) })
     }
 
+    /// Stop coordinating and wait until the coordinator's task has ended,
+    /// so that it writes nothing after this returns (a dropped coordinator
+    /// stops only at its task's next pause, and may write once more: a
+    /// job's master that wrote its report must not then map the pservers
+    /// leaving as shards without a replica).
+    pub async fn stop(mut self) {
+        self.task.abort();
+        // Cancelled, or ended by itself just before: either way, ended.
+        let _ = (&mut self.task).await;
+    }
+
     /// Wait until the coordinator stops: it lost its fence, or met an error
     /// that trying again cannot mend. A transient one (etcd slow or
     /// unreachable for a while, a pserver that does not answer) does not

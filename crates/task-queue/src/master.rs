@@ -441,18 +441,24 @@ impl Master {
             .await?;
         tracing::info!(holder = %options.holder, revision = fence.revision, "master holds the lock");
 
+        // What this start publishes for the first time, taken back if it
+        // cannot serve (below).
+        let mut created_config = false;
         if let Some(config) = &options.config {
             if let Some(existing) = discovery.get(&keys.config).await? {
                 if existing.value != *config {
                     return Err(Error::ConfigMismatch { key: keys.config.clone() });
                 }
             } else {
-                discovery.create_if_absent(&keys.config, config.clone(), None).await?;
+                created_config =
+                    discovery.create_if_absent(&keys.config, config.clone(), None).await?.is_some();
             }
         }
 
         let now = Instant::now();
-        let (queue, passes, discarded) = match load(&*discovery, &keys).await? {
+        let stored = load(&*discovery, &keys).await?;
+        let fresh = stored.is_none();
+        let (queue, passes, discarded) = match stored {
             Some(stored) => {
                 let queue = TaskQueue::restore(stored.queue, options.queue.clone(), now)?;
                 tracing::info!(status = ?queue.status(), "restored the task queue from discovery");
@@ -544,7 +550,29 @@ impl Master {
             wait_hint,
             discovery: discovery.clone(),
         });
-        let listener = transport.listen(listen_addr, handler).await?;
+        let listener = match transport.listen(listen_addr, handler).await {
+            Ok(listener) => listener,
+            Err(e) => {
+                // A master that never served leaves nothing a later start
+                // would trip on: a new job's options and first state go
+                // (else the name is taken by a job that never ran: "started
+                // with other options"), and the lock at once, not a lease
+                // later.
+                if fresh {
+                    let mut taken_back = vec![&keys.state];
+                    taken_back.extend(created_config.then_some(&keys.config));
+                    for key in taken_back {
+                        if let Err(deleting) = discovery.delete_fenced(&fence, key).await {
+                            tracing::warn!(key, error = %deleting, "cannot take back a key of a start that failed");
+                        }
+                    }
+                }
+                if let Err(closing) = session.close().await {
+                    tracing::warn!(error = %closing, "closing the session of a start that failed");
+                }
+                return Err(e.into());
+            }
+        };
         discovery.put(&keys.addr, listener.local_addr().as_bytes().to_vec(), Some(session.lease())).await?;
         tracing::info!(addr = listener.local_addr(), "master serving");
 

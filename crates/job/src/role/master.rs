@@ -134,6 +134,13 @@ async fn run_master(
                 bytes => bytes,
             };
             let tasks = tasks_from_chunks(chunk_files(&files, chunk_bytes)?, config.chunks_per_task)?;
+            if tasks.is_empty() {
+                return Err(Error::BadConfig(format!(
+                    "no training data: the {} file(s) of {:?} are empty",
+                    files.len(),
+                    config.data
+                )));
+            }
             tracing::info!(chunk_bytes, tasks = tasks.len(), "tasks cut");
             unless_shut_down(
                 &shutdown,
@@ -171,6 +178,9 @@ async fn run_master(
         query_timeout: options.call_timeout.min(Duration::from_secs(1)),
         ..CoordinatorOptions::default()
     };
+    // A job's first master waits for its pservers at most the start-up
+    // timeout (one taking over a running job has them, or their failover).
+    let first_map = ctx.discovery.get(&keys.pserver().shard_map).await?.is_none();
     let mut coordinator =
         Coordinator::start(ctx.discovery.clone(), ctx.transport.clone(), master.fence(), coordinator_options)
             .await?;
@@ -187,6 +197,25 @@ async fn run_master(
     };
     let mut evaluator =
         PserverClient::new(ctx.discovery.clone(), ctx.transport.clone(), placement, client_options);
+    if first_map {
+        let up = evaluator.wait_for_servers(options.startup_timeout);
+        match while_coordinating(&mut coordinator, unless_shut_down(&shutdown, up)).await {
+            Ok(Some(Ok(()))) => {}
+            Ok(None) => {
+                master.shutdown().await?;
+                return Ok(None);
+            }
+            Ok(Some(Err(missing))) => {
+                tracing::error!(error = %missing, "the job's pservers did not come up; this master stops");
+                master.shutdown().await?;
+                return Err(missing.into());
+            }
+            Err(stopped) => {
+                master.shutdown().await?;
+                return Err(stopped.into());
+            }
+        }
+    }
     let mut params = ParamBuf::zeros(&model.param_specs());
     // The passes to report start from the one the master started at (taken
     // now: trainers are already at work).
@@ -327,8 +356,8 @@ async fn run_master(
     // a pserver that dies as the job ends still get a new home for the
     // final pulls (else those pulls wait out the retry window). The
     // pservers leave once the report is written: their shards then need
-    // no new home.
-    drop(coordinator);
+    // no new home, and the coordinator writes no map after it.
+    coordinator.stop().await;
     master.put_fenced(&keys.result(), report.to_json().into_bytes()).await?;
     tracing::info!(state = ?report.state, "job report written");
 

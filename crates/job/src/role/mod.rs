@@ -77,7 +77,9 @@ pub struct RoleOptions {
     /// caller gives up with an error (trainers pause their updates meanwhile).
     pub retry_for: Duration,
     /// How long to wait at start for the job's config, a free pserver
-    /// index, a trainer id held by a dead process, or all pservers to be up.
+    /// index, a trainer id held by a dead process, or all pservers to be up
+    /// (a trainer's wait, and a job's first master's: it stops, saying which
+    /// shards have no pserver, rather than wait silently).
     pub startup_timeout: Duration,
     /// How long a standby master waits for the lock.
     pub standby_timeout: Duration,
