@@ -28,7 +28,8 @@ trap cleanup EXIT
 
 cargo build --release --features etcd --example master --example pserver --example trainer \
     --example certs --example status
-bin=target/release/examples
+# Where cargo put them: CARGO_TARGET_DIR if set (relative to the repository, as cargo takes it).
+bin=${CARGO_TARGET_DIR:-target}/release/examples
 
 free_port() { python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])'; }
 client_port=$(free_port)
