@@ -5,7 +5,7 @@
 
 use serde::{Deserialize, Serialize};
 use std::cmp::Reverse;
-use std::collections::BinaryHeap;
+use std::collections::{BTreeSet, BinaryHeap};
 
 use crate::block::BlockId;
 use crate::error::{Error, Result};
@@ -121,17 +121,17 @@ impl Placement {
         let mut heap: BinaryHeap<Reverse<(usize, u32)>> =
             (0..servers).map(|s| Reverse((0usize, s))).collect();
         let mut loads = vec![0usize; servers as usize];
+        // Shards holding blocks and less than one block's worth, by load:
+        // where a small block may go (the first, if it fits there).
+        let mut open: BTreeSet<(usize, u32)> = BTreeSet::new();
         for i in order {
             let len = blocks[i].len;
             // A small block shares a shard that holds blocks already, while
             // that shard stays within one block's worth.
-            let shared = is_small(len, block_size)
-                .then(|| {
-                    (0..servers)
-                        .filter(|&s| loads[s as usize] > 0 && loads[s as usize] + len <= block_size)
-                        .min_by_key(|&s| (loads[s as usize], s))
-                })
-                .flatten();
+            let shared = match open.first() {
+                Some(&(load, s)) if is_small(len, block_size) && load + len <= block_size => Some(s),
+                _ => None,
+            };
             let s = match shared {
                 Some(s) => {
                     // Its heap entry is stale now: found and skipped below.
@@ -154,7 +154,12 @@ impl Placement {
                 }
             };
             blocks[i].server = s;
-            loads[s as usize] = loads[s as usize].saturating_add(len);
+            let load = &mut loads[s as usize];
+            open.remove(&(*load, s));
+            *load = load.saturating_add(len);
+            if *load < block_size {
+                open.insert((*load, s));
+            }
         }
         let mut by_server = vec![Vec::new(); servers as usize];
         for (i, b) in blocks.iter().enumerate() {
