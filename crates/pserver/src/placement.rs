@@ -5,7 +5,7 @@
 
 use serde::{Deserialize, Serialize};
 use std::cmp::Reverse;
-use std::collections::{BTreeSet, BinaryHeap};
+use std::collections::BTreeSet;
 
 use crate::block::BlockId;
 use crate::error::{Error, Result};
@@ -118,48 +118,27 @@ impl Placement {
         // sort is stable).
         let mut order: Vec<usize> = (0..blocks.len()).collect();
         order.sort_by_key(|&i| Reverse(blocks[i].len));
-        let mut heap: BinaryHeap<Reverse<(usize, u32)>> =
-            (0..servers).map(|s| Reverse((0usize, s))).collect();
+        // Every shard by (load, index): the least loaded is the first; the
+        // least loaded that holds blocks, the first from load 1 on.
+        let mut by_load: BTreeSet<(usize, u32)> = (0..servers).map(|s| (0, s)).collect();
         let mut loads = vec![0usize; servers as usize];
-        // Shards holding blocks and less than one block's worth, by load:
-        // where a small block may go (the first, if it fits there).
-        let mut open: BTreeSet<(usize, u32)> = BTreeSet::new();
         for i in order {
             let len = blocks[i].len;
             // A small block shares a shard that holds blocks already, while
-            // that shard stays within one block's worth.
-            let shared = match open.first() {
-                Some(&(load, s)) if is_small(len, block_size) && load + len <= block_size => Some(s),
-                _ => None,
-            };
-            let s = match shared {
-                Some(s) => {
-                    // Its heap entry is stale now: found and skipped below.
-                    heap.push(Reverse((loads[s as usize] + len, s)));
-                    s
-                }
-                None => {
-                    // The least loaded shard: the heap's first entry that is
-                    // not stale. (It always holds one per shard, so the
-                    // fallback to shard 0 is never taken.)
-                    let mut least = 0;
-                    while let Some(Reverse((load, s))) = heap.pop() {
-                        if load == loads[s as usize] {
-                            least = s;
-                            break;
-                        }
-                    }
-                    heap.push(Reverse((loads[least as usize].saturating_add(len), least)));
-                    least
-                }
-            };
-            blocks[i].server = s;
+            // that shard stays within one block's worth; any other block,
+            // or one that fits nowhere, goes to the least loaded shard.
+            let shared = by_load
+                .range((1, 0)..)
+                .next()
+                .filter(|&&(load, _)| is_small(len, block_size) && load + len <= block_size);
+            // The set holds one entry per shard (`servers >= 1`), so the
+            // fallback to shard 0 is never taken.
+            let s = shared.or_else(|| by_load.first()).map_or(0, |&(_, s)| s);
             let load = &mut loads[s as usize];
-            open.remove(&(*load, s));
+            by_load.remove(&(*load, s));
             *load = load.saturating_add(len);
-            if *load < block_size {
-                open.insert((*load, s));
-            }
+            by_load.insert((*load, s));
+            blocks[i].server = s;
         }
         let mut by_server = vec![Vec::new(); servers as usize];
         for (i, b) in blocks.iter().enumerate() {
