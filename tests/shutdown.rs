@@ -148,7 +148,11 @@ fn a_trainer_stopped_by_sigterm_hands_back_its_task_and_the_job_finishes() {
     let pservers: Vec<_> = (0..2).map(|i| cluster.pserver(&format!("pserver-{i}"), 1.0)).collect();
     let mut trainers = vec![
         cluster.trainer("trainer-0"),
-        cluster.trainer_with("trainer-1", &["--stop-grace", "0"]),
+        cluster.trainer_with_env(
+            "trainer-1",
+            &["--stop-grace", "0"],
+            &[("OAR_LOG", "info,oar_trainer::worker=debug")],
+        ),
         cluster.trainer("trainer-2"),
     ];
     // Small batches: a task is many sync steps, so a trainer is often mid-task.
@@ -157,11 +161,12 @@ fn a_trainer_stopped_by_sigterm_hands_back_its_task_and_the_job_finishes() {
     let mut master = cluster.master("master", &job);
     wait_for_pass(&mut master, 1, &[]);
 
-    // Catch it in a task's first batch, so that batches are left (every
-    // task is 3 batches or more here: the smallest, the file's last
-    // 1.7 KB, holds about 24 examples); caught in its last batch, it would
-    // rightly finish the task. Stop it, look, stop it for good.
-    trainers[1].stop_mid_task_unpushed(LONG);
+    // Catch it in a batch that is not its task's last, so that batches
+    // are left (every task is 3 batches or more here: the smallest, the
+    // file's last 1.7 KB, holds about 24 examples); caught in its last
+    // batch, it would rightly finish the task. Stop it, look, stop it for
+    // good.
+    trainers[1].stop_mid_task_with_batches_left(LONG);
     assert!(master.wait(Duration::ZERO).is_none(), "the job ended before the stop\n{}", master.dump());
     trainers[1].signal("TERM");
     trainers[1].signal("CONT");

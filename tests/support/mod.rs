@@ -236,6 +236,7 @@ impl Capture {
 /// A trainer's log line once the first push of the task in hand is
 /// acknowledged (`oar_trainer::worker`).
 const FIRST_APPLIED: &str = "first gradients of the task applied";
+const BATCH_TRAINED: &str = "batch trained";
 
 impl Proc {
     /// Start `command` as the process called `name`.
@@ -362,12 +363,32 @@ impl Proc {
         self.last_of(&["got task", "reporting task", FIRST_APPLIED]) == Some(FIRST_APPLIED)
     }
 
-    /// Whether its log says it is in a task's first batch: it got the task
-    /// and no gradient of it was acknowledged yet. A task of several
-    /// batches has batches left then; a look that is merely
-    /// [`mid_task`](Self::mid_task) may have caught its last one.
-    pub fn mid_task_unpushed(&self) -> bool {
-        self.last_of(&["got task", "reporting task", FIRST_APPLIED]) == Some("got task")
+    /// Whether its log says the batch it is training is not its task's
+    /// last: it got the task and trained no batch of it yet (a task of
+    /// several batches has batches left then), or its last
+    /// "batch trained" (logged at debug: start it with
+    /// `OAR_LOG=info,oar_trainer::worker=debug`) is batch `k` of `n` with
+    /// `k + 2 <= n`. Stopped there with no grace, it hands its task back
+    /// with batches untrained; a first-batch window alone is a sync step
+    /// long (well under a millisecond when the others wait for it) and
+    /// may never be caught.
+    pub fn mid_task_with_batches_left(&self) -> bool {
+        let err = self.stderr();
+        let last = err
+            .lines()
+            .rev()
+            .find(|l| ["got task", "reporting task", BATCH_TRAINED].iter().any(|m| l.contains(m)));
+        match last {
+            Some(l) if l.contains("got task") => true,
+            Some(l) if l.contains(BATCH_TRAINED) => {
+                let field = |name: &str| -> Option<u64> {
+                    let at = l.find(&format!(" {name}="))? + name.len() + 2;
+                    l[at..].split(|c: char| !c.is_ascii_digit()).next()?.parse().ok()
+                };
+                matches!((field("batch"), field("of")), (Some(k), Some(n)) if k + 2 <= n)
+            }
+            _ => false,
+        }
     }
 
     /// Which of `marks` its log shows last.
@@ -383,10 +404,11 @@ impl Proc {
         self.stop_when(timeout, Self::mid_task)
     }
 
-    /// [`stop_mid_task`](Self::stop_mid_task), caught in the task's first
-    /// batch (see [`mid_task_unpushed`](Self::mid_task_unpushed)).
-    pub fn stop_mid_task_unpushed(&mut self, timeout: Duration) {
-        self.stop_when(timeout, Self::mid_task_unpushed)
+    /// [`stop_mid_task`](Self::stop_mid_task), caught in a batch that is
+    /// not its task's last (see
+    /// [`mid_task_with_batches_left`](Self::mid_task_with_batches_left)).
+    pub fn stop_mid_task_with_batches_left(&mut self, timeout: Duration) {
+        self.stop_when(timeout, Self::mid_task_with_batches_left)
     }
 
     /// [`stop_mid_task`](Self::stop_mid_task), caught once some of the
@@ -1026,9 +1048,14 @@ mod cluster {
 
         /// A trainer with more flags.
         pub fn trainer_with(&self, id: &str, flags: &[&str]) -> Proc {
+            self.trainer_with_env(id, flags, &[])
+        }
+
+        /// A trainer with more flags and `env` set for the process.
+        pub fn trainer_with_env(&self, id: &str, flags: &[&str], env: &[(&str, &str)]) -> Proc {
             let mut extra = vec!["--id".to_string(), id.to_string()];
             extra.extend(flags.iter().map(|f| f.to_string()));
-            self.spawn(id, "trainer", "trainer", &extra)
+            self.spawn_via_env(id, "trainer", "trainer", &self.etcd.endpoint(), &extra, env)
         }
 
         /// The name of shard `shard`'s primary, once a pserver has

@@ -47,7 +47,19 @@ impl Env {
     }
 
     async fn with(shards: u32, replicas: u32, pservers: u32, len: usize, mode: Mode, rebalance: bool) -> Env {
-        let discovery: Arc<dyn Discovery> = Arc::new(MemDiscovery::new());
+        Self::over(Arc::new(MemDiscovery::new()), shards, replicas, pservers, len, mode, rebalance).await
+    }
+
+    /// An environment whose pservers, coordinator and trainers use `discovery`.
+    async fn over(
+        discovery: Arc<dyn Discovery>,
+        shards: u32,
+        replicas: u32,
+        pservers: u32,
+        len: usize,
+        mode: Mode,
+        rebalance: bool,
+    ) -> Env {
         let transport: Arc<dyn Transport> = Arc::new(MemTransport::new(MemNetwork::new()));
         let options = CoordinatorOptions { shards, replicas, pservers, rebalance, ..Default::default() };
         let cluster = Cluster::start_with(discovery.clone(), transport.clone(), options).await;
@@ -438,6 +450,122 @@ async fn a_sync_push_waiting_in_its_step_survives_its_primary() {
     let primary = pservers.iter().find(|p| Some(p.name()) == map.primary(0)).unwrap();
     assert_eq!(primary.step(0), Some(1));
     assert_replicas_agree(&map, &pservers.iter().collect::<Vec<_>>(), &env.placement());
+}
+
+/// Sync: a fresh primary's members, and trainers that join it, are not
+/// taken out of its barrier by a look at the registrations read before
+/// they joined. Here the trainers never register (a client used without
+/// the trainer role, as `tests/sync_equivalence.rs` does), and the
+/// primary's look at the registrations, if it made one, would answer only
+/// after both joined: the step still waits for both pushes, and takes
+/// them once each (-1 everywhere, step 1). Before the fix, a new primary
+/// looked at the registrations whatever its members and took out every
+/// member not listed: a's push completed the step alone, and b's came
+/// back stale (one step apart, the two waited for each other until their
+/// calls gave up, as CI saw once).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_fresh_primary_keeps_the_trainers_that_joined_it() {
+    let len = 8;
+    let held = Arc::new(common::HeldListings::new(Arc::new(MemDiscovery::new()), &keys().members));
+    // The pserver's first listing (the one its departure watch starts
+    // from, before it registers) is answered; any look at promotion is held.
+    held.arm_after(1);
+    let env = Env::over(held.clone(), 1, 1, 1, len, Mode::Sync, false).await;
+    let pserver = env.pserver().await;
+    env.cluster.wait_serving(&[&pserver]).await;
+    let (mut a, mut b) = (env.client("a"), env.client("b"));
+    let mut params = ParamBuf::zeros(&specs(len));
+    for t in [&mut a, &mut b] {
+        t.join().await.unwrap();
+        t.pull(&mut params).await.unwrap();
+    }
+    held.release();
+    // Whatever look was held has been answered, and acted on.
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(5);
+    while held.answered() < held.held() {
+        assert!(tokio::time::Instant::now() < deadline, "a held listing was never answered");
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    tokio::time::sleep(Duration::from_millis(200)).await;
+
+    let mut grads = ParamBuf::zeros(&specs(len));
+    grads.fill(1.0);
+    let waiting = {
+        let grads = grads.clone();
+        tokio::spawn(async move { a.push(&grads, 1.0).await })
+    };
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    assert!(!waiting.is_finished(), "a's push completed the step without b's");
+    assert_eq!(b.push(&grads, 1.0).await.unwrap(), PushResult::Accepted);
+    assert_eq!(waiting.await.unwrap().unwrap(), PushResult::Accepted);
+    b.pull(&mut params).await.unwrap();
+    assert!(params.as_slice().iter().all(|&x| x == -1.0), "{:?}", params.as_slice());
+    assert_eq!(pserver.step(0), Some(1));
+}
+
+/// Sync: a promoted follower takes out of its barrier the members that
+/// are not registered (they left while it was not primary), and only
+/// those. Its look at the registrations is read before trainer c
+/// registers and joins it, and answered after: c stays in the barrier
+/// (its push is taken in the same step as a's: -1 everywhere, step 1),
+/// and d, a member replicated to the follower whose key is gone (it never
+/// registered), leaves (else the step would wait for d's push, which
+/// never comes). Before the fix every member not in the listing left, c
+/// included.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_promoted_primary_keeps_a_trainer_that_joined_after_its_look() {
+    let len = 8;
+    let held = Arc::new(common::HeldListings::new(Arc::new(MemDiscovery::new()), &keys().members));
+    let env = Env::over(held.clone(), 1, 2, 2, len, Mode::Sync, false).await;
+    let mut pservers = vec![env.pserver().await, env.pserver().await];
+    env.cluster.wait_serving(&pservers.iter().collect::<Vec<_>>()).await;
+    env.wait_status("OK").await;
+    let lease = env.discovery.grant_lease(Duration::from_secs(60)).await.unwrap();
+    env.discovery.put(&format!("{}a", keys().members), Vec::new(), Some(lease)).await.unwrap();
+    let mut params = ParamBuf::zeros(&specs(len));
+    let (mut a, mut c, mut d) = (env.client("a"), env.client("c"), env.client("d"));
+    for t in [&mut a, &mut d] {
+        t.join().await.unwrap();
+        t.pull(&mut params).await.unwrap();
+    }
+    // The joins reached the follower before the primary goes.
+    tokio::time::sleep(Duration::from_millis(300)).await;
+
+    held.arm();
+    let victim = env.cluster.map().await.unwrap().primary(0).unwrap().to_string();
+    let at = pservers.iter().position(|p| p.name() == victim).unwrap();
+    env.kill(pservers.remove(at)).await;
+    env.cluster.wait_primary(&pservers.iter().collect::<Vec<_>>(), 0, &victim).await;
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(5);
+    while held.held() == 0 {
+        assert!(tokio::time::Instant::now() < deadline, "the new primary never looked at the registrations");
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    // c registers and joins the new primary.
+    env.discovery.put(&format!("{}c", keys().members), Vec::new(), Some(lease)).await.unwrap();
+    c.join().await.unwrap();
+    c.pull(&mut params).await.unwrap();
+    held.release();
+    while held.answered() < held.held() {
+        assert!(tokio::time::Instant::now() < deadline, "a held listing was never answered");
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    tokio::time::sleep(Duration::from_millis(200)).await;
+
+    let mut grads = ParamBuf::zeros(&specs(len));
+    grads.fill(1.0);
+    a.pull(&mut params).await.unwrap();
+    let waiting = {
+        let grads = grads.clone();
+        tokio::spawn(async move { a.push(&grads, 1.0).await })
+    };
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    assert!(!waiting.is_finished(), "a's push completed the step without c's");
+    assert_eq!(c.push(&grads, 1.0).await.unwrap(), PushResult::Accepted);
+    assert_eq!(waiting.await.unwrap().unwrap(), PushResult::Accepted);
+    c.pull(&mut params).await.unwrap();
+    assert!(params.as_slice().iter().all(|&x| x == -1.0), "{:?}", params.as_slice());
+    assert_eq!(pservers[0].step(0), Some(1));
 }
 
 /// A pserver joins a running job: with rebalancing on, shards move to it

@@ -830,6 +830,9 @@ impl Loop {
             }
             stats.examples += batch.len() as u64;
             stats.loss_sum += loss as f64 * batch.len() as f64;
+            // At debug: says where in its task a trainer is (a test stops
+            // one where batches are left; an operator sees a slow task move).
+            tracing::debug!(batch = start / size + 1, of = n.div_ceil(size), "batch trained");
             self.report.batches += 1;
             let m = metrics();
             m.batches.inc();

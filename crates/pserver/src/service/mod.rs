@@ -192,7 +192,12 @@ pub struct PserverKeys {
     /// reason), written by the coordinator.
     pub cluster_status: String,
     /// Prefix under which trainers register (`<members><id>`, under their
-    /// leases): a trainer whose key goes leaves the sync barrier.
+    /// leases): a trainer whose key goes leaves the sync barrier. In sync
+    /// mode a client that joins should be registered here: a primary
+    /// promoted from a follower takes out of its barrier the members it
+    /// inherited that are not registered (they left while it was not
+    /// primary). One that joins the new primary afterwards stays, and a
+    /// fresh primary (no members yet) takes nobody out.
     pub members: String,
     /// How many pservers the job wants (a decimal number), changed by
     /// [`set_pservers`](crate::set_pservers); the coordinator drains the
@@ -1098,7 +1103,8 @@ async fn reconcile(shared: &Arc<Shared>, map: Arc<ShardMap>) {
                     );
                     let mut links = Links::new(shard, epoch, applied, history);
                     links.set_followers(followers.iter().map(String::as_str));
-                    (SlotState::Primary { store, links }, Action::Promoted)
+                    let members = store.members();
+                    (SlotState::Primary { store, links }, Action::Promoted(members))
                 }
                 (Role::Primary, current) => {
                     if !matches!(current, SlotState::Syncing) {
@@ -1133,10 +1139,10 @@ async fn reconcile(shared: &Arc<Shared>, map: Arc<ShardMap>) {
         match action {
             Action::None => {}
             Action::Forward => replication::spawn_forwarders(shared, &slot),
-            Action::Promoted => {
+            Action::Promoted(members) => {
                 slot.tasks.lock().unwrap_or_else(PoisonError::into_inner).clear();
                 replication::spawn_forwarders(shared, &slot);
-                spawn_leave_departed(shared, &slot);
+                spawn_leave_departed(shared, &slot, members);
             }
             Action::Sync => {
                 // A primary's forwarders go; the sync task comes.
@@ -1218,7 +1224,7 @@ fn spawn_restore(shared: &Arc<Shared>, slot: &Arc<Slot>, epoch: u64) {
 enum Action {
     None,
     Forward,
-    Promoted,
+    Promoted(Vec<String>),
     Sync,
 }
 
@@ -1326,6 +1332,7 @@ async fn restore_primary(shared: &Arc<Shared>, slot: &Arc<Slot>, epoch: u64) -> 
     shared.set_recording(&mut store, shard);
     slot.restored_epoch.store(epoch, Ordering::SeqCst);
     let mut links = Links::new(shard, epoch, 0, History::default());
+    let members = store.members();
     {
         let mut state = slot.state.lock().unwrap_or_else(PoisonError::into_inner);
         // The map may have moved on meanwhile: serve only if still primary
@@ -1342,23 +1349,33 @@ async fn restore_primary(shared: &Arc<Shared>, slot: &Arc<Slot>, epoch: u64) -> 
     }
     tracing::info!(shard, epoch, "serving as the shard's primary");
     replication::spawn_forwarders(shared, slot);
-    spawn_leave_departed(shared, slot);
+    spawn_leave_departed(shared, slot, members);
     Ok(())
 }
 
 /// A new primary's store may count trainers that left while it was not
-/// primary (their departure went to the old primary): they leave now. The
-/// listing is tried again while etcd is away (a trainer left standing in
-/// the barrier would hold every sync step up), in a task of the slot's
-/// own, so that the map's other shards are not kept waiting; a role change
-/// ends it.
-fn spawn_leave_departed(shared: &Arc<Shared>, slot: &Arc<Slot>) {
-    let task = tokio::spawn(leave_departed(shared.clone(), slot.clone()));
+/// primary (their departure went to the old primary): those of `members`,
+/// the store's members when it became primary, that are not registered
+/// leave now. Only those: a trainer that joined this primary since then
+/// joined it alive (its join is checked against the departures this
+/// pserver saw, [`Shared::check_departed`]), and a listing read before
+/// its registration, or a client that never registers (one used without
+/// the trainer role), must not take it out of the barrier again: its
+/// pushes would then complete steps without it, one step apart from the
+/// others, until every call gave up. The listing is tried again while
+/// etcd is away (a trainer left standing in the barrier would hold every
+/// sync step up), in a task of the slot's own, so that the map's other
+/// shards are not kept waiting; a role change ends it.
+fn spawn_leave_departed(shared: &Arc<Shared>, slot: &Arc<Slot>, members: Vec<String>) {
+    if members.is_empty() {
+        return;
+    }
+    let task = tokio::spawn(leave_departed(shared.clone(), slot.clone(), members));
     let mut tasks = slot.tasks.lock().unwrap_or_else(PoisonError::into_inner);
     tasks.insert("leave-departed".to_string(), AbortOnDropHandle::new(task));
 }
 
-async fn leave_departed(shared: Arc<Shared>, slot: Arc<Slot>) {
+async fn leave_departed(shared: Arc<Shared>, slot: Arc<Slot>, members: Vec<String>) {
     let mut pause = Duration::from_millis(100);
     let listing = loop {
         match shared.discovery.get_prefix(&shared.keys.members).await {
@@ -1382,8 +1399,17 @@ async fn leave_departed(shared: Arc<Shared>, slot: Arc<Slot>) {
         .collect();
     let Ok(mut state) = shared.lock(slot) else { return };
     let SlotState::Primary { store, .. } = &*state else { return };
-    let gone: Vec<String> = store.members().into_iter().filter(|m| !present.contains(m.as_str())).collect();
+    let current = store.members();
+    let gone: Vec<String> = members
+        .into_iter()
+        .filter(|m| !present.contains(m.as_str()) && current.binary_search(m).is_ok())
+        .collect();
     for trainer in gone {
+        tracing::info!(
+            trainer,
+            shard = slot.shard,
+            "a member of the new primary's store is not registered: it leaves the barrier"
+        );
         if let Err(e) = leave(shared, slot, &mut state, &trainer) {
             tracing::warn!(error = %e.message, "cannot take a departed trainer out of the barrier");
         }

@@ -272,3 +272,132 @@ impl Transport for Limited {
         self.inner.listen(addr, handler).await
     }
 }
+
+/// A discovery whose listings of one prefix, once [`arm`](Self::arm)ed,
+/// are read from the store at once but answered only at
+/// [`release`](Self::release): a reader that sees the store as it was
+/// some time ago (etcd slow to answer, a task scheduled late).
+pub struct HeldListings {
+    inner: Arc<dyn Discovery>,
+    prefix: String,
+    armed: std::sync::atomic::AtomicBool,
+    skip: AtomicU64,
+    released: tokio::sync::watch::Sender<bool>,
+    held: AtomicU64,
+    answered: AtomicU64,
+}
+
+impl HeldListings {
+    pub fn new(inner: Arc<dyn Discovery>, prefix: &str) -> HeldListings {
+        HeldListings {
+            inner,
+            prefix: prefix.to_string(),
+            armed: false.into(),
+            skip: AtomicU64::new(0),
+            released: tokio::sync::watch::channel(false).0,
+            held: AtomicU64::new(0),
+            answered: AtomicU64::new(0),
+        }
+    }
+
+    /// Hold the prefix's listings from now on, until [`release`](Self::release).
+    pub fn arm(&self) {
+        self.arm_after(0);
+    }
+
+    /// Answer the next `skip` listings of the prefix at once and hold
+    /// those after them, until [`release`](Self::release).
+    pub fn arm_after(&self, skip: u64) {
+        self.skip.store(skip, Ordering::SeqCst);
+        self.armed.store(true, Ordering::SeqCst);
+    }
+
+    /// Answer every listing held, and hold no more.
+    pub fn release(&self) {
+        self.armed.store(false, Ordering::SeqCst);
+        self.released.send_replace(true);
+    }
+
+    /// Listings held so far (answered or not).
+    pub fn held(&self) -> u64 {
+        self.held.load(Ordering::SeqCst)
+    }
+
+    /// Held listings answered so far.
+    pub fn answered(&self) -> u64 {
+        self.answered.load(Ordering::SeqCst)
+    }
+}
+
+#[async_trait]
+impl Discovery for HeldListings {
+    async fn grant_lease(&self, ttl: Duration) -> oar_discovery::Result<oar_discovery::LeaseId> {
+        self.inner.grant_lease(ttl).await
+    }
+    async fn keep_alive(&self, lease: oar_discovery::LeaseId) -> oar_discovery::Result<()> {
+        self.inner.keep_alive(lease).await
+    }
+    async fn revoke_lease(&self, lease: oar_discovery::LeaseId) -> oar_discovery::Result<()> {
+        self.inner.revoke_lease(lease).await
+    }
+    async fn put(
+        &self,
+        key: &str,
+        value: Vec<u8>,
+        lease: Option<oar_discovery::LeaseId>,
+    ) -> oar_discovery::Result<oar_discovery::Revision> {
+        self.inner.put(key, value, lease).await
+    }
+    async fn get(&self, key: &str) -> oar_discovery::Result<Option<oar_discovery::KeyValue>> {
+        self.inner.get(key).await
+    }
+    async fn get_prefix(&self, prefix: &str) -> oar_discovery::Result<oar_discovery::Listing> {
+        let listing = self.inner.get_prefix(prefix).await;
+        if prefix == self.prefix
+            && self.armed.load(Ordering::SeqCst)
+            && self.skip.fetch_update(Ordering::SeqCst, Ordering::SeqCst, |n| n.checked_sub(1)).is_err()
+        {
+            self.held.fetch_add(1, Ordering::SeqCst);
+            let _ = self.released.subscribe().wait_for(|&released| released).await;
+            self.answered.fetch_add(1, Ordering::SeqCst);
+        }
+        listing
+    }
+    async fn delete(&self, key: &str) -> oar_discovery::Result<bool> {
+        self.inner.delete(key).await
+    }
+    async fn create_if_absent(
+        &self,
+        key: &str,
+        value: Vec<u8>,
+        lease: Option<oar_discovery::LeaseId>,
+    ) -> oar_discovery::Result<Option<oar_discovery::Revision>> {
+        self.inner.create_if_absent(key, value, lease).await
+    }
+    async fn watch_prefix(
+        &self,
+        prefix: &str,
+        from_revision: oar_discovery::Revision,
+    ) -> oar_discovery::Result<oar_discovery::WatchStream> {
+        self.inner.watch_prefix(prefix, from_revision).await
+    }
+    async fn put_fenced(
+        &self,
+        fence: &oar_discovery::Fence,
+        key: &str,
+        value: Vec<u8>,
+    ) -> oar_discovery::Result<oar_discovery::Revision> {
+        self.inner.put_fenced(fence, key, value).await
+    }
+    async fn delete_fenced(&self, fence: &oar_discovery::Fence, key: &str) -> oar_discovery::Result<bool> {
+        self.inner.delete_fenced(fence, key).await
+    }
+    async fn delete_range_fenced(
+        &self,
+        fence: &oar_discovery::Fence,
+        start: &str,
+        end: &str,
+    ) -> oar_discovery::Result<()> {
+        self.inner.delete_range_fenced(fence, start, end).await
+    }
+}
