@@ -481,25 +481,10 @@ async fn a_fresh_primary_keeps_the_trainers_that_joined_it() {
     }
     held.release();
     // Whatever look was held has been answered, and acted on.
-    let deadline = tokio::time::Instant::now() + Duration::from_secs(5);
-    while held.answered() < held.held() {
-        assert!(tokio::time::Instant::now() < deadline, "a held listing was never answered");
-        tokio::time::sleep(Duration::from_millis(10)).await;
-    }
+    held.wait_answered().await;
     tokio::time::sleep(Duration::from_millis(200)).await;
 
-    let mut grads = ParamBuf::zeros(&specs(len));
-    grads.fill(1.0);
-    let waiting = {
-        let grads = grads.clone();
-        tokio::spawn(async move { a.push(&grads, 1.0).await })
-    };
-    tokio::time::sleep(Duration::from_millis(300)).await;
-    assert!(!waiting.is_finished(), "a's push completed the step without b's");
-    assert_eq!(b.push(&grads, 1.0).await.unwrap(), PushResult::Accepted);
-    assert_eq!(waiting.await.unwrap().unwrap(), PushResult::Accepted);
-    b.pull(&mut params).await.unwrap();
-    assert!(params.as_slice().iter().all(|&x| x == -1.0), "{:?}", params.as_slice());
+    one_step_waits_for_both(a, b, len).await;
     assert_eq!(pserver.step(0), Some(1));
 }
 
@@ -546,26 +531,31 @@ async fn a_promoted_primary_keeps_a_trainer_that_joined_after_its_look() {
     c.join().await.unwrap();
     c.pull(&mut params).await.unwrap();
     held.release();
-    while held.answered() < held.held() {
-        assert!(tokio::time::Instant::now() < deadline, "a held listing was never answered");
-        tokio::time::sleep(Duration::from_millis(10)).await;
-    }
+    held.wait_answered().await;
     tokio::time::sleep(Duration::from_millis(200)).await;
 
+    a.pull(&mut params).await.unwrap();
+    one_step_waits_for_both(a, c, len).await;
+    assert_eq!(pservers[0].step(0), Some(1));
+}
+
+/// Sync, from zeros and a learning rate of 1: `first`'s push of ones waits
+/// for `second`'s (the barrier counts both), and the step both complete
+/// leaves -1 everywhere.
+async fn one_step_waits_for_both(mut first: PserverClient, mut second: PserverClient, len: usize) {
     let mut grads = ParamBuf::zeros(&specs(len));
     grads.fill(1.0);
-    a.pull(&mut params).await.unwrap();
     let waiting = {
         let grads = grads.clone();
-        tokio::spawn(async move { a.push(&grads, 1.0).await })
+        tokio::spawn(async move { first.push(&grads, 1.0).await })
     };
     tokio::time::sleep(Duration::from_millis(300)).await;
-    assert!(!waiting.is_finished(), "a's push completed the step without c's");
-    assert_eq!(c.push(&grads, 1.0).await.unwrap(), PushResult::Accepted);
+    assert!(!waiting.is_finished(), "the first push completed the step without the second's");
+    assert_eq!(second.push(&grads, 1.0).await.unwrap(), PushResult::Accepted);
     assert_eq!(waiting.await.unwrap().unwrap(), PushResult::Accepted);
-    c.pull(&mut params).await.unwrap();
+    let mut params = ParamBuf::zeros(&specs(len));
+    second.pull(&mut params).await.unwrap();
     assert!(params.as_slice().iter().all(|&x| x == -1.0), "{:?}", params.as_slice());
-    assert_eq!(pservers[0].step(0), Some(1));
 }
 
 /// A pserver joins a running job: with rebalancing on, shards move to it

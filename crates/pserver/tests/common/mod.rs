@@ -327,6 +327,15 @@ impl HeldListings {
     pub fn answered(&self) -> u64 {
         self.answered.load(Ordering::SeqCst)
     }
+
+    /// Wait (5 s at most) until every listing held so far is answered.
+    pub async fn wait_answered(&self) {
+        let deadline = tokio::time::Instant::now() + Duration::from_secs(5);
+        while self.answered() < self.held() {
+            assert!(tokio::time::Instant::now() < deadline, "a held listing was never answered");
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+    }
 }
 
 #[async_trait]
