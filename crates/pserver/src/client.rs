@@ -268,8 +268,11 @@ impl PserverClient {
     pub async fn wait_for_servers(&self, timeout: Duration) -> Result<()> {
         let deadline = oar_transport::deadline_in(timeout);
         let topology = self.inner.topology().await?;
+        // One receiver, marked at each look: a change after a look wakes
+        // the wait below at once, and one already looked at does not.
+        let mut rx = topology.subscribe();
         loop {
-            let now = topology.current();
+            let now = rx.borrow_and_update().clone();
             let missing: Vec<u32> =
                 self.inner.shards_in_use().filter(|&s| now.primary_addr(s).is_none()).collect();
             if missing.is_empty() {
@@ -278,7 +281,6 @@ impl PserverClient {
             if tokio::time::Instant::now() >= deadline {
                 return Err(Error::ServersMissing { missing, waited: timeout });
             }
-            let mut rx = topology.subscribe();
             let _ = tokio::time::timeout(Duration::from_millis(200), rx.changed()).await;
         }
     }

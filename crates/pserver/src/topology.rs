@@ -86,7 +86,11 @@ impl TopologyWatch {
 
     /// A receiver that sees every change from now on.
     pub fn subscribe(&self) -> watch::Receiver<Arc<Topology>> {
-        self.rx.clone()
+        // A clone has seen what `self.rx` has seen, which is the first
+        // topology: without this, its `changed` would return at once.
+        let mut rx = self.rx.clone();
+        rx.mark_unchanged();
+        rx
     }
 
     /// Wait until `name` no longer serves shard `shard`: its registration

@@ -168,6 +168,13 @@ async fn run_master(
         return Ok(None);
     };
     let master = master?;
+    // The passes to report start from the one the master started at: a
+    // master taking over reports from its journal's pass on, a first one
+    // from pass 0. Taken now, before the pservers are waited for: trainers
+    // may work through a small job's first pass meanwhile, and a pass read
+    // later would go unreported.
+    let mut status = master.status();
+    let mut reported = status.borrow().queue.pass;
     // The shard map's one writer runs with the master, through its fence.
     let coordinator_options = CoordinatorOptions {
         keys: keys.pserver(),
@@ -217,10 +224,6 @@ async fn run_master(
         }
     }
     let mut params = ParamBuf::zeros(&model.param_specs());
-    // The passes to report start from the one the master started at (taken
-    // now: trainers are already at work).
-    let mut status = master.status();
-    let mut reported = status.borrow().queue.pass;
     // The loss before any training, from the initial values the pservers
     // start from: what a diverged loss is measured against.
     let initial_loss = initial_loss(&model, config.seed, &test_set)?;
