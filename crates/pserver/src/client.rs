@@ -53,7 +53,7 @@
 use crate::{
     error::{ServiceError as Error, ServiceResult as Result},
     protocol::{BatchCall, BlockSpan, PsReply, PsRequest, PulledShard, ShardRows, TableRows, PSERVER_METHOD},
-    topology::TopologyWatch,
+    topology::{Topology, TopologyWatch},
     Origin, ParamBuf, Placement, PserverKeys, PushOutcome,
 };
 use oar_discovery::Discovery;
@@ -266,22 +266,20 @@ impl PserverClient {
     /// Wait until the shard map gives every shard that holds blocks a
     /// registered primary, at most `timeout`.
     pub async fn wait_for_servers(&self, timeout: Duration) -> Result<()> {
-        let deadline = oar_transport::deadline_in(timeout);
         let topology = self.inner.topology().await?;
-        // One receiver, marked at each look: a change after a look wakes
-        // the wait below at once, and one already looked at does not.
+        let missing = |now: &Topology| -> Vec<u32> {
+            self.inner.shards_in_use().filter(|&s| now.primary_addr(s).is_none()).collect()
+        };
         let mut rx = topology.subscribe();
-        loop {
-            let now = rx.borrow_and_update().clone();
-            let missing: Vec<u32> =
-                self.inner.shards_in_use().filter(|&s| now.primary_addr(s).is_none()).collect();
-            if missing.is_empty() {
-                return Ok(());
-            }
-            if tokio::time::Instant::now() >= deadline {
-                return Err(Error::ServersMissing { missing, waited: timeout });
-            }
-            let _ = tokio::time::timeout(Duration::from_millis(200), rx.changed()).await;
+        // `wait_for` fails only once nothing follows the topology, which
+        // cannot happen while `topology` is held: not ready is a time-out.
+        let ready = tokio::time::timeout(timeout, rx.wait_for(|now| missing(now).is_empty()))
+            .await
+            .is_ok_and(|seen| seen.is_ok());
+        if ready {
+            Ok(())
+        } else {
+            Err(Error::ServersMissing { missing: missing(&topology.current()), waited: timeout })
         }
     }
 
