@@ -66,7 +66,6 @@ use std::{
     },
     time::Duration,
 };
-use tokio::task::JoinSet;
 
 /// How long one pull asks a server to wait for the next sync step.
 const PULL_WAIT: Duration = Duration::from_secs(1);
@@ -932,7 +931,7 @@ impl PserverClient {
             .collect();
         let message_bytes: usize = payloads.iter().flatten().map(|p| p.len()).sum::<usize>()
             + sinks.iter().map(|s| s.expected as usize).sum::<usize>();
-        let mut outcomes = if message_bytes <= SPAWN_CALLS_UP_TO {
+        let mut outcomes = if message_bytes <= SMALL_CALLS_UP_TO {
             self.exchange_small(parts, requests, &payloads, &mut sinks, riders).await
         } else {
             // Lanes: each runs its calls one after another; a shard's parts
@@ -1063,21 +1062,13 @@ impl PserverClient {
             });
             ridden.push(shards);
         }
-        let mut tasks = JoinSet::new();
-        for (primary, calls) in groups {
-            let inner = self.inner.clone();
-            tasks.spawn(async move { inner.call_small(primary, calls).await });
-        }
+        // Every pserver's group at once, in the caller's task: a spawned
+        // task per group would put the first on the other worker's queue
+        // (tokio wakes a parked worker for it), a cross-core wake-up per
+        // step on a round-trip-bound trainer.
+        let groups = groups.into_iter().map(|(primary, calls)| self.inner.call_small(primary, calls));
         let mut outcomes = Vec::with_capacity(parts.len());
-        while let Some(joined) = tasks.join_next().await {
-            let answered = match joined {
-                Ok(answered) => answered,
-                Err(e) => {
-                    let failed = Err(Error::Protocol(format!("a shard call panicked: {e}")));
-                    outcomes.push((0, failed, false));
-                    continue;
-                }
-            };
+        for answered in oar_transport::join_all(groups).await {
             for (at, reply, bytes) in answered {
                 if let Some(shards) = at.checked_sub(parts.len()).and_then(|k| ridden.get_mut(k)) {
                     if let Ok(reply) = reply {
@@ -1272,11 +1263,11 @@ fn part_blocks<'p>(placement: &'p Placement, part: &Part) -> impl Iterator<Item 
     placement.blocks_on(part.index).skip(span.start).take(span.len())
 }
 
-/// Messages (both ways, all shards) up to this many bytes go through
-/// spawned tasks with copies, a batch per pserver
+/// Messages (both ways, all shards) up to this many bytes go as copies,
+/// a batch per pserver, all at once in the caller's task
 /// ([`PserverClient::exchange_small`]); larger ones are sent from and
 /// received into the trainer's buffers.
-const SPAWN_CALLS_UP_TO: usize = 256 << 10;
+const SMALL_CALLS_UP_TO: usize = 256 << 10;
 
 /// A reply's payload kept in a buffer of its own.
 #[derive(Default)]
@@ -1287,7 +1278,7 @@ impl oar_transport::PayloadSink for Collected {
         self.0.clear();
         // The transport bounds `len` by its message limit; reserve no more
         // than a small message anyway.
-        self.0.reserve(usize::try_from(len).unwrap_or(0).min(SPAWN_CALLS_UP_TO));
+        self.0.reserve(usize::try_from(len).unwrap_or(0).min(SMALL_CALLS_UP_TO));
         Ok(())
     }
 
