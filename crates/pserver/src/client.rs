@@ -990,11 +990,10 @@ impl PserverClient {
     /// [`exchange`](Self::exchange) for small messages: the calls to
     /// shards whose primary is the same pserver go together in one
     /// [`PsRequest::Batch`] (one round trip instead of one per shard), and
-    /// each batch, or call alone, runs in a task of its own (in parallel
-    /// on the runtime's threads, which beats borrowing when a message is a
-    /// few KiB), with copies of the payload and of the reply, which is
-    /// then written into the sinks. Outcomes are tagged with the call's
-    /// position in `parts`.
+    /// the batches, and calls alone, run all at once in the caller's task,
+    /// with copies of the payload and of the reply, which is then written
+    /// into the sinks. Outcomes are tagged with the call's position in
+    /// `parts`.
     async fn exchange_small(
         &self,
         parts: &[Part],
