@@ -13,6 +13,8 @@
 //! target/release/profile_transport tcpecho 40000   # TCP_NODELAY echo
 //! # options: --threads T (runtime workers) --cipher aes128|aes256|chacha --mtu N --gso
 //! #   --in-task: the caller runs in a spawned task (on a worker) instead of on block_on's thread
+//! #   --relay (small, tcpecho): the caller hands each call to one long-lived task over a
+//! #     channel and waits on a oneshot for its answer (BENCHMARKS.md, "The block_on caller's wake-ups")
 //! perf script -i perf.data --time $T0,$T1 | python3 scripts/perf_classify.py
 //! ```
 
@@ -46,6 +48,48 @@ impl Handler for Sink {
     }
 }
 
+/// What makes one small round trip: a QUIC call, or 16 bytes echoed over TCP.
+enum SmallCaller {
+    Quic(Arc<dyn oar_transport::Connection>, Frame),
+    Echo(tokio::net::TcpStream),
+    /// Handed to a relay task.
+    Moved,
+}
+
+impl SmallCaller {
+    async fn round_trip(&mut self) -> Result<(), BoxError> {
+        match self {
+            SmallCaller::Quic(conn, small) => {
+                conn.call(small.clone(), Duration::from_secs(5)).await?;
+            }
+            SmallCaller::Echo(s) => {
+                let mut b = [7u8; 16];
+                s.write_all(&b).await?;
+                s.read_exact(&mut b).await?;
+            }
+            SmallCaller::Moved => return Err("the caller was handed to a relay".into()),
+        }
+        Ok(())
+    }
+
+    fn take(&mut self) -> SmallCaller {
+        std::mem::replace(self, SmallCaller::Moved)
+    }
+}
+
+type Answer = tokio::sync::oneshot::Sender<Result<(), BoxError>>;
+
+/// A task that makes one round trip per request, in order, and answers each.
+fn spawn_relay(mut caller: SmallCaller) -> tokio::sync::mpsc::UnboundedSender<Answer> {
+    let (requests, mut incoming) = tokio::sync::mpsc::unbounded_channel::<Answer>();
+    tokio::spawn(async move {
+        while let Some(answer) = incoming.recv().await {
+            let _ = answer.send(caller.round_trip().await);
+        }
+    });
+    requests
+}
+
 /// CLOCK_MONOTONIC in seconds, the clock `perf record -k CLOCK_MONOTONIC` stamps samples with.
 fn monotonic() -> f64 {
     let mut t = libc::timespec { tv_sec: 0, tv_nsec: 0 };
@@ -63,10 +107,12 @@ struct Args {
     options: QuicOptions,
     /// Run the caller in a spawned task rather than on `block_on`'s thread.
     in_task: bool,
+    /// Hand each small call to one long-lived task and wait for its answer.
+    relay: bool,
 }
 
 fn parse() -> Result<Args, BoxError> {
-    let usage = "usage: profile_transport large|tcpbulk MILLIONS REPS | small|tcpecho CALLS [--threads T] [--cipher aes128|aes256|chacha] [--mtu N] [--gso] [--in-task]";
+    let usage = "usage: profile_transport large|tcpbulk MILLIONS REPS | small|tcpecho CALLS [--threads T] [--cipher aes128|aes256|chacha] [--mtu N] [--gso] [--in-task] [--relay]";
     let a: Vec<String> = std::env::args().skip(1).collect();
     let (Some(mode), Some(n)) = (a.first(), a.get(1)) else { return Err(usage.into()) };
     let n = n.parse().map_err(|e| format!("{n:?}: {e}; {usage}"))?;
@@ -78,6 +124,7 @@ fn parse() -> Result<Args, BoxError> {
         cipher: Cipher::Aes128Gcm,
         options: QuicOptions::default(),
         in_task: false,
+        relay: false,
     };
     let mut i = 2;
     while i < a.len() {
@@ -102,6 +149,7 @@ fn parse() -> Result<Args, BoxError> {
             }
             "--gso" => args.options.loopback.segmentation_offload = true,
             "--in-task" => args.in_task = true,
+            "--relay" => args.relay = true,
             reps if i == 2 => args.reps = reps.parse().map_err(|e| format!("{reps:?}: {e}; {usage}"))?,
             other => return Err(format!("unknown option {other:?}; {usage}").into()),
         }
@@ -132,7 +180,7 @@ fn median_rate(mut times: Vec<Duration>, bytes: usize) -> (Duration, f64) {
 }
 
 async fn run(args: Args) -> Result<(), BoxError> {
-    let Args { mode, n, reps, cipher, options, .. } = args;
+    let Args { mode, n, reps, cipher, options, relay, .. } = args;
     let ca = DevCa::new()?;
     let server = QuicTransport::with_options(ca.tls_config("server")?.with_cipher(cipher), options.clone())?;
     let client = QuicTransport::with_options(ca.tls_config("client")?.with_cipher(cipher), options)?;
@@ -183,30 +231,35 @@ async fn run(args: Args) -> Result<(), BoxError> {
             eprintln!("tcpbulk {n}M: median {median:?} = {rate:.2} GiB/s");
         }
         "small" | "tcpecho" => {
-            let mut tcp = None;
-            if mode == "tcpecho" {
-                let s = common::tcp_connect(tcp_addr, 0).await?;
-                tcp = Some(s);
-            }
+            let mut caller = if mode == "tcpecho" {
+                SmallCaller::Echo(common::tcp_connect(tcp_addr, 0).await?)
+            } else {
+                SmallCaller::Quic(conn.clone(), small.clone())
+            };
+            let relay = relay.then(|| spawn_relay(caller.take()));
             eprintln!("T0 {:.6}", monotonic());
             let started = Instant::now();
             let mut times = Vec::with_capacity(n);
             for _ in 0..n {
                 let call = Instant::now();
-                match &mut tcp {
-                    Some(s) => {
-                        let mut b = [7u8; 16];
-                        s.write_all(&b).await?;
-                        s.read_exact(&mut b).await?;
+                match &relay {
+                    Some(relay) => {
+                        let (answered, answer) = tokio::sync::oneshot::channel();
+                        relay.send(answered).map_err(|_| "the relay task ended")?;
+                        answer.await??;
                     }
-                    None => {
-                        conn.call(small.clone(), Duration::from_secs(5)).await?;
-                    }
+                    None => caller.round_trip().await?,
                 }
                 times.push(call.elapsed());
             }
             let total = started.elapsed();
             eprintln!("T1 {:.6}", monotonic());
+            // Medians of 2,000 calls each, in order: a VM's regime can change mid-run.
+            let windows: Vec<String> = times
+                .chunks(2000)
+                .map(|w| format!("{:.0}", median_rate(w.to_vec(), 0).0.as_secs_f64() * 1e6))
+                .collect();
+            eprintln!("medians per 2000 calls (us): {}", windows.join(" "));
             let (median, _) = median_rate(times, 0);
             let mean = total.as_secs_f64() * 1e6 / n.max(1) as f64;
             eprintln!(
