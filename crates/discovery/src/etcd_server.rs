@@ -286,9 +286,19 @@ impl EtcdServer {
         Ok(())
     }
 
-    /// Lets a paused etcd run again (SIGCONT).
+    /// Lets a paused etcd run again (SIGCONT), and waits until it answers
+    /// `/health` (at most [`START_DEADLINE`]): a request sent the moment
+    /// after SIGCONT can still time out while etcd catches up on the
+    /// heartbeats and the backlog of its freeze, which is not the hiccup a
+    /// test means to show.
     pub fn resume(&self) -> Result<()> {
-        self.with_running(|running| running.signal(SIGCONT))
+        let addr = self.client_addr();
+        let endpoint = self.endpoint();
+        self.with_running(|running| {
+            running.signal(SIGCONT)?;
+            wait_until_healthy(running, addr)
+                .map_err(|why| Error::Server(format!("etcd at {endpoint} after SIGCONT: {why}")))
+        })
     }
 
     /// Starts a stopped or killed etcd again on the same ports with the same
