@@ -287,10 +287,10 @@ impl EtcdServer {
     }
 
     /// Lets a paused etcd run again (SIGCONT), and waits until it answers
-    /// `/health` (at most [`START_DEADLINE`]): a request sent the moment
-    /// after SIGCONT can still time out while etcd catches up on the
-    /// heartbeats and the backlog of its freeze, which is not the hiccup a
-    /// test means to show.
+    /// `/health` (at most [`START_DEADLINE`]), as [`EtcdServer::restart`]
+    /// does: on a loaded machine a request sent the moment after SIGCONT
+    /// could still time out while etcd gets going again, which is not the
+    /// hiccup a test means to show.
     pub fn resume(&self) -> Result<()> {
         let addr = self.client_addr();
         let endpoint = self.endpoint();
