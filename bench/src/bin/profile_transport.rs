@@ -52,8 +52,6 @@ impl Handler for Sink {
 enum SmallCaller {
     Quic(Arc<dyn oar_transport::Connection>, Frame),
     Echo(tokio::net::TcpStream),
-    /// Handed to a relay task.
-    Moved,
 }
 
 impl SmallCaller {
@@ -67,17 +65,18 @@ impl SmallCaller {
                 s.write_all(&b).await?;
                 s.read_exact(&mut b).await?;
             }
-            SmallCaller::Moved => return Err("the caller was handed to a relay".into()),
         }
         Ok(())
-    }
-
-    fn take(&mut self) -> SmallCaller {
-        std::mem::replace(self, SmallCaller::Moved)
     }
 }
 
 type Answer = tokio::sync::oneshot::Sender<Result<(), BoxError>>;
+
+/// How the measured loop makes its round trips: itself, or through a relay task.
+enum CallPath {
+    Direct(SmallCaller),
+    Relayed(tokio::sync::mpsc::UnboundedSender<Answer>),
+}
 
 /// A task that makes one round trip per request, in order, and answers each.
 fn spawn_relay(mut caller: SmallCaller) -> tokio::sync::mpsc::UnboundedSender<Answer> {
@@ -231,24 +230,25 @@ async fn run(args: Args) -> Result<(), BoxError> {
             eprintln!("tcpbulk {n}M: median {median:?} = {rate:.2} GiB/s");
         }
         "small" | "tcpecho" => {
-            let mut caller = if mode == "tcpecho" {
+            let caller = if mode == "tcpecho" {
                 SmallCaller::Echo(common::tcp_connect(tcp_addr, 0).await?)
             } else {
                 SmallCaller::Quic(conn.clone(), small.clone())
             };
-            let relay = relay.then(|| spawn_relay(caller.take()));
+            let mut path =
+                if relay { CallPath::Relayed(spawn_relay(caller)) } else { CallPath::Direct(caller) };
             eprintln!("T0 {:.6}", monotonic());
             let started = Instant::now();
             let mut times = Vec::with_capacity(n);
             for _ in 0..n {
                 let call = Instant::now();
-                match &relay {
-                    Some(relay) => {
+                match &mut path {
+                    CallPath::Direct(caller) => caller.round_trip().await?,
+                    CallPath::Relayed(relay) => {
                         let (answered, answer) = tokio::sync::oneshot::channel();
                         relay.send(answered).map_err(|_| "the relay task ended")?;
                         answer.await??;
                     }
-                    None => caller.round_trip().await?,
                 }
                 times.push(call.elapsed());
             }
