@@ -90,8 +90,8 @@ pub enum Error {
         /// The kind byte received.
         got: u8,
     },
-    /// A header field that must be zero was not.
-    #[error("frame header flags {got:#04x}, expected 0")]
+    /// A header's flags byte held a reserved bit, or a reply carried a request's flag.
+    #[error("frame header flags {got:#04x}, expected 0 (or 0x01, keep the stream, on a request)")]
     BadFlags {
         /// The flags byte received.
         got: u8,

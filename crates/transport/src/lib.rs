@@ -20,8 +20,13 @@
 //!
 //! ## QUIC
 //!
-//! Each call is one bidirectional stream carrying one request frame and one
-//! reply frame, so a 400 MB tensor never blocks a small call. A client keeps
+//! Each call in flight has a bidirectional stream of its own carrying its
+//! request frame and its reply frame, so a 400 MB tensor never blocks a
+//! small call. A call whose request is at most 64 KiB goes on a *kept
+//! stream*, one of a few per peer that carry one call after another: a
+//! small call then does not open, finish and wait out the acknowledgement
+//! of a stream (see [`QuicTransport`] for how a timeout, an error and a
+//! retired stream are handled; the layout is in [`wire`]). A client keeps
 //! one connection per peer address (with keep-alive and an idle timeout) and
 //! dials again when it died, e.g. because the peer restarted. A server
 //! serves each connection in a task of its own, which runs a call as far as

@@ -32,6 +32,8 @@ const CODE_BAD_FRAME: u32 = 2;
 const CODE_STALLED: u32 = 3;
 /// Connection close code: the endpoint is shutting down.
 const CODE_SHUTDOWN: u32 = 0;
+/// Stream error code: the server retired a kept stream between calls (shutdown, or idle).
+const CODE_RETIRED: u32 = 4;
 
 /// How a path is tuned: loopback and real networks want different settings.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -329,51 +331,108 @@ fn read_error(addr: &str, e: quinn::ReadError) -> Error {
     }
 }
 
-/// Read one frame from `recv` until the stream ends. With `idle`, a stream
-/// that sends nothing for that long fails with [`Error::Stalled`]. With a
-/// `sink`, a response's payload goes to it as it arrives instead of into
-/// the frame (an error reply's payload, normally none, is dropped);
-/// without, into a buffer from `config`'s pool.
+/// Where a frame read from a stream ends.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Delimit {
+    /// At the stream's end: a one-call stream.
+    End,
+    /// Where its header's lengths say: a reply on a kept stream.
+    Length,
+    /// As the header says: at its length for a request with
+    /// [`wire::FLAG_KEEP`], else at the stream's end (what a server reads).
+    Header,
+}
+
+/// How [`read_frame`] reads.
+struct Reading<'a> {
+    expect: Expect,
+    delimit: Delimit,
+    config: &'a Config,
+    /// A stream that sends nothing for this long fails with [`Error::Stalled`].
+    idle: Option<Duration>,
+    peer: &'a str,
+}
+
+/// A frame read from a stream.
+struct Received {
+    kind: Kind,
+    frame: Frame,
+    /// It was a request with [`wire::FLAG_KEEP`]: its stream carries more calls.
+    keep: bool,
+}
+
+/// Read one frame from `recv` (starting with `first`, bytes of it already
+/// read), ending where `how.delimit` says. `None`: the stream ended before
+/// its first byte. With a `sink`, a response's payload goes to it as it
+/// arrives instead of into the frame (an error reply's payload, normally
+/// none, is dropped); without, into a buffer from the config's pool.
 async fn read_frame(
     recv: &mut quinn::RecvStream,
-    expect: Expect,
-    config: &Config,
-    idle: Option<Duration>,
-    peer: &str,
+    how: Reading<'_>,
+    mut first: Option<Bytes>,
     mut sink: Option<&mut dyn PayloadSink>,
-) -> Result<(Kind, Frame)> {
-    let max_message = config.options.max_message;
+) -> Result<Option<Received>> {
+    let max_message = how.config.options.max_message;
     let mut decoder = match sink {
-        None => wire::Decoder::with_pool(expect, max_message, config.pool.clone()),
-        Some(_) => wire::Decoder::streaming(expect, max_message),
+        None => wire::Decoder::with_pool(how.expect, max_message, how.config.pool.clone()),
+        Some(_) => wire::Decoder::streaming(how.expect, max_message),
     };
     let mut started = false;
+    let mut any = false;
     loop {
-        let next = recv.read_chunk(usize::MAX, true);
-        let chunk = match idle {
-            Some(after) => {
-                timeout(after, next).await.map_err(|_| Error::Stalled { addr: peer.to_string(), after })?
+        let chunk = match first.take() {
+            Some(bytes) => Some(bytes),
+            None => {
+                let next = recv.read_chunk(usize::MAX, true);
+                let chunk = match how.idle {
+                    Some(after) => timeout(after, next)
+                        .await
+                        .map_err(|_| Error::Stalled { addr: how.peer.to_string(), after })?,
+                    None => next.await,
+                };
+                chunk.map_err(|e| read_error(how.peer, e))?.map(|c| c.bytes)
             }
-            None => next.await,
         };
-        let Some(chunk) = chunk.map_err(|e| read_error(peer, e))? else {
-            return decoder.finish();
+        let Some(chunk) = chunk else {
+            if !any {
+                return Ok(None);
+            }
+            let keep = decoder.header().is_some_and(|h| h.keep);
+            let (kind, frame) = decoder.finish()?;
+            return Ok(Some(Received { kind, frame, keep }));
         };
-        let Some(sink) = sink.as_deref_mut() else {
-            decoder.feed(&chunk.bytes)?;
-            continue;
-        };
-        let payload = decoder.feed_streaming(&chunk.bytes)?;
-        if let Some(header) = decoder.header() {
-            if header.kind == Kind::Response && !started {
-                sink.start(header.payload_len)?;
-                started = true;
+        any |= !chunk.is_empty();
+        match sink.as_deref_mut() {
+            None => decoder.feed(&chunk)?,
+            Some(sink) => {
+                let payload = decoder.feed_streaming(&chunk)?;
+                if let Some(header) = decoder.header() {
+                    if header.kind == Kind::Response && !started {
+                        sink.start(header.payload_len)?;
+                        started = true;
+                    }
+                }
+                if started && !payload.is_empty() {
+                    sink.write(payload);
+                }
             }
         }
-        if started && !payload.is_empty() {
-            sink.write(payload);
+        let ends_here = match how.delimit {
+            Delimit::End => false,
+            Delimit::Length => true,
+            Delimit::Header => decoder.header().is_some_and(|h| h.keep),
+        };
+        if ends_here && decoder.is_complete() {
+            let keep = decoder.header().is_some_and(|h| h.keep);
+            let (kind, frame) = decoder.finish()?;
+            return Ok(Some(Received { kind, frame, keep }));
         }
     }
+}
+
+/// What a stream that ended before its first byte is, where a frame was due.
+fn nothing_sent() -> Error {
+    Error::Truncated { part: "header", expected: wire::HEADER_LEN as u64, got: 0 }
 }
 
 /// Parts of a request up to this many bytes in all are joined into one
@@ -422,6 +481,38 @@ enum Exchange<'a> {
     Parts { head: Bytes, parts: &'a [&'a [u8]], sink: &'a mut dyn PayloadSink },
 }
 
+impl Exchange<'_> {
+    /// The same exchange again (buffers shared, the sink reborrowed), for a
+    /// call that goes again on another stream.
+    fn again(&mut self) -> Exchange<'_> {
+        match self {
+            Exchange::Whole(bufs) => Exchange::Whole(bufs.clone()),
+            Exchange::Parts { head, parts, sink } => {
+                Exchange::Parts { head: head.clone(), parts, sink: &mut **sink }
+            }
+        }
+    }
+}
+
+/// Requests up to this many bytes (metadata and payload) go on kept
+/// streams; larger ones on a stream of their own (wire docs, "A kept
+/// stream"). A kept stream saves opening, finishing and acknowledging a
+/// stream per call, which is a share of a small call's cost and none of a
+/// large one's; a large request on a stream of its own keeps its flow
+/// control apart from the small calls'.
+const KEEP_UP_TO: u64 = 64 << 10;
+
+/// Whether a request of `size` bytes goes on a kept stream.
+fn kept(size: u64) -> bool {
+    size <= KEEP_UP_TO
+}
+
+/// Idle kept streams a client holds per peer at most; a call that finds
+/// none opens another, and one that finds the pool full retires its own.
+/// Each counts against the server's
+/// [`QuicOptions::max_concurrent_streams`] while it lives.
+const KEPT_PER_PEER: usize = 16;
+
 /// Write all of `bufs`, failing with [`Error::Stalled`] when the peer takes
 /// nothing for `idle` (it stopped reading).
 async fn write_idle(
@@ -454,7 +545,18 @@ async fn write_idle(
 /// Client side: one connection per peer address, opened on the first call
 /// and reused; a dead connection (closed by the peer, reset by a restarted
 /// peer, idle-timed-out, or silent through a whole call) is dropped and the
-/// next call dials again. Server side: see [`QuicTransport::serve`].
+/// next call dials again. Calls whose request is at most 64 KiB go on
+/// *kept streams* (see [`wire`]): a pool of up to 16 streams per peer,
+/// each carrying one call after another, so that a small call does not
+/// open, finish and wait out the acknowledgement of a stream of its own.
+/// A stream still carries one call at a time, so a large transfer never
+/// holds up a small call. A call that times out resets its stream, and one
+/// that fails other than by the handler's error drops it, so a late reply
+/// never answers the next call; a stream the server
+/// retired between calls (idle, or closing) sends the call again on a
+/// fresh stream, once, which is safe because a retired stream's request
+/// was never read. Larger requests get a stream of their own. Server side:
+/// see [`QuicTransport::serve`].
 #[derive(Clone)]
 pub struct QuicTransport {
     inner: Arc<Inner>,
@@ -473,6 +575,8 @@ struct Peer {
     addr_text: String,
     current: Mutex<Option<quinn::Connection>>,
     dialing: tokio::sync::Mutex<()>,
+    /// Idle kept streams, each with its connection's `stable_id`.
+    kept: Mutex<Vec<(usize, quinn::SendStream, quinn::RecvStream)>>,
 }
 
 impl Peer {
@@ -481,11 +585,37 @@ impl Peer {
         current.as_ref().filter(|c| c.close_reason().is_none()).cloned()
     }
 
-    /// Drop `conn` from the cache (unless a newer one already replaced it).
+    /// Drop `conn` from the cache (unless a newer one already replaced it),
+    /// and its kept streams.
     fn forget(&self, conn: &quinn::Connection) {
         let mut current = self.current.lock().unwrap_or_else(PoisonError::into_inner);
         if current.as_ref().is_some_and(|c| c.stable_id() == conn.stable_id()) {
             *current = None;
+        }
+        drop(current);
+        self.kept.lock().unwrap_or_else(PoisonError::into_inner).retain(|(id, _, _)| *id != conn.stable_id());
+    }
+
+    /// An idle kept stream of `conn`; those of other (older) connections are dropped.
+    fn take_kept(&self, conn: &quinn::Connection) -> Option<(quinn::SendStream, quinn::RecvStream)> {
+        let mut kept = self.kept.lock().unwrap_or_else(PoisonError::into_inner);
+        while let Some((id, send, recv)) = kept.pop() {
+            if id == conn.stable_id() {
+                return Some((send, recv));
+            }
+        }
+        None
+    }
+
+    /// Put a kept stream of `conn` back after a call, or retire it (end our
+    /// side at the frame boundary) if the pool is full.
+    fn keep(&self, conn: &quinn::Connection, mut send: quinn::SendStream, recv: quinn::RecvStream) {
+        let mut kept = self.kept.lock().unwrap_or_else(PoisonError::into_inner);
+        if kept.len() < KEPT_PER_PEER {
+            kept.push((conn.stable_id(), send, recv));
+        } else {
+            drop(kept);
+            let _ = send.finish();
         }
     }
 }
@@ -522,6 +652,14 @@ impl QuicTransport {
         peers.values().filter(|p| p.live().is_some()).count()
     }
 
+    /// How many idle kept streams (streams that carry one small call after
+    /// another, see [`wire`]) this transport's client side holds, over all
+    /// peers: at most 16 per peer.
+    pub fn idle_kept_streams(&self) -> usize {
+        let peers = self.inner.peers.lock().unwrap_or_else(PoisonError::into_inner);
+        peers.values().map(|p| p.kept.lock().unwrap_or_else(PoisonError::into_inner).len()).sum()
+    }
+
     /// The options in force.
     pub fn options(&self) -> &QuicOptions {
         &self.inner.config.options
@@ -532,7 +670,10 @@ impl QuicTransport {
     ///
     /// Each connection is served by its own task, which runs each call as
     /// far as it goes without waiting and hands a call that has to wait to
-    /// a task of its own; a request that is malformed, too large or stalls
+    /// a task of its own. A kept stream's calls after its first are served
+    /// by a task of the stream's own, which retires the stream once it has
+    /// sat idle for [`QuicOptions::stream_idle_timeout`], and at a close.
+    /// A request that is malformed, too large or stalls
     /// longer than [`QuicOptions::stream_idle_timeout`] gets an error reply
     /// and costs nothing else. Handler errors go back as [`RemoteError`]s,
     /// and a handler that panics is reported as an internal error.
@@ -563,6 +704,7 @@ impl QuicTransport {
             peers.values().cloned().collect()
         };
         for peer in peers {
+            peer.kept.lock().unwrap_or_else(PoisonError::into_inner).clear();
             if let Some(conn) = peer.current.lock().unwrap_or_else(PoisonError::into_inner).take() {
                 conn.close(VarInt::from_u32(CODE_SHUTDOWN), b"client closing");
             }
@@ -616,6 +758,7 @@ impl QuicTransport {
                     addr_text: addr.to_string(),
                     current: Mutex::new(None),
                     dialing: tokio::sync::Mutex::new(()),
+                    kept: Mutex::new(Vec::new()),
                 })
             })
             .clone()
@@ -660,13 +803,16 @@ struct QuicConnection {
 }
 
 impl QuicConnection {
-    /// One exchange on a fresh stream of `conn`.
+    /// One exchange on `send` and `recv`: on a kept stream (`keep`) the
+    /// request is not finished and the reply ends at its length. `None`:
+    /// the reply's side ended before its first byte.
     async fn exchange(
         &self,
         send: &mut quinn::SendStream,
         recv: &mut quinn::RecvStream,
         exchange: Exchange<'_>,
-    ) -> Result<Frame> {
+        keep: bool,
+    ) -> Result<Option<Frame>> {
         let addr = &self.peer.addr_text;
         let piece = piece_len(self.transport.inner.config.options.send_window);
         let (sent, sink) = match exchange {
@@ -700,11 +846,13 @@ impl QuicConnection {
             }
         };
         match sent {
+            Ok(()) if keep => {}
             Ok(()) => {
                 let _ = send.finish();
             }
-            // The server stopped reading (it refused the request early): its
-            // error reply, if any, is still to be read.
+            // The server stopped reading (it refused the request early, or
+            // retired a kept stream): its error reply, if any, is still to
+            // be read.
             Err(quinn::WriteError::Stopped(_)) => {}
             Err(quinn::WriteError::ConnectionLost(e)) => return Err(connection_error(addr, &e)),
             Err(e) => {
@@ -714,10 +862,18 @@ impl QuicConnection {
                 })
             }
         }
-        let (kind, frame) =
-            read_frame(recv, Expect::Reply, &self.transport.inner.config, None, addr, sink).await?;
+        let how = Reading {
+            expect: Expect::Reply,
+            delimit: if keep { Delimit::Length } else { Delimit::End },
+            config: &self.transport.inner.config,
+            idle: None,
+            peer: addr,
+        };
+        let Some(Received { kind, frame, .. }) = read_frame(recv, how, None, sink).await? else {
+            return Ok(None);
+        };
         match kind {
-            Kind::Response => Ok(frame),
+            Kind::Response => Ok(Some(frame)),
             Kind::Error => Err(Error::Remote { addr: addr.clone(), error: frame.meta::<RemoteError>()? }),
             Kind::Request => Err(Error::BadKind { expected: "a reply", got: Kind::Request as u8 }),
         }
@@ -728,8 +884,10 @@ impl QuicConnection {
 impl Connection for QuicConnection {
     async fn call(&self, request: Frame, call_timeout: Duration) -> Result<Frame> {
         self.check_size(request.meta.len(), request.payload.len() as u64)?;
-        let bufs = wire::encode(Kind::Request, &request)?;
-        self.run(Exchange::Whole(bufs), call_timeout).await
+        let keep = kept(request.meta.len() as u64 + request.payload.len() as u64);
+        let header = wire::Header { keep, ..wire::Header::of(Kind::Request, &request)? };
+        let bufs = wire::encode_with(header, &request);
+        self.run(Exchange::Whole(bufs), keep, call_timeout).await
     }
 
     async fn call_parts(
@@ -742,10 +900,11 @@ impl Connection for QuicConnection {
     ) -> Result<Frame> {
         let payload_len = payload.iter().map(|p| p.len() as u64).sum();
         self.check_size(meta.len(), payload_len)?;
+        let keep = kept(meta.len() as u64 + payload_len);
         let frame = Frame { method, meta, payload: Bytes::new() };
-        let header = wire::Header { payload_len, ..wire::Header::of(Kind::Request, &frame)? };
+        let header = wire::Header { payload_len, keep, ..wire::Header::of(Kind::Request, &frame)? };
         let [head, _] = wire::encode_with(header, &frame);
-        self.run(Exchange::Parts { head, parts: payload, sink }, call_timeout).await
+        self.run(Exchange::Parts { head, parts: payload, sink }, keep, call_timeout).await
     }
 
     fn peer(&self) -> &str {
@@ -764,55 +923,99 @@ impl QuicConnection {
         Ok(())
     }
 
-    /// Make one call: open a stream (dialing again once if the cached
-    /// connection is dead), exchange, and clean up on a timeout.
-    async fn run(&self, exchange: Exchange<'_>, call_timeout: Duration) -> Result<Frame> {
+    /// Make one call: take a kept stream (`keep`) or open a stream (dialing
+    /// again once if the cached connection is dead), exchange, and clean up
+    /// on a timeout.
+    async fn run(&self, mut exchange: Exchange<'_>, keep: bool, call_timeout: Duration) -> Result<Frame> {
         // A timeout too long for the clock's range (Duration::MAX) is a
         // deadline decades away, not a panic.
         let deadline = crate::deadline_in(call_timeout);
         let addr = &self.peer.addr_text;
-        // A cached connection found dead when opening the stream is replaced
-        // once: nothing was sent on it, so dialing again is safe.
+        // A kept stream the server retired while it sat in the pool (it
+        // stops reading and ends its side at a frame boundary, before
+        // reading a request) fails the call before the request was
+        // handled: the call goes again on a fresh stream, once.
+        let mut reuse = keep;
+        loop {
+            let (conn, mut send, mut recv, reused) = self.stream(reuse, deadline, call_timeout).await?;
+            let rx_before = conn.stats().udp_rx.datagrams;
+            let started = Instant::now();
+            let result =
+                timeout_at(deadline, self.exchange(&mut send, &mut recv, exchange.again(), keep)).await;
+            match result {
+                Ok(Ok(Some(frame))) => {
+                    if keep {
+                        self.peer.keep(&conn, send, recv);
+                    }
+                    return Ok(frame);
+                }
+                Ok(Ok(None)) if reused => reuse = false,
+                Ok(Ok(None)) => return Err(nothing_sent()),
+                // The handler's error (a redirect, a stale shard map): the
+                // stream carries on. Were it a bad frame's reply, the server
+                // has retired the stream, and its next call goes again.
+                Ok(Err(e @ Error::Remote { .. })) => {
+                    if keep {
+                        self.peer.keep(&conn, send, recv);
+                    }
+                    return Err(e);
+                }
+                Ok(Err(e)) => {
+                    if conn.close_reason().is_some() {
+                        self.peer.forget(&conn);
+                    }
+                    return Err(e);
+                }
+                Err(_) => {
+                    let _ = send.reset(VarInt::from_u32(CODE_CANCELLED));
+                    let _ = recv.stop(VarInt::from_u32(CODE_CANCELLED));
+                    // Nothing at all came back during a whole call (not even an
+                    // acknowledgement): the peer is gone, e.g. restarted with
+                    // another key. Dial afresh next time instead of waiting for
+                    // the idle timeout.
+                    let silent = conn.stats().udp_rx.datagrams == rx_before;
+                    if silent && started.elapsed() >= Duration::from_millis(200) {
+                        tracing::debug!(peer = %addr, "peer silent for a whole call; dropping the connection");
+                        self.peer.forget(&conn);
+                        conn.close(VarInt::from_u32(CODE_SHUTDOWN), b"peer silent");
+                    }
+                    return Err(Error::Timeout { addr: addr.clone(), after: call_timeout });
+                }
+            }
+        }
+    }
+
+    /// A stream for one call, and whether it is a kept stream used before:
+    /// with `reuse`, a kept stream of the live connection if the pool has
+    /// one, else a fresh stream. A cached connection found dead when
+    /// opening the stream is replaced once: nothing was sent on it, so
+    /// dialing again is safe.
+    async fn stream(
+        &self,
+        reuse: bool,
+        deadline: Instant,
+        call_timeout: Duration,
+    ) -> Result<(quinn::Connection, quinn::SendStream, quinn::RecvStream, bool)> {
         let mut attempt = 0;
-        let (conn, mut send, mut recv) = loop {
+        loop {
             attempt += 1;
             let conn = self.transport.connection(&self.peer, deadline).await?;
+            if reuse {
+                if let Some((send, recv)) = self.peer.take_kept(&conn) {
+                    return Ok((conn, send, recv, true));
+                }
+            }
             match timeout_at(deadline, conn.open_bi()).await {
-                Err(_) => return Err(Error::Timeout { addr: addr.clone(), after: call_timeout }),
-                Ok(Ok((send, recv))) => break (conn, send, recv),
+                Err(_) => {
+                    return Err(Error::Timeout { addr: self.peer.addr_text.clone(), after: call_timeout })
+                }
+                Ok(Ok((send, recv))) => return Ok((conn, send, recv, false)),
                 Ok(Err(e)) => {
                     self.peer.forget(&conn);
                     if attempt >= 2 {
-                        return Err(connection_error(addr, &e));
+                        return Err(connection_error(&self.peer.addr_text, &e));
                     }
                 }
-            }
-        };
-        let rx_before = conn.stats().udp_rx.datagrams;
-        let started = Instant::now();
-        let result = timeout_at(deadline, self.exchange(&mut send, &mut recv, exchange)).await;
-        match result {
-            Ok(Ok(frame)) => Ok(frame),
-            Ok(Err(e)) => {
-                if conn.close_reason().is_some() {
-                    self.peer.forget(&conn);
-                }
-                Err(e)
-            }
-            Err(_) => {
-                let _ = send.reset(VarInt::from_u32(CODE_CANCELLED));
-                let _ = recv.stop(VarInt::from_u32(CODE_CANCELLED));
-                // Nothing at all came back during a whole call (not even an
-                // acknowledgement): the peer is gone, e.g. restarted with
-                // another key. Dial afresh next time instead of waiting for
-                // the idle timeout.
-                let silent = conn.stats().udp_rx.datagrams == rx_before;
-                if silent && started.elapsed() >= Duration::from_millis(200) {
-                    tracing::debug!(peer = %addr, "peer silent for a whole call; dropping the connection");
-                    self.peer.forget(&conn);
-                    conn.close(VarInt::from_u32(CODE_SHUTDOWN), b"peer silent");
-                }
-                Err(Error::Timeout { addr: addr.clone(), after: call_timeout })
             }
         }
     }
@@ -959,15 +1162,30 @@ async fn serve_connection(
             _ = stopped(&mut shutdown) => break,
             stream = conn.accept_bi() => match stream {
                 Ok((send, recv)) => {
-                    let mut call = Box::pin(answer(send, recv, handler.clone(), config.clone(), peer.clone()));
+                    let mut call = Box::pin(answer(send, recv, None, handler.clone(), config.clone(), peer.clone()));
+                    let serving = Serving {
+                        handler: handler.clone(),
+                        config: config.clone(),
+                        peer: peer.clone(),
+                        shutdown: shutdown.clone(),
+                    };
                     match std::future::poll_fn(|cx| Poll::Ready(call.as_mut().poll(cx))).await {
-                        Poll::Ready(Some(send)) => unacked.push(send),
-                        Poll::Ready(None) => {}
+                        Poll::Ready(Answered::Finished(send)) => unacked.push(send),
+                        Poll::Ready(Answered::Gone) => {}
+                        Poll::Ready(Answered::Kept(send, recv)) => {
+                            let tracker = tracker.clone();
+                            tokio::spawn(async move {
+                                serving.kept_stream(send, recv).await;
+                                drop(tracker);
+                            });
+                        }
                         Poll::Pending => {
                             let tracker = tracker.clone();
                             tokio::spawn(async move {
-                                if let Some(send) = call.await {
-                                    acknowledged(send, idle).await;
+                                match call.await {
+                                    Answered::Finished(send) => acknowledged(send, idle).await,
+                                    Answered::Kept(send, recv) => serving.kept_stream(send, recv).await,
+                                    Answered::Gone => {}
                                 }
                                 drop(tracker);
                             });
@@ -1033,21 +1251,45 @@ fn settled(send: &quinn::SendStream) -> bool {
     std::pin::pin!(send.stopped()).poll(&mut cx).is_ready()
 }
 
-/// Serve one call up to its reply being written and finished. Returns the
-/// stream, for [`acknowledged`]; `None` when the reply was abandoned.
+/// How a call on a stream ended on the server's side.
+enum Answered {
+    /// The reply is written and the stream finished: its acknowledgement
+    /// may still be due (see [`acknowledged`]).
+    Finished(quinn::SendStream),
+    /// A call on a kept stream, answered: the stream's next request is
+    /// still to be read.
+    Kept(quinn::SendStream, quinn::RecvStream),
+    /// The reply was abandoned (its stream reset): nothing to wait for.
+    Gone,
+}
+
+/// Serve one call up to its reply being written (and, but on a kept
+/// stream, finished). `first`: bytes of the request already read, on a
+/// kept stream (which must not be empty: a kept stream that ends at a
+/// frame boundary is [`Serving::kept_stream`]'s to finish).
 async fn answer(
     mut send: quinn::SendStream,
     mut recv: quinn::RecvStream,
+    first: Option<Bytes>,
     handler: Arc<dyn Handler>,
     config: Arc<Config>,
     peer: Arc<str>,
-) -> Option<quinn::SendStream> {
+) -> Answered {
     let idle = config.options.stream_idle_timeout;
-    let request = read_frame(&mut recv, Expect::Request, &config, Some(idle), &peer, None).await;
+    let how = Reading {
+        expect: Expect::Request,
+        delimit: Delimit::Header,
+        config: &config,
+        idle: Some(idle),
+        peer: &peer,
+    };
+    let request = read_frame(&mut recv, how, first, None).await.and_then(|r| r.ok_or_else(nothing_sent));
+    let mut keep = false;
     let (kind, reply) = match request {
-        Ok((_, request)) => {
-            let method = request.method;
-            match std::panic::AssertUnwindSafe(handler.handle_parts(request)).catch_unwind().await {
+        Ok(request) => {
+            keep = request.keep;
+            let method = request.frame.method;
+            match std::panic::AssertUnwindSafe(handler.handle_parts(request.frame)).catch_unwind().await {
                 Ok(Ok(reply)) => (Kind::Response, reply),
                 Ok(Err(error)) => (Kind::Error, error_frame(method, &error).into()),
                 Err(_) => {
@@ -1065,19 +1307,74 @@ async fn answer(
         Ok(bufs) => bufs,
         Err((method, e)) => {
             let error = RemoteError::internal(format!("cannot encode the reply: {e}"));
-            wire::encode(Kind::Error, &error_frame(method, &error)).ok()?.to_vec()
+            match wire::encode(Kind::Error, &error_frame(method, &error)) {
+                Ok(bufs) => bufs.to_vec(),
+                Err(_) => return Answered::Gone,
+            }
         }
     };
     let piece = piece_len(config.options.send_window);
     match write_idle(&mut send, &mut bufs, piece, idle, &peer).await {
+        Ok(()) if keep => Answered::Kept(send, recv),
         Ok(()) => {
             let _ = send.finish();
-            Some(send)
+            Answered::Finished(send)
         }
         Err(e) => {
             tracing::debug!(%peer, "reply not delivered: {e}");
             let _ = send.reset(VarInt::from_u32(CODE_STALLED));
-            None
+            Answered::Gone
+        }
+    }
+}
+
+/// What a task serving a kept stream needs.
+struct Serving {
+    handler: Arc<dyn Handler>,
+    config: Arc<Config>,
+    peer: Arc<str>,
+    shutdown: watch::Receiver<bool>,
+}
+
+impl Serving {
+    /// Serve a kept stream's calls, one after another, until the client
+    /// ends it or resets it. The stream is retired (reading stopped, our
+    /// side finished, both at a frame boundary) at shutdown or once it has
+    /// sat idle for [`QuicOptions::stream_idle_timeout`], so that an idle
+    /// client holds no task and no stream here for long; the client then
+    /// sends its next call on a fresh stream.
+    async fn kept_stream(mut self, mut send: quinn::SendStream, mut recv: quinn::RecvStream) {
+        let idle = self.config.options.stream_idle_timeout;
+        loop {
+            let next = tokio::select! {
+                _ = stopped(&mut self.shutdown) => None,
+                chunk = timeout(idle, recv.read_chunk(usize::MAX, true)) => match chunk {
+                    Err(_) => None,
+                    Ok(Ok(chunk)) => Some(chunk.map(|c| c.bytes)),
+                    // Reset by the client (a call it gave up on), or the connection is gone.
+                    Ok(Err(_)) => return,
+                },
+            };
+            let first = match next {
+                None => {
+                    let _ = recv.stop(VarInt::from_u32(CODE_RETIRED));
+                    let _ = send.finish();
+                    return acknowledged(send, idle).await;
+                }
+                // The client ended the stream between calls.
+                Some(None) => {
+                    let _ = send.finish();
+                    return acknowledged(send, idle).await;
+                }
+                Some(Some(first)) => first,
+            };
+            let call =
+                answer(send, recv, Some(first), self.handler.clone(), self.config.clone(), self.peer.clone());
+            match call.await {
+                Answered::Kept(s, r) => (send, recv) = (s, r),
+                Answered::Finished(send) => return acknowledged(send, idle).await,
+                Answered::Gone => return,
+            }
         }
     }
 }

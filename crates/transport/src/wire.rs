@@ -1,14 +1,28 @@
 //! The wire format: how one [`Frame`] travels on one QUIC stream. Pure code,
 //! no I/O, so it can be tested exhaustively and fuzzed.
 //!
-//! Each direction of a stream carries exactly one frame and then ends:
+//! A stream carries one call or, when its requests say so, a run of calls
+//! one after another:
+//!
+//! - **One call** (the default): each direction carries exactly one frame
+//!   and then ends; a reader reads to the stream's end.
+//! - **A kept stream**: every request carries the [`FLAG_KEEP`] flag, and
+//!   a frame ends where its header's lengths say. The server answers each
+//!   request without ending its side and reads the next one; the client
+//!   sends the next request only once it has read the reply, so a stream
+//!   never holds two calls. Either end retires it at a frame boundary, by
+//!   finishing its side (a server that retires one also stops reading it:
+//!   a request that meets a retired stream was not handled). A request
+//!   without the flag on a kept stream is its last call. Small calls take
+//!   this form: a stream opened, finished and acknowledged per call is
+//!   work quinn does per call (BENCHMARKS.md, "Kept streams").
 //!
 //! ```text
 //! offset size  field
 //!      0    4  magic "OARF"
 //!      4    2  protocol version, u16 little-endian (PROTOCOL_VERSION)
 //!      6    1  kind: 1 request, 2 response, 3 error (metadata = postcard RemoteError)
-//!      7    1  flags, must be 0 (reserved)
+//!      7    1  flags: 0, or on a request FLAG_KEEP (1); other bits reserved
 //!      8    2  method, u16 little-endian
 //!     10    4  metadata length, u32 little-endian
 //!     14    8  payload length, u64 little-endian
@@ -34,7 +48,12 @@ use bytes::{Bytes, BytesMut};
 pub const MAGIC: [u8; 4] = *b"OARF";
 /// The version of this wire format; a peer with another version is refused
 /// with [`Error::VersionMismatch`], which names both.
-pub const PROTOCOL_VERSION: u16 = 1;
+///
+/// Version 2 added [`FLAG_KEEP`]; a version 1 peer refuses it, so the
+/// version says so first.
+pub const PROTOCOL_VERSION: u16 = 2;
+/// The request's flag for a kept stream (see the module docs).
+pub const FLAG_KEEP: u8 = 1;
 /// Size of the fixed header.
 pub const HEADER_LEN: usize = 22;
 /// Default maximum of metadata plus payload bytes in one frame (1 GiB,
@@ -100,6 +119,8 @@ pub struct Header {
     pub meta_len: u32,
     /// Payload bytes following the metadata.
     pub payload_len: u64,
+    /// [`FLAG_KEEP`]: a request on a kept stream (always `false` on a reply).
+    pub keep: bool,
 }
 
 impl Header {
@@ -111,7 +132,13 @@ impl Header {
             claimed: (frame.meta.len() as u64).saturating_add(frame.payload.len() as u64),
             max: u64::from(u32::MAX),
         })?;
-        Ok(Header { kind, method: frame.method, meta_len, payload_len: frame.payload.len() as u64 })
+        Ok(Header {
+            kind,
+            method: frame.method,
+            meta_len,
+            payload_len: frame.payload.len() as u64,
+            keep: false,
+        })
     }
 
     /// Metadata plus payload bytes (saturating).
@@ -125,7 +152,7 @@ impl Header {
         b[0..4].copy_from_slice(&MAGIC);
         b[4..6].copy_from_slice(&PROTOCOL_VERSION.to_le_bytes());
         b[6] = self.kind as u8;
-        b[7] = 0;
+        b[7] = if self.keep { FLAG_KEEP } else { 0 };
         b[8..10].copy_from_slice(&self.method.to_le_bytes());
         b[10..14].copy_from_slice(&self.meta_len.to_le_bytes());
         b[14..22].copy_from_slice(&self.payload_len.to_le_bytes());
@@ -146,14 +173,17 @@ impl Header {
         let kind = Kind::from_byte(b[6])
             .filter(|k| expect.allows(*k))
             .ok_or(Error::BadKind { expected: expect.describe(), got: b[6] })?;
-        if b[7] != 0 {
-            return Err(Error::BadFlags { got: b[7] });
-        }
+        let keep = match b[7] {
+            0 => false,
+            FLAG_KEEP if kind == Kind::Request => true,
+            got => return Err(Error::BadFlags { got }),
+        };
         let header = Header {
             kind,
             method: u16::from_le_bytes([b[8], b[9]]),
             meta_len: u32::from_le_bytes([b[10], b[11], b[12], b[13]]),
             payload_len: u64::from_le_bytes([b[14], b[15], b[16], b[17], b[18], b[19], b[20], b[21]]),
+            keep,
         };
         if header.body_len() > max_message {
             return Err(Error::TooLarge {
@@ -410,7 +440,8 @@ mod tests {
 
     #[test]
     fn header_layout_is_fixed() {
-        let h = Header { kind: Kind::Response, method: 0x0102, meta_len: 3, payload_len: 0x0a0b };
+        let h =
+            Header { kind: Kind::Response, method: 0x0102, meta_len: 3, payload_len: 0x0a0b, keep: false };
         let b = h.to_bytes();
         assert_eq!(&b[0..4], b"OARF");
         assert_eq!(&b[4..6], &PROTOCOL_VERSION.to_le_bytes());
@@ -428,7 +459,7 @@ mod tests {
         let err = decode(&b, Expect::Request, 1024).unwrap_err();
         assert!(matches!(err, Error::VersionMismatch { ours: PROTOCOL_VERSION, theirs: 9 }), "{err}");
         let text = err.to_string();
-        assert!(text.contains("version 1") && text.contains("version 9"), "{text}");
+        assert!(text.contains("version 2") && text.contains("version 9"), "{text}");
     }
 
     #[test]
@@ -442,14 +473,31 @@ mod tests {
         assert!(matches!(decode(&b, Expect::Request, 1024), Err(Error::BadKind { got: 0, .. })));
         // A request where a reply is due is refused too.
         assert!(matches!(decode(&good, Expect::Reply, 1024), Err(Error::BadKind { got: 1, .. })));
-        let mut b = good;
+        let mut b = good.clone();
         b[7] = 0x80;
         assert!(matches!(decode(&b, Expect::Request, 1024), Err(Error::BadFlags { got: 0x80 })));
+        b[7] = 0x81;
+        assert!(matches!(decode(&b, Expect::Request, 1024), Err(Error::BadFlags { got: 0x81 })));
+        // FLAG_KEEP is a request's flag: a request may carry it, a reply not.
+        b[7] = FLAG_KEEP;
+        let (_, kept) = decode(&b, Expect::Request, 1024).unwrap();
+        assert_eq!(kept, sample());
+        let mut reply = bytes_of(Kind::Response, &sample());
+        reply[7] = FLAG_KEEP;
+        assert!(matches!(decode(&reply, Expect::Reply, 1024), Err(Error::BadFlags { got: 1 })));
+    }
+
+    #[test]
+    fn the_keep_flag_round_trips_in_the_header() {
+        let h = Header { kind: Kind::Request, method: 9, meta_len: 4, payload_len: 8, keep: true };
+        assert_eq!(h.to_bytes()[7], FLAG_KEEP);
+        assert_eq!(Header::parse(&h.to_bytes(), Expect::Request, 100).unwrap(), h);
     }
 
     #[test]
     fn a_huge_claim_fails_from_the_header_alone_without_allocating() {
-        let h = Header { kind: Kind::Request, method: 1, meta_len: u32::MAX, payload_len: u64::MAX };
+        let h =
+            Header { kind: Kind::Request, method: 1, meta_len: u32::MAX, payload_len: u64::MAX, keep: false };
         let mut d = Decoder::new(Expect::Request, DEFAULT_MAX_MESSAGE);
         // Only the 22 header bytes: the error comes before any body byte and
         // before the decoder owns any buffer.
@@ -458,9 +506,9 @@ mod tests {
         assert_eq!(d.meta.capacity(), 0);
         assert_eq!(d.payload.capacity(), 0);
         // One byte over the limit is refused; exactly the limit is accepted.
-        let over = Header { kind: Kind::Request, method: 1, meta_len: 10, payload_len: 91 };
+        let over = Header { kind: Kind::Request, method: 1, meta_len: 10, payload_len: 91, keep: false };
         assert!(matches!(Header::parse(&over.to_bytes(), Expect::Request, 100), Err(Error::TooLarge { .. })));
-        let at = Header { kind: Kind::Request, method: 1, meta_len: 10, payload_len: 90 };
+        let at = Header { kind: Kind::Request, method: 1, meta_len: 10, payload_len: 90, keep: true };
         assert_eq!(Header::parse(&at.to_bytes(), Expect::Request, 100).unwrap(), at);
     }
 
@@ -588,8 +636,9 @@ mod tests {
         #[test]
         fn random_bodies_after_a_valid_header_never_panic(
             meta_len in 0u32..64, payload_len in 0u64..64, body in proptest::collection::vec(any::<u8>(), 0..200),
+            keep in any::<bool>(),
         ) {
-            let h = Header { kind: Kind::Request, method: 0, meta_len, payload_len };
+            let h = Header { kind: Kind::Request, method: 0, meta_len, payload_len, keep };
             let mut b = h.to_bytes().to_vec();
             b.extend_from_slice(&body);
             let result = decode(&b, Expect::Request, 1 << 20);

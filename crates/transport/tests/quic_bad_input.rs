@@ -14,7 +14,7 @@ use rustls_pki_types::{pem::PemObject, CertificateDer};
 use std::{sync::atomic::Ordering, sync::Arc, time::Duration};
 
 fn request_header(meta_len: u32, payload_len: u64) -> [u8; HEADER_LEN] {
-    Header { kind: Kind::Request, method: ECHO, meta_len, payload_len }.to_bytes()
+    Header { kind: Kind::Request, method: ECHO, meta_len, payload_len, keep: false }.to_bytes()
 }
 
 /// Asserts the raw exchange ended in a BadRequest reply whose message contains `needle`.

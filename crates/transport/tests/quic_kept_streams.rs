@@ -1,0 +1,212 @@
+//! Kept streams on a real QUIC server on 127.0.0.1: small calls reuse a
+//! stream one after another (wire docs, "A kept stream"), a call given up
+//! on never leaves its late reply to the next, a stream the server retires
+//! sends the next call on a fresh stream exactly once, a close does not
+//! wait for idle kept streams, and a stranger's bad frame on a kept stream
+//! costs that stream only.
+
+mod common;
+
+use common::*;
+use oar_transport::{
+    wire::{self, Expect, Header, Kind, HEADER_LEN},
+    DevCa, Error, Frame, Listener, QuicOptions, QuicTransport, RemoteErrorKind, Transport,
+};
+use std::{sync::atomic::Ordering, sync::Arc, time::Duration};
+
+#[tokio::test]
+async fn small_calls_one_after_another_share_one_kept_stream() {
+    let ca = DevCa::new().unwrap();
+    let server = start_server(&ca).await;
+    let client = client(&ca, "c");
+    let conn = client.connect(&server.addr()).await.unwrap();
+    assert_eq!(client.idle_kept_streams(), 0);
+    for i in 0..100 {
+        echo_ok(conn.as_ref(), i).await;
+        assert_eq!(client.idle_kept_streams(), 1, "call {i} left its stream for the next");
+    }
+    // A handler's error or panic is an answer like any other: the stream carries on.
+    for method in [FAIL, PANIC] {
+        let err = conn.call(Frame { method, ..Frame::default() }, Duration::from_secs(5)).await;
+        assert!(matches!(err, Err(Error::Remote { .. })), "{err:?}");
+        assert_eq!(client.idle_kept_streams(), 1, "method {method}'s error cost its stream");
+        echo_ok(conn.as_ref(), method.into()).await;
+    }
+    // A request over 64 KiB goes on a stream of its own, and leaves the kept one be.
+    let big = Frame::new(ECHO, &"big", vec![3u8; 100 << 10].into()).unwrap();
+    let reply = conn.call(big.clone(), Duration::from_secs(5)).await.unwrap();
+    assert_eq!(reply, big);
+    assert_eq!(client.idle_kept_streams(), 1);
+    // 100 echoes, FAIL and an echo, PANIC (never answered) and an echo, the big one.
+    assert_eq!(server.service.answered.load(Ordering::SeqCst), 104);
+}
+
+#[tokio::test]
+async fn concurrent_small_calls_each_get_a_stream_of_their_own_and_the_pool_stays_bounded() {
+    let ca = DevCa::new().unwrap();
+    let server = start_server(&ca).await;
+    let client = client(&ca, "c");
+    let conn: Arc<dyn oar_transport::Connection> = client.connect(&server.addr()).await.unwrap();
+    for round in 0..3u32 {
+        // Held at the gate together, so that no two can share a stream.
+        let calls: Vec<_> = (0..40u32)
+            .map(|i| {
+                let conn = conn.clone();
+                tokio::spawn(async move {
+                    let frame = Frame::new(GATED, &(round, i), Default::default()).unwrap();
+                    let reply = conn.call(frame, Duration::from_secs(10)).await.unwrap();
+                    assert_eq!(reply.meta::<(u32, u32)>().unwrap(), (round, i));
+                })
+            })
+            .collect();
+        while server.service.entered.load(Ordering::SeqCst) < 40 * (round as usize + 1) {
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
+        for _ in 0..40 {
+            server.service.gate.notify_one();
+        }
+        for call in calls {
+            call.await.unwrap();
+        }
+        let idle = client.idle_kept_streams();
+        assert!((1..=16).contains(&idle), "{idle} idle kept streams after 40 concurrent calls");
+    }
+    assert_eq!(server.service.answered.load(Ordering::SeqCst), 120);
+}
+
+#[tokio::test]
+async fn a_call_given_up_on_never_leaves_its_late_reply_to_the_next_call() {
+    let ca = DevCa::new().unwrap();
+    let server = start_server(&ca).await;
+    let client = client(&ca, "c");
+    let conn = client.connect(&server.addr()).await.unwrap();
+    echo_ok(conn.as_ref(), 0).await;
+    assert_eq!(client.idle_kept_streams(), 1);
+    // SLOW answers after 300 ms; this call gives up after 50, on the kept stream.
+    let slow = Frame::new(SLOW, &"the slow one", Default::default()).unwrap();
+    let err = conn.call(slow, Duration::from_millis(50)).await;
+    assert!(matches!(err, Err(Error::Timeout { .. })), "{err:?}");
+    assert_eq!(client.idle_kept_streams(), 0, "a call that timed out must not give its stream back");
+    // Calls right away, and once the slow reply is due, get their own replies.
+    for i in 1..40 {
+        echo_ok(conn.as_ref(), i).await;
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    assert_eq!(server.service.entered.load(Ordering::SeqCst), 41);
+}
+
+#[tokio::test]
+async fn a_kept_stream_the_server_retired_sends_the_next_call_on_a_fresh_stream_exactly_once() {
+    let ca = DevCa::new().unwrap();
+    let server = start_server(&ca).await;
+    let client = client(&ca, "c");
+    let conn = client.connect(&server.addr()).await.unwrap();
+    let idle = server.transport.options().stream_idle_timeout;
+    for i in 0..5 {
+        echo_ok(conn.as_ref(), i).await;
+        assert_eq!(client.idle_kept_streams(), 1);
+        // Past the server's idle deadline: it retires the stream, which the
+        // client still holds; the next call meets it retired.
+        tokio::time::sleep(idle * 2).await;
+    }
+    echo_ok(conn.as_ref(), 5).await;
+    // Each call handled once: none lost to a retired stream, none repeated.
+    assert_eq!(server.service.entered.load(Ordering::SeqCst), 6);
+    assert_eq!(server.service.answered.load(Ordering::SeqCst), 6);
+    assert_eq!(client.live_connections(), 1, "a retired stream is no reason to dial again");
+}
+
+#[tokio::test]
+async fn a_close_retires_idle_kept_streams_at_once() {
+    let ca = DevCa::new().unwrap();
+    // Streams would sit idle for a minute, and the close would wait its whole
+    // 5 s grace for them, if the close did not retire them.
+    let options = QuicOptions { stream_idle_timeout: Duration::from_secs(60), ..test_options() };
+    let transport = QuicTransport::with_options(ca.tls_config("server").unwrap(), options.clone()).unwrap();
+    let service = Arc::new(TestService::default());
+    let listener = transport.serve("127.0.0.1:0", service.clone()).await.unwrap();
+    let client = QuicTransport::with_options(ca.tls_config("c").unwrap(), options).unwrap();
+    let conn = client.connect(listener.local_addr()).await.unwrap();
+    for i in 0..3 {
+        echo_ok(conn.as_ref(), i).await;
+    }
+    assert_eq!(client.idle_kept_streams(), 1);
+    listener.close();
+    tokio::time::timeout(Duration::from_secs(3), listener.wait_closed())
+        .await
+        .expect("the close waited for an idle kept stream");
+    let err = conn.call(Frame::new(ECHO, &0u32, Default::default()).unwrap(), Duration::from_secs(1)).await;
+    assert!(err.is_err(), "a closed server answered: {err:?}");
+}
+
+fn kept_request(method: u16, meta: &[u8]) -> Vec<u8> {
+    let header =
+        Header { kind: Kind::Request, method, meta_len: meta.len() as u32, payload_len: 0, keep: true };
+    let mut b = header.to_bytes().to_vec();
+    b.extend_from_slice(meta);
+    b
+}
+
+/// Read exactly one reply frame (by its lengths) from a kept stream.
+async fn read_reply(recv: &mut quinn::RecvStream) -> (Kind, Frame) {
+    let mut head = [0u8; HEADER_LEN];
+    recv.read_exact(&mut head).await.unwrap();
+    let header = Header::parse(&head, Expect::Reply, 1 << 20).unwrap();
+    let mut body = vec![0u8; header.body_len() as usize];
+    recv.read_exact(&mut body).await.unwrap();
+    wire::decode(&[&head[..], &body].concat(), Expect::Reply, 1 << 20).unwrap()
+}
+
+#[tokio::test]
+async fn a_bad_frame_on_a_kept_stream_ends_that_stream_only() {
+    let ca = DevCa::new().unwrap();
+    let server = start_server(&ca).await;
+    let good = GoodClient::start(&ca, &server.addr()).await;
+    let (_endpoint, conn) = raw_connection(&ca, &server.addr()).await;
+    let meta = postcard_u32(7);
+
+    // Two calls on one raw kept stream, then garbage where the third header is due.
+    let (mut send, mut recv) = conn.open_bi().await.unwrap();
+    for _ in 0..2 {
+        send.write_all(&kept_request(ECHO, &meta)).await.unwrap();
+        let (kind, frame) = read_reply(&mut recv).await;
+        assert_eq!((kind, frame.meta::<u32>().unwrap()), (Kind::Response, 7));
+    }
+    send.write_all(b"XXXX this is not a frame header").await.unwrap();
+    let (kind, frame) = read_reply(&mut recv).await;
+    assert_eq!(kind, Kind::Error);
+    let error = frame.meta::<oar_transport::RemoteError>().unwrap();
+    assert_eq!(error.kind, RemoteErrorKind::BadRequest);
+    assert!(error.message.contains("not an oar frame"), "{}", error.message);
+    // ...and the server ended the stream after that reply.
+    let rest =
+        tokio::time::timeout(Duration::from_secs(5), recv.read_to_end(1 << 20)).await.unwrap().unwrap();
+    assert!(rest.is_empty(), "{} bytes after the error reply", rest.len());
+
+    // A kept request cut off in its header stalls, and is told so after the idle deadline.
+    let (mut send, mut recv) = conn.open_bi().await.unwrap();
+    send.write_all(&kept_request(ECHO, &meta)[..10]).await.unwrap();
+    let (kind, frame) = read_reply(&mut recv).await;
+    assert_eq!(kind, Kind::Error);
+    let error = frame.meta::<oar_transport::RemoteError>().unwrap();
+    assert!(error.message.contains("nothing for"), "{}", error.message);
+
+    // A reply's kind with the keep flag is refused like any bad flag.
+    let mut b = kept_request(ECHO, &meta);
+    b[6] = Kind::Response as u8;
+    let reply = raw_exchange(&conn, &b, true).await.unwrap();
+    assert_eq!(reply.1.kind, RemoteErrorKind::BadRequest);
+
+    // The same raw connection still has kept calls answered.
+    let (mut send, mut recv) = conn.open_bi().await.unwrap();
+    send.write_all(&kept_request(ECHO, &meta)).await.unwrap();
+    assert_eq!(read_reply(&mut recv).await.0, Kind::Response);
+    // The raw client's calls that reached the handler: 2 + 1.
+    let raw_calls = 3;
+    let calls = good.finish().await;
+    assert_eq!(server.service.entered.load(Ordering::SeqCst) as u32, calls + 1 + raw_calls);
+}
+
+fn postcard_u32(v: u32) -> Vec<u8> {
+    Frame::new(ECHO, &v, Default::default()).unwrap().meta.to_vec()
+}
