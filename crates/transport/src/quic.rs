@@ -430,6 +430,17 @@ async fn read_frame(
     }
 }
 
+/// Whether the server stopped reading `send` between calls, so that the
+/// request on it was never read: the reply's side ended before its first
+/// byte, and the server says why (a retired kept stream, or the bad frame
+/// before it) by the code it stopped the stream with. Any other ending (a
+/// server that dropped a stream after its handler ran stops it with 0)
+/// is not safe to send again.
+async fn retired(send: &quinn::SendStream, deadline: Instant) -> bool {
+    let code = timeout_at(deadline, send.stopped()).await;
+    matches!(code, Ok(Ok(Some(code))) if code == VarInt::from_u32(CODE_RETIRED) || code == VarInt::from_u32(CODE_BAD_FRAME))
+}
+
 /// What a stream that ended before its first byte is, where a frame was due.
 fn nothing_sent() -> Error {
     Error::Truncated { part: "header", expected: wire::HEADER_LEN as u64, got: 0 }
@@ -509,9 +520,19 @@ fn kept(size: u64) -> bool {
 
 /// Idle kept streams a client holds per peer at most; a call that finds
 /// none opens another, and one that finds the pool full retires its own.
-/// Each counts against the server's
-/// [`QuicOptions::max_concurrent_streams`] while it lives.
 const KEPT_PER_PEER: usize = 16;
+
+/// The pool's bound under a stream limit of `max_concurrent_streams`.
+///
+/// Each pooled stream counts against the server's limit until the client
+/// drops it (a server that retires one stops reading it, but its slot is
+/// freed only once the client acts), so the pool takes at most a quarter
+/// of the limit and a large call always finds a slot. The server's limit
+/// is not known here; the client's own option stands for it, as a job's
+/// processes share their options.
+fn kept_cap(max_concurrent_streams: u32) -> usize {
+    KEPT_PER_PEER.min(max_concurrent_streams as usize / 4).max(1)
+}
 
 /// Write all of `bufs`, failing with [`Error::Stalled`] when the peer takes
 /// nothing for `idle` (it stopped reading).
@@ -546,7 +567,8 @@ async fn write_idle(
 /// and reused; a dead connection (closed by the peer, reset by a restarted
 /// peer, idle-timed-out, or silent through a whole call) is dropped and the
 /// next call dials again. Calls whose request is at most 64 KiB go on
-/// *kept streams* (see [`wire`]): a pool of up to 16 streams per peer,
+/// *kept streams* (see [`wire`]): a pool of up to 16 streams per peer (a
+/// quarter of [`QuicOptions::max_concurrent_streams`] at most),
 /// each carrying one call after another, so that a small call does not
 /// open, finish and wait out the acknowledgement of a stream of its own.
 /// A stream still carries one call at a time, so a large transfer never
@@ -554,8 +576,9 @@ async fn write_idle(
 /// that fails other than by the handler's error drops it, so a late reply
 /// never answers the next call; a stream the server
 /// retired between calls (idle, or closing) sends the call again on a
-/// fresh stream, once, which is safe because a retired stream's request
-/// was never read. Larger requests get a stream of their own. Server side:
+/// fresh stream, once, which is safe because the server stops a stream
+/// it retires with a code of its own, before reading the request; a
+/// stream that ended any other way fails the call. Larger requests get a stream of their own. Server side:
 /// see [`QuicTransport::serve`].
 #[derive(Clone)]
 pub struct QuicTransport {
@@ -577,6 +600,8 @@ struct Peer {
     dialing: tokio::sync::Mutex<()>,
     /// Idle kept streams, each with its connection's `stable_id`.
     kept: Mutex<Vec<(usize, quinn::SendStream, quinn::RecvStream)>>,
+    /// At most this many in `kept`.
+    kept_cap: usize,
 }
 
 impl Peer {
@@ -596,26 +621,26 @@ impl Peer {
         self.kept.lock().unwrap_or_else(PoisonError::into_inner).retain(|(id, _, _)| *id != conn.stable_id());
     }
 
-    /// An idle kept stream of `conn`; those of other (older) connections are dropped.
+    /// An idle kept stream of `conn` the server has not retired; those of
+    /// other (older) connections, and retired ones, are dropped.
     fn take_kept(&self, conn: &quinn::Connection) -> Option<(quinn::SendStream, quinn::RecvStream)> {
         let mut kept = self.kept.lock().unwrap_or_else(PoisonError::into_inner);
-        while let Some((id, send, recv)) = kept.pop() {
-            if id == conn.stable_id() {
-                return Some((send, recv));
-            }
-        }
-        None
+        kept.retain(|(id, send, _)| *id == conn.stable_id() && !settled(send));
+        kept.pop().map(|(_, send, recv)| (send, recv))
     }
 
     /// Put a kept stream of `conn` back after a call, or retire it (end our
-    /// side at the frame boundary) if the pool is full.
+    /// side at the frame boundary) if the pool is full or `conn` is no
+    /// longer the peer's connection.
     fn keep(&self, conn: &quinn::Connection, mut send: quinn::SendStream, recv: quinn::RecvStream) {
+        let current = self.live().is_some_and(|c| c.stable_id() == conn.stable_id());
         let mut kept = self.kept.lock().unwrap_or_else(PoisonError::into_inner);
-        if kept.len() < KEPT_PER_PEER {
+        if current && kept.len() < self.kept_cap {
             kept.push((conn.stable_id(), send, recv));
         } else {
             drop(kept);
             let _ = send.finish();
+            drop(recv);
         }
     }
 }
@@ -653,11 +678,17 @@ impl QuicTransport {
     }
 
     /// How many idle kept streams (streams that carry one small call after
-    /// another, see [`wire`]) this transport's client side holds, over all
-    /// peers: at most 16 per peer.
+    /// another, see [`wire`]) this transport's client side holds ready, over
+    /// all peers: at most 16 per peer (fewer under a small
+    /// [`QuicOptions::max_concurrent_streams`]), and not counting those
+    /// the server has retired.
     pub fn idle_kept_streams(&self) -> usize {
         let peers = self.inner.peers.lock().unwrap_or_else(PoisonError::into_inner);
-        peers.values().map(|p| p.kept.lock().unwrap_or_else(PoisonError::into_inner).len()).sum()
+        let usable = |p: &Arc<Peer>| {
+            let kept = p.kept.lock().unwrap_or_else(PoisonError::into_inner);
+            kept.iter().filter(|(_, send, _)| !settled(send)).count()
+        };
+        peers.values().map(usable).sum()
     }
 
     /// The options in force.
@@ -759,6 +790,7 @@ impl QuicTransport {
                     current: Mutex::new(None),
                     dialing: tokio::sync::Mutex::new(()),
                     kept: Mutex::new(Vec::new()),
+                    kept_cap: kept_cap(self.inner.config.options.max_concurrent_streams),
                 })
             })
             .clone()
@@ -949,7 +981,7 @@ impl QuicConnection {
                     }
                     return Ok(frame);
                 }
-                Ok(Ok(None)) if reused => reuse = false,
+                Ok(Ok(None)) if reused && retired(&send, deadline).await => reuse = false,
                 Ok(Ok(None)) => return Err(nothing_sent()),
                 // The handler's error (a redirect, a stale shard map): the
                 // stream carries on. Were it a bad frame's reply, the server
@@ -1309,7 +1341,12 @@ async fn answer(
             let error = RemoteError::internal(format!("cannot encode the reply: {e}"));
             match wire::encode(Kind::Error, &error_frame(method, &error)) {
                 Ok(bufs) => bufs.to_vec(),
-                Err(_) => return Answered::Gone,
+                Err(_) => {
+                    // A reset, not the end a dropped stream sends: the
+                    // handler ran, so the client must not send it again.
+                    let _ = send.reset(VarInt::from_u32(CODE_STALLED));
+                    return Answered::Gone;
+                }
             }
         }
     };
@@ -1341,19 +1378,22 @@ impl Serving {
     /// ends it or resets it. The stream is retired (reading stopped, our
     /// side finished, both at a frame boundary) at shutdown or once it has
     /// sat idle for [`QuicOptions::stream_idle_timeout`], so that an idle
-    /// client holds no task and no stream here for long; the client then
-    /// sends its next call on a fresh stream.
+    /// client holds no task here for long (the stream's slot is freed once
+    /// the client takes or drops it); the client then sends its next call
+    /// on a fresh stream.
     async fn kept_stream(mut self, mut send: quinn::SendStream, mut recv: quinn::RecvStream) {
         let idle = self.config.options.stream_idle_timeout;
         loop {
+            // A request already here is served, even at shutdown.
             let next = tokio::select! {
-                _ = stopped(&mut self.shutdown) => None,
+                biased;
                 chunk = timeout(idle, recv.read_chunk(usize::MAX, true)) => match chunk {
                     Err(_) => None,
                     Ok(Ok(chunk)) => Some(chunk.map(|c| c.bytes)),
                     // Reset by the client (a call it gave up on), or the connection is gone.
                     Ok(Err(_)) => return,
                 },
+                _ = stopped(&mut self.shutdown) => None,
             };
             let first = match next {
                 None => {
@@ -1412,6 +1452,15 @@ fn error_frame(method: u16, error: &RemoteError) -> Frame {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn the_kept_pool_takes_at_most_a_quarter_of_the_stream_limit() {
+        assert_eq!(kept_cap(256), KEPT_PER_PEER);
+        assert_eq!(kept_cap(64), 16);
+        assert_eq!(kept_cap(16), 4);
+        assert_eq!(kept_cap(3), 1);
+        assert_eq!(kept_cap(0), 1);
+    }
 
     #[test]
     fn a_new_peer_address_prunes_those_unused_and_not_connected() {

@@ -59,9 +59,12 @@ async fn concurrent_small_calls_each_get_a_stream_of_their_own_and_the_pool_stay
                 })
             })
             .collect();
-        while server.service.entered.load(Ordering::SeqCst) < 40 * (round as usize + 1) {
-            tokio::time::sleep(Duration::from_millis(5)).await;
-        }
+        let all_in = async {
+            while server.service.entered.load(Ordering::SeqCst) < 40 * (round as usize + 1) {
+                tokio::time::sleep(Duration::from_millis(5)).await;
+            }
+        };
+        tokio::time::timeout(Duration::from_secs(10), all_in).await.expect("40 calls at the gate");
         for _ in 0..40 {
             server.service.gate.notify_one();
         }
@@ -82,9 +85,9 @@ async fn a_call_given_up_on_never_leaves_its_late_reply_to_the_next_call() {
     let conn = client.connect(&server.addr()).await.unwrap();
     echo_ok(conn.as_ref(), 0).await;
     assert_eq!(client.idle_kept_streams(), 1);
-    // SLOW answers after 300 ms; this call gives up after 50, on the kept stream.
+    // SLOW answers after 300 ms; this call gives up after 150, on the kept stream.
     let slow = Frame::new(SLOW, &"the slow one", Default::default()).unwrap();
-    let err = conn.call(slow, Duration::from_millis(50)).await;
+    let err = conn.call(slow, Duration::from_millis(150)).await;
     assert!(matches!(err, Err(Error::Timeout { .. })), "{err:?}");
     assert_eq!(client.idle_kept_streams(), 0, "a call that timed out must not give its stream back");
     // Calls right away, and once the slow reply is due, get their own replies.
@@ -106,8 +109,9 @@ async fn a_kept_stream_the_server_retired_sends_the_next_call_on_a_fresh_stream_
         echo_ok(conn.as_ref(), i).await;
         assert_eq!(client.idle_kept_streams(), 1);
         // Past the server's idle deadline: it retires the stream, which the
-        // client still holds; the next call meets it retired.
+        // client still holds, no longer ready for a call.
         tokio::time::sleep(idle * 2).await;
+        assert_eq!(client.idle_kept_streams(), 0, "the server did not retire an idle kept stream");
     }
     echo_ok(conn.as_ref(), 5).await;
     // Each call handled once: none lost to a retired stream, none repeated.
@@ -149,12 +153,100 @@ fn kept_request(method: u16, meta: &[u8]) -> Vec<u8> {
 
 /// Read exactly one reply frame (by its lengths) from a kept stream.
 async fn read_reply(recv: &mut quinn::RecvStream) -> (Kind, Frame) {
-    let mut head = [0u8; HEADER_LEN];
-    recv.read_exact(&mut head).await.unwrap();
-    let header = Header::parse(&head, Expect::Reply, 1 << 20).unwrap();
-    let mut body = vec![0u8; header.body_len() as usize];
-    recv.read_exact(&mut body).await.unwrap();
-    wire::decode(&[&head[..], &body].concat(), Expect::Reply, 1 << 20).unwrap()
+    read_one(recv, Expect::Reply).await
+}
+
+/// Read exactly one frame (by its lengths) from `recv`, within 5 s.
+async fn read_one(recv: &mut quinn::RecvStream, expect: Expect) -> (Kind, Frame) {
+    let read = async {
+        let mut head = [0u8; HEADER_LEN];
+        recv.read_exact(&mut head).await.unwrap();
+        let header = Header::parse(&head, expect, 1 << 20).unwrap();
+        let mut body = vec![0u8; header.body_len() as usize];
+        recv.read_exact(&mut body).await.unwrap();
+        wire::decode(&[&head[..], &body].concat(), expect, 1 << 20).unwrap()
+    };
+    tokio::time::timeout(Duration::from_secs(5), read).await.expect("a frame within 5 s")
+}
+
+/// What a raw server does with the second request on its first stream.
+#[derive(Clone, Copy)]
+enum SecondRequest {
+    /// Retires the stream without handling it, as oar's server does:
+    /// stop reading with the retired code (4), end its side.
+    Retire,
+    /// Ends the stream as if its handler had run and the reply were lost:
+    /// stop reading with code 0, end its side.
+    DropAfterHandling,
+}
+
+/// A raw QUIC server that answers kept requests, and on its first
+/// stream's second request does `second`. Counts every request it read.
+async fn raw_server(ca: &DevCa, second: SecondRequest) -> (String, Arc<std::sync::atomic::AtomicUsize>) {
+    let tls = ca.tls_config("server").unwrap().rustls_server_config().unwrap();
+    let crypto = quinn::crypto::rustls::QuicServerConfig::try_from(tls).unwrap();
+    let config = quinn::ServerConfig::with_crypto(Arc::new(crypto));
+    let endpoint = quinn::Endpoint::server(config, "127.0.0.1:0".parse().unwrap()).unwrap();
+    let addr = endpoint.local_addr().unwrap().to_string();
+    let read = Arc::new(std::sync::atomic::AtomicUsize::new(0));
+    let count = read.clone();
+    tokio::spawn(async move {
+        let conn = endpoint.accept().await.unwrap().await.unwrap();
+        let mut first_stream = true;
+        while let Ok((mut send, mut recv)) = conn.accept_bi().await {
+            let count = count.clone();
+            let first = std::mem::replace(&mut first_stream, false);
+            tokio::spawn(async move {
+                for nth in 1.. {
+                    let (_, request) = read_one(&mut recv, Expect::Request).await;
+                    count.fetch_add(1, Ordering::SeqCst);
+                    if first && nth == 2 {
+                        let code = match second {
+                            SecondRequest::Retire => 4u32,
+                            SecondRequest::DropAfterHandling => 0,
+                        };
+                        let _ = recv.stop(code.into());
+                        let _ = send.finish();
+                        let _ = send.stopped().await;
+                        return;
+                    }
+                    let reply = wire::encode(Kind::Response, &request).unwrap().concat();
+                    send.write_all(&reply).await.unwrap();
+                }
+            });
+        }
+        drop(endpoint);
+    });
+    (addr, read)
+}
+
+#[tokio::test]
+async fn a_call_that_meets_a_stream_retired_under_it_goes_again_on_a_fresh_stream() {
+    let ca = DevCa::new().unwrap();
+    let (addr, read) = raw_server(&ca, SecondRequest::Retire).await;
+    let client = client(&ca, "c");
+    let conn = client.connect(&addr).await.unwrap();
+    echo_ok(conn.as_ref(), 1).await;
+    // Its stream is retired as its request lands: unread, so sent again.
+    echo_ok(conn.as_ref(), 2).await;
+    echo_ok(conn.as_ref(), 3).await;
+    // Read: call 1, call 2 (discarded), call 2 again, call 3.
+    assert_eq!(read.load(Ordering::SeqCst), 4);
+}
+
+#[tokio::test]
+async fn a_call_whose_stream_ended_after_its_handler_may_have_run_is_not_sent_again() {
+    let ca = DevCa::new().unwrap();
+    let (addr, read) = raw_server(&ca, SecondRequest::DropAfterHandling).await;
+    let client = client(&ca, "c");
+    let conn = client.connect(&addr).await.unwrap();
+    echo_ok(conn.as_ref(), 1).await;
+    let frame = Frame::new(ECHO, &2u32, Default::default()).unwrap();
+    let err = conn.call(frame, Duration::from_secs(5)).await;
+    assert!(matches!(err, Err(Error::Truncated { .. })), "{err:?}");
+    assert_eq!(read.load(Ordering::SeqCst), 2, "the call was sent again");
+    // The next call goes on a fresh stream.
+    echo_ok(conn.as_ref(), 3).await;
 }
 
 #[tokio::test]
@@ -191,11 +283,12 @@ async fn a_bad_frame_on_a_kept_stream_ends_that_stream_only() {
     let error = frame.meta::<oar_transport::RemoteError>().unwrap();
     assert!(error.message.contains("nothing for"), "{}", error.message);
 
-    // A reply's kind with the keep flag is refused like any bad flag.
+    // The keep flag with a reserved bit beside it is refused like any bad flag.
     let mut b = kept_request(ECHO, &meta);
-    b[6] = Kind::Response as u8;
+    b[7] = 0x03;
     let reply = raw_exchange(&conn, &b, true).await.unwrap();
     assert_eq!(reply.1.kind, RemoteErrorKind::BadRequest);
+    assert!(reply.1.message.contains("flags 0x03"), "{}", reply.1.message);
 
     // The same raw connection still has kept calls answered.
     let (mut send, mut recv) = conn.open_bi().await.unwrap();
