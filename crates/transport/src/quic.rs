@@ -359,6 +359,8 @@ struct Received {
     frame: Frame,
     /// It was a request with [`wire::FLAG_KEEP`]: its stream carries more calls.
     keep: bool,
+    /// The frame's bytes on the stream, header included.
+    len: u64,
 }
 
 /// Read one frame from `recv` (starting with `first`, bytes of it already
@@ -397,9 +399,7 @@ async fn read_frame(
             if !any {
                 return Ok(None);
             }
-            let keep = decoder.header().is_some_and(|h| h.keep);
-            let (kind, frame) = decoder.finish()?;
-            return Ok(Some(Received { kind, frame, keep }));
+            return finished(decoder).map(Some);
         };
         any |= !chunk.is_empty();
         match sink.as_deref_mut() {
@@ -423,11 +423,18 @@ async fn read_frame(
             Delimit::Header => decoder.header().is_some_and(|h| h.keep),
         };
         if ends_here && decoder.is_complete() {
-            let keep = decoder.header().is_some_and(|h| h.keep);
-            let (kind, frame) = decoder.finish()?;
-            return Ok(Some(Received { kind, frame, keep }));
+            return finished(decoder).map(Some);
         }
     }
+}
+
+/// The frame `decoder` has taken in whole (or the error naming what is missing).
+fn finished(decoder: wire::Decoder) -> Result<Received> {
+    let (keep, len) = decoder
+        .header()
+        .map_or((false, 0), |h| (h.keep, (wire::HEADER_LEN as u64).saturating_add(h.body_len())));
+    let (kind, frame) = decoder.finish()?;
+    Ok(Received { kind, frame, keep, len })
 }
 
 /// Whether the server stopped reading `send` between calls, so that the
@@ -518,6 +525,18 @@ fn kept(size: u64) -> bool {
     size <= KEEP_UP_TO
 }
 
+/// A kept stream that has received this many bytes is retired after its
+/// call instead of going back to the pool.
+///
+/// The receive window of a stream is credited back in steps of an eighth
+/// of [`QuicOptions::stream_window`], so a used stream may offer a reply
+/// up to that much less than a fresh one: a reply near the window's size
+/// (a catch-up's 7.9 MB snapshot part against the default 8 MiB) would
+/// then wait a round trip for credit where a fresh stream takes it whole
+/// (measured: BENCHMARKS.md, "Kept streams"). A pooled stream has received
+/// less than this, so it offers all but this much of the window.
+const KEPT_STREAM_BYTES: u64 = 256 << 10;
+
 /// Idle kept streams a client holds per peer at most; a call that finds
 /// none opens another, and one that finds the pool full retires its own.
 const KEPT_PER_PEER: usize = 16;
@@ -592,14 +611,24 @@ struct Inner {
     peers: Mutex<HashMap<SocketAddr, Arc<Peer>>>,
 }
 
+/// A client's stream for calls one after another (wire docs, "A kept stream").
+struct KeptStream {
+    /// Its connection's `stable_id`.
+    conn: usize,
+    send: quinn::SendStream,
+    recv: quinn::RecvStream,
+    /// Reply bytes it has carried (0: fresh).
+    received: u64,
+}
+
 /// The connection to one peer address, shared by every [`Connection`] to it.
 struct Peer {
     addr: SocketAddr,
     addr_text: String,
     current: Mutex<Option<quinn::Connection>>,
     dialing: tokio::sync::Mutex<()>,
-    /// Idle kept streams, each with its connection's `stable_id`.
-    kept: Mutex<Vec<(usize, quinn::SendStream, quinn::RecvStream)>>,
+    /// Idle kept streams.
+    kept: Mutex<Vec<KeptStream>>,
     /// At most this many in `kept`.
     kept_cap: usize,
 }
@@ -618,29 +647,29 @@ impl Peer {
             *current = None;
         }
         drop(current);
-        self.kept.lock().unwrap_or_else(PoisonError::into_inner).retain(|(id, _, _)| *id != conn.stable_id());
+        self.kept.lock().unwrap_or_else(PoisonError::into_inner).retain(|k| k.conn != conn.stable_id());
     }
 
     /// An idle kept stream of `conn` the server has not retired; those of
     /// other (older) connections, and retired ones, are dropped.
-    fn take_kept(&self, conn: &quinn::Connection) -> Option<(quinn::SendStream, quinn::RecvStream)> {
+    fn take_kept(&self, conn: &quinn::Connection) -> Option<KeptStream> {
         let mut kept = self.kept.lock().unwrap_or_else(PoisonError::into_inner);
-        kept.retain(|(id, send, _)| *id == conn.stable_id() && !settled(send));
-        kept.pop().map(|(_, send, recv)| (send, recv))
+        kept.retain(|k| k.conn == conn.stable_id() && !settled(&k.send));
+        kept.pop()
     }
 
     /// Put a kept stream of `conn` back after a call, or retire it (end our
-    /// side at the frame boundary) if the pool is full or `conn` is no
-    /// longer the peer's connection.
-    fn keep(&self, conn: &quinn::Connection, mut send: quinn::SendStream, recv: quinn::RecvStream) {
+    /// side at the frame boundary) if the pool is full, `conn` is no longer
+    /// the peer's connection, or the stream has received
+    /// [`KEPT_STREAM_BYTES`].
+    fn keep(&self, conn: &quinn::Connection, mut stream: KeptStream) {
         let current = self.live().is_some_and(|c| c.stable_id() == conn.stable_id());
         let mut kept = self.kept.lock().unwrap_or_else(PoisonError::into_inner);
-        if current && kept.len() < self.kept_cap {
-            kept.push((conn.stable_id(), send, recv));
+        if current && stream.received < KEPT_STREAM_BYTES && kept.len() < self.kept_cap {
+            kept.push(stream);
         } else {
             drop(kept);
-            let _ = send.finish();
-            drop(recv);
+            let _ = stream.send.finish();
         }
     }
 }
@@ -686,7 +715,7 @@ impl QuicTransport {
         let peers = self.inner.peers.lock().unwrap_or_else(PoisonError::into_inner);
         let usable = |p: &Arc<Peer>| {
             let kept = p.kept.lock().unwrap_or_else(PoisonError::into_inner);
-            kept.iter().filter(|(_, send, _)| !settled(send)).count()
+            kept.iter().filter(|k| !settled(&k.send)).count()
         };
         peers.values().map(usable).sum()
     }
@@ -836,14 +865,16 @@ struct QuicConnection {
 
 impl QuicConnection {
     /// One exchange on `send` and `recv`: on a kept stream (`keep`) the
-    /// request is not finished and the reply ends at its length. `None`:
-    /// the reply's side ended before its first byte.
+    /// request is not finished and the reply ends at its length, whose
+    /// bytes are added to `received`. `None`: the reply's side ended before
+    /// its first byte.
     async fn exchange(
         &self,
         send: &mut quinn::SendStream,
         recv: &mut quinn::RecvStream,
         exchange: Exchange<'_>,
         keep: bool,
+        received: &mut u64,
     ) -> Result<Option<Frame>> {
         let addr = &self.peer.addr_text;
         let piece = piece_len(self.transport.inner.config.options.send_window);
@@ -901,9 +932,10 @@ impl QuicConnection {
             idle: None,
             peer: addr,
         };
-        let Some(Received { kind, frame, .. }) = read_frame(recv, how, None, sink).await? else {
+        let Some(Received { kind, frame, len, .. }) = read_frame(recv, how, None, sink).await? else {
             return Ok(None);
         };
+        *received = received.saturating_add(len);
         match kind {
             Kind::Response => Ok(Some(frame)),
             Kind::Error => Err(Error::Remote { addr: addr.clone(), error: frame.meta::<RemoteError>()? }),
@@ -969,26 +1001,28 @@ impl QuicConnection {
         // handled: the call goes again on a fresh stream, once.
         let mut reuse = keep;
         loop {
-            let (conn, mut send, mut recv, reused) = self.stream(reuse, deadline, call_timeout).await?;
+            let (conn, mut stream) = self.stream(reuse, deadline, call_timeout).await?;
+            let reused = stream.received > 0;
             let rx_before = conn.stats().udp_rx.datagrams;
             let started = Instant::now();
+            let KeptStream { send, recv, received, .. } = &mut stream;
             let result =
-                timeout_at(deadline, self.exchange(&mut send, &mut recv, exchange.again(), keep)).await;
+                timeout_at(deadline, self.exchange(send, recv, exchange.again(), keep, received)).await;
             match result {
                 Ok(Ok(Some(frame))) => {
                     if keep {
-                        self.peer.keep(&conn, send, recv);
+                        self.peer.keep(&conn, stream);
                     }
                     return Ok(frame);
                 }
-                Ok(Ok(None)) if reused && retired(&send, deadline).await => reuse = false,
+                Ok(Ok(None)) if reused && retired(&stream.send, deadline).await => reuse = false,
                 Ok(Ok(None)) => return Err(nothing_sent()),
                 // The handler's error (a redirect, a stale shard map): the
                 // stream carries on. Were it a bad frame's reply, the server
                 // has retired the stream, and its next call goes again.
                 Ok(Err(e @ Error::Remote { .. })) => {
                     if keep {
-                        self.peer.keep(&conn, send, recv);
+                        self.peer.keep(&conn, stream);
                     }
                     return Err(e);
                 }
@@ -999,8 +1033,8 @@ impl QuicConnection {
                     return Err(e);
                 }
                 Err(_) => {
-                    let _ = send.reset(VarInt::from_u32(CODE_CANCELLED));
-                    let _ = recv.stop(VarInt::from_u32(CODE_CANCELLED));
+                    let _ = stream.send.reset(VarInt::from_u32(CODE_CANCELLED));
+                    let _ = stream.recv.stop(VarInt::from_u32(CODE_CANCELLED));
                     // Nothing at all came back during a whole call (not even an
                     // acknowledgement): the peer is gone, e.g. restarted with
                     // another key. Dial afresh next time instead of waiting for
@@ -1017,9 +1051,9 @@ impl QuicConnection {
         }
     }
 
-    /// A stream for one call, and whether it is a kept stream used before:
-    /// with `reuse`, a kept stream of the live connection if the pool has
-    /// one, else a fresh stream. A cached connection found dead when
+    /// A stream for one call (its `received` is 0 if fresh): with `reuse`,
+    /// a kept stream of the live connection if the pool has one, else a
+    /// fresh stream. A cached connection found dead when
     /// opening the stream is replaced once: nothing was sent on it, so
     /// dialing again is safe.
     async fn stream(
@@ -1027,21 +1061,24 @@ impl QuicConnection {
         reuse: bool,
         deadline: Instant,
         call_timeout: Duration,
-    ) -> Result<(quinn::Connection, quinn::SendStream, quinn::RecvStream, bool)> {
+    ) -> Result<(quinn::Connection, KeptStream)> {
         let mut attempt = 0;
         loop {
             attempt += 1;
             let conn = self.transport.connection(&self.peer, deadline).await?;
             if reuse {
-                if let Some((send, recv)) = self.peer.take_kept(&conn) {
-                    return Ok((conn, send, recv, true));
+                if let Some(stream) = self.peer.take_kept(&conn) {
+                    return Ok((conn, stream));
                 }
             }
             match timeout_at(deadline, conn.open_bi()).await {
                 Err(_) => {
                     return Err(Error::Timeout { addr: self.peer.addr_text.clone(), after: call_timeout })
                 }
-                Ok(Ok((send, recv))) => return Ok((conn, send, recv, false)),
+                Ok(Ok((send, recv))) => {
+                    let stream = KeptStream { conn: conn.stable_id(), send, recv, received: 0 };
+                    return Ok((conn, stream));
+                }
                 Ok(Err(e)) => {
                     self.peer.forget(&conn);
                     if attempt >= 2 {

@@ -37,8 +37,17 @@ async fn small_calls_one_after_another_share_one_kept_stream() {
     let reply = conn.call(big.clone(), Duration::from_secs(5)).await.unwrap();
     assert_eq!(reply, big);
     assert_eq!(client.idle_kept_streams(), 1);
-    // 100 echoes, FAIL and an echo, PANIC (never answered) and an echo, the big one.
-    assert_eq!(server.service.answered.load(Ordering::SeqCst), 104);
+    // A stream that carried a large reply is retired after it (a fresh
+    // stream offers a large reply the whole receive window).
+    let big_reply = Frame::new(BIG_REPLY, &100_000u64, Default::default()).unwrap();
+    let reply = conn.call(big_reply, Duration::from_secs(5)).await.unwrap();
+    assert_eq!(reply.payload.len(), 400_000);
+    assert_eq!(client.idle_kept_streams(), 0, "a stream that received 400 KB went back to the pool");
+    echo_ok(conn.as_ref(), 7).await;
+    assert_eq!(client.idle_kept_streams(), 1);
+    // 100 echoes, FAIL and an echo, PANIC (never answered) and an echo, the
+    // big one, the big reply and an echo.
+    assert_eq!(server.service.answered.load(Ordering::SeqCst), 106);
 }
 
 #[tokio::test]
