@@ -587,18 +587,19 @@ async fn write_idle(
 /// peer, idle-timed-out, or silent through a whole call) is dropped and the
 /// next call dials again. Calls whose request is at most 64 KiB go on
 /// *kept streams* (see [`wire`]): a pool of up to 16 streams per peer (a
-/// quarter of [`QuicOptions::max_concurrent_streams`] at most),
-/// each carrying one call after another, so that a small call does not
-/// open, finish and wait out the acknowledgement of a stream of its own.
-/// A stream still carries one call at a time, so a large transfer never
-/// holds up a small call. A call that times out resets its stream, and one
-/// that fails other than by the handler's error drops it, so a late reply
-/// never answers the next call; a stream the server
-/// retired between calls (idle, or closing) sends the call again on a
-/// fresh stream, once, which is safe because the server stops a stream
-/// it retires with a code of its own, before reading the request; a
-/// stream that ended any other way fails the call. Larger requests get a stream of their own. Server side:
-/// see [`QuicTransport::serve`].
+/// quarter of [`QuicOptions::max_concurrent_streams`] at most), each
+/// carrying one call after another, so that a small call does not open,
+/// finish and wait out the acknowledgement of a stream of its own. A
+/// stream still carries one call at a time, so a large transfer never
+/// holds up a small call, and one that has carried 256 KiB of replies is
+/// retired after its call. A call that times out resets its stream, and
+/// one that fails other than by the handler's error drops it, so a late
+/// reply never answers the next call. A stream the server retired between
+/// calls (idle, or closing) sends the call again on a fresh stream, once:
+/// safe, because the server stops a stream it retires with a code of its
+/// own before reading the request; a stream that ended any other way fails
+/// the call. Larger requests get a stream of their own. Server side: see
+/// [`QuicTransport::serve`].
 #[derive(Clone)]
 pub struct QuicTransport {
     inner: Arc<Inner>,
