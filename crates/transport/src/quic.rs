@@ -655,8 +655,15 @@ impl Peer {
     /// other (older) connections, and retired ones, are dropped.
     fn take_kept(&self, conn: &quinn::Connection) -> Option<KeptStream> {
         let mut kept = self.kept.lock().unwrap_or_else(PoisonError::into_inner);
-        kept.retain(|k| k.conn == conn.stable_id() && !settled(&k.send));
-        kept.pop()
+        kept.retain(|k| k.conn == conn.stable_id());
+        // Only the streams taken are asked whether they were retired: each
+        // question takes the connection's lock.
+        while let Some(stream) = kept.pop() {
+            if !settled(&stream.send) {
+                return Some(stream);
+            }
+        }
+        None
     }
 
     /// Put a kept stream of `conn` back after a call, or retire it (end our
@@ -1233,7 +1240,8 @@ async fn serve_connection(
             stream = conn.accept_bi() => match stream {
                 Ok((send, recv)) => {
                     let mut call = Box::pin(answer(send, recv, None, handler.clone(), config.clone(), peer.clone()));
-                    let serving = Serving {
+                    // Made only for a call that leaves this task.
+                    let serving = || Serving {
                         handler: handler.clone(),
                         config: config.clone(),
                         peer: peer.clone(),
@@ -1243,14 +1251,14 @@ async fn serve_connection(
                         Poll::Ready(Answered::Finished(send)) => unacked.push(send),
                         Poll::Ready(Answered::Gone) => {}
                         Poll::Ready(Answered::Kept(send, recv)) => {
-                            let tracker = tracker.clone();
+                            let (tracker, serving) = (tracker.clone(), serving());
                             tokio::spawn(async move {
                                 serving.kept_stream(send, recv).await;
                                 drop(tracker);
                             });
                         }
                         Poll::Pending => {
-                            let tracker = tracker.clone();
+                            let (tracker, serving) = (tracker.clone(), serving());
                             tokio::spawn(async move {
                                 match call.await {
                                     Answered::Finished(send) => acknowledged(send, idle).await,
